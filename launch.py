@@ -1,0 +1,41 @@
+"""Miles entry point: compose the Hydra config, validate it, record the run, build, loop.
+
+    python launch.py                                   # default: GRPO on arithmetic, qwen3_tiny, CPU
+    python launch.py algo=sft steps=300                # train the base policy
+    python launch.py -m trainer.lr=1e-4,3e-4 steps=2   # a sweep: one MLflow parent run, a child per job
+    python launch.py --cfg job                         # print the composed config
+"""
+
+import os
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from miles.config.errors import exit_on_user_error
+from miles.config.store import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path=str(Path(__file__).parent / "conf"), config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> float:
+    from miles.config.validate import check
+    from miles.orchestrate.run import run
+
+    # Raised here, a user mistake would reach Hydra's job runner, which adds its own error line.
+    with exit_on_user_error():
+        hydra_cfg = HydraConfig.get()
+        dcfg.output_dir = hydra_cfg.runtime.output_dir
+        cfg = OmegaConf.to_object(dcfg)  # typed dataclasses from here on
+        check(cfg)  # every cross-field problem at once
+        resolved = OmegaConf.to_yaml(dcfg, resolve=True)
+        return run(cfg, cfg.output_dir, list(hydra_cfg.overrides.task), resolved)
+
+
+if __name__ == "__main__":
+    # Let composition errors reach us: user mistakes exit 2 with one message, bugs keep their traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    with exit_on_user_error():
+        main()

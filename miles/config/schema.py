@@ -1,0 +1,171 @@
+"""Typed schema of the Miles config tree.
+
+The dataclasses below are registered in Hydra's ConfigStore (`miles.config.store`); the YAML files
+under `conf/` hold the values. Hydra merges each group file into its typed node, so an unknown key or
+a value of the wrong type fails at composition time. `launch.py` converts the composed config once
+with `OmegaConf.to_object`; every component below it receives the dataclass of its own section.
+Cross-field rules live in `miles.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class AlgoName(str, Enum):
+    grpo = "grpo"
+    sft = "sft"
+
+
+class TaskKind(str, Enum):
+    arithmetic = "arithmetic"  # built-in synthetic task (seeded, exact-match reward, held-out split)
+    file = "file"  # user prompt data in JSONL / Parquet
+
+
+@dataclass
+class ModelCfg:
+    name: str = MISSING
+    family: str = "qwen3"
+    hf_checkpoint: Optional[str] = None
+    vocab_size: int = 0  # 0: take the size of the task's tokenizer
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 128
+    qk_norm: bool = True
+
+
+@dataclass
+class AlgoCfg:
+    name: AlgoName = MISSING
+    advantage: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    norm_adv_by_std: bool = True
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    num_steps_per_rollout: int = 1
+
+
+@dataclass
+class PrecisionCfg:
+    name: str = MISSING
+    train_dtype: DType = DType.fp32
+    rollout_dtype: DType = DType.fp32
+
+
+@dataclass
+class HardwareCfg:
+    name: str = MISSING
+    device: str = "cpu"
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    cpu_threads: int = 2
+
+
+@dataclass
+class TaskCfg:
+    name: str = MISSING
+    kind: TaskKind = TaskKind.arithmetic
+    num_digits: int = 2
+    ops: str = "+"
+    eval_fraction: float = 0.1
+    eval_size: int = 256
+    train_file: Optional[str] = None
+    eval_file: Optional[str] = None
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    reward: str = "exact_match"
+
+
+@dataclass
+class RolloutCfg:
+    engine: str = "native"
+    batch_size: int = 32
+    n_samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_tokens: List[str] = field(default_factory=list)
+    check_weight_sync: bool = True
+
+
+@dataclass
+class TrainerCfg:
+    backend: str = "torch"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    global_batch_size: int = 256
+    micro_batch_size: int = 64
+    grad_clip: float = 1.0
+
+
+@dataclass
+class EvalCfg:
+    interval: int = 10
+    max_new_tokens: int = 8
+
+
+@dataclass
+class WarmStartCfg:
+    enabled: bool = True
+    target_accuracy: float = 0.3
+    check_interval: int = 25
+    steps: int = 1500
+    lr: float = 2e-3
+    batch_size: int = 64
+    cache_dir: str = ".cache/miles"
+
+
+@dataclass
+class TrackingCfg:
+    backend: str = "mlflow"
+    uri: Optional[str] = None
+    experiment: str = "miles"
+    run_name: Optional[str] = None
+    log_samples: int = 16
+
+
+@dataclass
+class RayCfg:
+    enabled: bool = True
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+
+
+@dataclass
+class RunCfg:
+    model: ModelCfg = MISSING
+    algo: AlgoCfg = MISSING
+    precision: PrecisionCfg = MISSING
+    hardware: HardwareCfg = MISSING
+    task: TaskCfg = MISSING
+    rollout: RolloutCfg = MISSING
+    trainer: TrainerCfg = MISSING
+    tracking: TrackingCfg = MISSING
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
+    ray: RayCfg = field(default_factory=RayCfg)
+    steps: int = 40
+    seed: int = 0
+    output_dir: Optional[str] = None  # filled by launch.py from Hydra's run dir

@@ -1,0 +1,126 @@
+"""Cross-field rules of a composed config, checked before anything starts.
+
+`validate(cfg)` returns every problem at once, each naming the key to change; `check(cfg)` raises a
+`ConfigError` holding them all. Types and unknown keys are the schema's job (miles/config/schema.py).
+"""
+
+from __future__ import annotations
+
+from miles.config.schema import AlgoName, RunCfg, TaskKind
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: launch.py prints it without a traceback and exits 2."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def _positive(problems: list[str], **values: float) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            problems.append(f"{key} must be > 0 (got {value})")
+
+
+def validate(cfg: RunCfg) -> list[str]:
+    from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+    from miles.data.rewards import REWARDS
+
+    problems: list[str] = []
+    r, t, a, m = cfg.rollout, cfg.trainer, cfg.algo, cfg.model
+    _positive(
+        problems,
+        steps=cfg.steps,
+        **{
+            "rollout.batch_size": r.batch_size,
+            "rollout.n_samples_per_prompt": r.n_samples_per_prompt,
+            "rollout.max_new_tokens": r.max_new_tokens,
+            "trainer.global_batch_size": t.global_batch_size,
+            "trainer.micro_batch_size": t.micro_batch_size,
+            "trainer.lr": t.lr,
+            "algo.num_steps_per_rollout": a.num_steps_per_rollout,
+            "eval.interval": cfg.eval.interval,
+            "task.eval_size": cfg.task.eval_size,
+        },
+    )
+    if r.temperature < 0:
+        problems.append(f"rollout.temperature must be >= 0 (got {r.temperature}; 0 means greedy)")
+    if not 0 < r.top_p <= 1:
+        problems.append(f"rollout.top_p must be in (0, 1] (got {r.top_p})")
+    if r.top_k < 0:
+        problems.append(f"rollout.top_k must be >= 0 (got {r.top_k}; 0 turns it off)")
+    if r.engine != "native":
+        problems.append(f"rollout.engine={r.engine!r} is not available; valid: native")
+    if t.backend != "torch":
+        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch")
+    if cfg.tracking.backend != "mlflow":
+        problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
+    if t.grad_clip < 0:
+        problems.append(f"trainer.grad_clip must be >= 0 (got {t.grad_clip}; 0 turns it off)")
+
+    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        problems.append(
+            f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"trainer.micro_batch_size ({t.micro_batch_size})"
+        )
+    if a.name == AlgoName.grpo:
+        samples = r.batch_size * r.n_samples_per_prompt
+        consumed = t.global_batch_size * a.num_steps_per_rollout
+        if samples > 0 and consumed > 0 and samples != consumed:
+            problems.append(
+                "batch invariant broken: rollout.batch_size * rollout.n_samples_per_prompt "
+                f"({r.batch_size} * {r.n_samples_per_prompt} = {samples}) must equal "
+                "trainer.global_batch_size * algo.num_steps_per_rollout "
+                f"({t.global_batch_size} * {a.num_steps_per_rollout} = {consumed}); "
+                f"e.g. set trainer.global_batch_size={samples // max(a.num_steps_per_rollout, 1)}"
+            )
+        if a.norm_adv_by_std and r.n_samples_per_prompt == 1:
+            problems.append("rollout.n_samples_per_prompt must be >= 2 for group-normalized advantages")
+        for key, name, registry in (
+            ("algo.advantage", a.advantage, ADVANTAGES),
+            ("algo.policy_loss", a.policy_loss, POLICY_LOSSES),
+            ("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS),
+        ):
+            if name not in registry:
+                problems.append(f"{key}={name!r} is unknown; valid: {', '.join(sorted(registry))}")
+        if not 0 <= a.eps_clip < 1 or a.eps_clip_high < 0:
+            problems.append("algo.eps_clip must be in [0, 1) and algo.eps_clip_high >= 0")
+        if a.kl_coef < 0:
+            problems.append(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
+    elif a.policy_loss != "nll":
+        problems.append(f"algo.policy_loss must be 'nll' for algo=sft (got {a.policy_loss!r})")
+
+    if cfg.task.reward not in REWARDS:
+        problems.append(f"task.reward={cfg.task.reward!r} is unknown; valid: {', '.join(sorted(REWARDS))}")
+    if cfg.task.kind == TaskKind.file and not cfg.task.train_file:
+        problems.append("task.train_file must be set when task.kind=file")
+    if cfg.task.kind == TaskKind.arithmetic and not set(cfg.task.ops) <= set("+-*"):
+        problems.append(f"task.ops must use only + - * (got {cfg.task.ops!r})")
+    if not 0 < cfg.task.eval_fraction < 1:
+        problems.append(f"task.eval_fraction must be in (0, 1) (got {cfg.task.eval_fraction})")
+
+    if m.hf_checkpoint is None:
+        if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
+            problems.append(
+                f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})"
+            )
+        _positive(
+            problems,
+            **{
+                "model.hidden_size": m.hidden_size,
+                "model.num_layers": m.num_layers,
+                "model.num_heads": m.num_heads,
+                "model.num_kv_heads": m.num_kv_heads,
+                "model.head_dim": m.head_dim,
+            },
+        )
+    if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
+        problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
+    return problems
+
+
+def check(cfg: RunCfg) -> None:
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems)

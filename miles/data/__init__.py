@@ -1,0 +1,34 @@
+"""Data for miles: tokenizers, the built-in arithmetic task, user prompt files and rewards."""
+
+from miles.data.arithmetic import ArithmeticTask, Example
+from miles.data.prompts import DataError, load_prompt_file
+from miles.data.rewards import REWARDS, RewardFn, exact_match, get_reward_fn
+from miles.data.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    TokenizerInfo,
+    build_char_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+)
+
+__all__ = [
+    "ArithmeticTask",
+    "BOS_TOKEN",
+    "DataError",
+    "EOS_TOKEN",
+    "Example",
+    "PAD_TOKEN",
+    "REWARDS",
+    "RewardFn",
+    "TokenizerInfo",
+    "build_char_tokenizer",
+    "exact_match",
+    "get_reward_fn",
+    "load_prompt_file",
+    "load_tokenizer",
+    "save_tokenizer",
+    "special_ids",
+]

@@ -1,0 +1,130 @@
+"""Load and save CausalLM weights in the HuggingFace checkpoint layout (safetensors).
+
+A checkpoint directory holds `config.json` plus either `model.safetensors` or shards
+`model-0000x-of-0000y.safetensors` listed in `model.safetensors.index.json`.
+Tensor names are translated through `_NAME_PREFIXES`, the one table used in both
+directions; names are checked strictly (missing or unexpected tensors raise ValueError).
+Loading builds the model on the meta device and adopts the checkpoint tensors directly,
+so no memory or time is spent on a random initialization that would be overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles.models.causal_lm import CausalLM
+from miles.models.config import from_hf_config
+
+PathLike = Union[str, Path]
+
+# (our name prefix, HF name prefix). HF wraps the decoder in a "model." submodule; the
+# rest of every name (layers.{i}.self_attn.q_proj.weight, ...) is identical on both sides.
+_NAME_PREFIXES = (
+    ("embed_tokens.", "model.embed_tokens."),
+    ("layers.", "model.layers."),
+    ("norm.", "model.norm."),
+    ("lm_head.", "lm_head."),
+)
+# Non-learned buffers some older checkpoints contain; RoPE tables are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def to_hf_name(name: str) -> str:
+    for ours, theirs in _NAME_PREFIXES:
+        if name.startswith(ours):
+            return theirs + name[len(ours) :]
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+def from_hf_name(name: str) -> str:
+    for ours, theirs in _NAME_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    raise KeyError(f"no Miles name for checkpoint tensor {name!r}")
+
+
+def _read_tensors(path: Path, device: Union[str, torch.device]) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, keyed by HF name."""
+    if (path / _SINGLE_FILE).exists():
+        files = [path / _SINGLE_FILE]
+    elif (path / _INDEX_FILE).exists():
+        weight_map = json.loads((path / _INDEX_FILE).read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        raise FileNotFoundError(f"{path}: neither {_SINGLE_FILE} nor {_INDEX_FILE} found")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _drop_tied_lm_head(hf_tensors: dict[str, torch.Tensor]) -> None:
+    """Some tied checkpoints still store lm_head.weight; accept it only if it is the embedding."""
+    head = hf_tensors.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, hf_tensors.get("model.embed_tokens.weight", head)):
+        raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
+
+
+def from_pretrained(
+    path: PathLike, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+) -> CausalLM:
+    """Load a Qwen3 / Qwen2 HF checkpoint directory into a CausalLM with weights in `dtype`.
+
+    Raises ValueError naming missing or unexpected tensors, or an unsupported model_type.
+    """
+    path = Path(path)
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {to_hf_name(n): n for n in model.state_dict()}
+
+    hf_tensors = {
+        k: v for k, v in _read_tensors(path, device).items() if not k.endswith(_IGNORED_SUFFIXES)
+    }
+    if cfg.tie_word_embeddings:
+        _drop_tied_lm_head(hf_tensors)
+    missing = sorted(set(expected) - set(hf_tensors))
+    unexpected = sorted(set(hf_tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: checkpoint does not match the {cfg.model_type} architecture; "
+            f"missing tensors: {missing}; unexpected tensors: {unexpected}"
+        )
+    state = {}
+    for hf_name, ours in expected.items():
+        tensor = hf_tensors[hf_name]
+        want = model.get_parameter(ours).shape
+        if tensor.shape != want:
+            raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(want)}")
+        state[ours] = tensor.to(dtype)
+    # assign=True adopts the loaded tensors in place of the meta parameters.
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def save_pretrained(model: CausalLM, path: PathLike, dtype: Optional[torch.dtype] = None) -> None:
+    """Write config.json + model.safetensors so that both `from_pretrained` and
+    `transformers.AutoModelForCausalLM.from_pretrained` load it. `dtype` defaults to the
+    model's; a tied lm_head is stored once (as model.embed_tokens.weight)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or model.dtype
+    tensors = {
+        to_hf_name(name): t.detach().to(device="cpu", dtype=dtype).contiguous()
+        for name, t in model.state_dict().items()
+    }
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = model.config.to_hf_config(dtype=dtype_name)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(path / _SINGLE_FILE), metadata={"format": "pt"})

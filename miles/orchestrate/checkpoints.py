@@ -1,0 +1,122 @@
+"""Where a run's initial weights come from: a user HF checkpoint, a cached SFT warm start, or a
+seeded random init. Each is an HF-format directory (config.json, model.safetensors, tokenizer.json)
+that the engine and the trainer load on their own, so actors only ever receive a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RunCfg, TrainerCfg
+from miles.data.source import PromptSource
+from miles.data.tokenizer import TokenizerInfo, build_char_tokenizer, save_tokenizer
+from miles.models import ArchConfig, CausalLM, save_pretrained
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Bump when the warm-start recipe changes, so stale cached checkpoints are rebuilt.
+WARM_START_VERSION = 1
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path) -> Path:
+    """A seeded, randomly initialized model of `model`'s sizes with a char tokenizer over `alphabet`."""
+    out = Path(out)
+    tok = build_char_tokenizer(alphabet)
+    info = TokenizerInfo.from_tokenizer(tok)
+    arch = ArchConfig(
+        vocab_size=model.vocab_size or info.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        rope_theta=model.rope_theta,
+        rms_norm_eps=model.rms_norm_eps,
+        tie_word_embeddings=model.tie_word_embeddings,
+        max_position_embeddings=model.max_position_embeddings,
+        qk_norm=model.qk_norm,
+        attention_bias=model.family == "qwen2",  # Qwen2 has q/k/v biases, Qwen3 has none
+        bos_token_id=info.bos_id,
+        eos_token_id=info.eos_id,
+        pad_token_id=info.pad_id,
+    )
+    torch.manual_seed(seed)
+    save_pretrained(CausalLM(arch), out)
+    save_tokenizer(tok, out)
+    return out
+
+
+def _warm_start_key(cfg: RunCfg) -> str:
+    ws = asdict(cfg.warm_start)
+    ws.pop("cache_dir")
+    recipe = {"v": WARM_START_VERSION, "model": asdict(cfg.model), "task": asdict(cfg.task), "ws": ws, "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
+    """The cached SFT checkpoint for this model + task + recipe; built (in-process) when absent."""
+    from miles.orchestrate.handles import LocalHandle
+    from miles.orchestrate.loop import LoopContext, sft_loop
+    from miles.data.rewards import get_reward_fn
+    from miles.rollout.native import NativeEngine
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    ws = cfg.warm_start
+    out = Path(ws.cache_dir) / f"sft-{cfg.model.name}-{cfg.task.name}-{_warm_start_key(cfg)}"
+    if (out / "warm_start.json").exists():
+        return out
+    log(f"building the warm-start SFT checkpoint (until {ws.target_accuracy:.0%} of training problems are solved, "
+        f"at most {ws.steps} steps) -> {out}")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # Its own data stream, so RL's prompts do not depend on whether the cache existed.
+    source = PromptSource(cfg.task, cfg.seed, stream=1)
+    init = random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init")
+    fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
+    trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size)
+    trainer = TorchTrainer(str(init), AlgoCfg(name=AlgoName.sft, policy_loss="nll"), trainer_cfg, fp32,
+                           threads=cfg.hardware.cpu_threads, seed=cfg.seed)
+    engine = NativeEngine(str(init), replace(cfg.rollout, stop_tokens=[]), DType.fp32,
+                          threads=cfg.hardware.cpu_threads, seed=cfg.seed)
+    history: list[dict] = []
+    ctx = LoopContext(
+        engine=LocalHandle(engine), trainer=LocalHandle(trainer), source=source,
+        tokenizer=TokenizerInfo.load(init), reward_fn=get_reward_fn(cfg.task.reward),
+        log=lambda m, step: history.append({"step": step, **m}), task_name=cfg.task.name,
+        eval_max_new_tokens=cfg.eval.max_new_tokens,
+    )
+    probe = PromptSource(cfg.task, cfg.seed, stream=2).next_batch(256)
+    accuracy = sft_loop(ctx, ws.steps, ws.batch_size, ws.check_interval, stop_when=(probe, ws.target_accuracy))
+    trainer.save(str(tmp))
+    copy_tokenizer(init, tmp)
+    shutil.rmtree(init)
+    (tmp / "warm_start.json").write_text(json.dumps({"eval_accuracy": accuracy, "last": history[-1]}, indent=2))
+    os.replace(tmp, out)  # atomic: a half-built cache entry is never picked up
+    log(f"warm start ready: held-out accuracy {accuracy:.3f}")
+    return out
+
+
+def initial_checkpoint(cfg: RunCfg, source: PromptSource, run_dir: Path, log=print) -> Path:
+    if cfg.model.hf_checkpoint:
+        path = Path(cfg.model.hf_checkpoint)
+        if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(
+                f"model.hf_checkpoint={path} must be a directory with config.json, *.safetensors and tokenizer.json"
+            )
+        return path
+    if cfg.algo.name == AlgoName.sft or not cfg.warm_start.enabled:
+        return random_checkpoint(cfg.model, source.alphabet(), cfg.seed, run_dir / "init")
+    return warm_start_checkpoint(cfg, log)

@@ -1,0 +1,70 @@
+"""One calling convention for components, in-process or Ray actors (DESIGN rule 4).
+
+`handle.submit(method, *args)` returns a future (a Ray ObjectRef, or the value itself in-process);
+futures can be passed as arguments to another handle's submit, so weights move trainer -> engine
+through Ray's object store without a copy through the driver. `handle.call` submits and waits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LocalHandle:
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
+        return getattr(self.obj, method)(*args, **kwargs)
+
+    def get(self, future: Any) -> Any:
+        return future
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(method, *args, **kwargs)
+
+
+class RayHandle:
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
+        remote_method = getattr(self.actor, method)
+        if num_returns != 1:
+            remote_method = remote_method.options(num_returns=num_returns)
+        return remote_method.remote(*args, **kwargs)
+
+    def get(self, future: Any) -> Any:
+        import ray
+
+        return ray.get(future)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.get(self.submit(method, *args, **kwargs))
+
+
+def start_ray(address: str | None, num_cpus: int | None) -> None:
+    """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs."""
+    import logging
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if address:
+        kwargs["address"] = address
+    else:
+        # Two one-CPU actors (engine, trainer) must fit even where Ray counts a single core.
+        kwargs["num_cpus"] = num_cpus or max(2, os.cpu_count() or 1)
+    ray.init(**kwargs)
+
+
+def spawn(cls: type, use_ray: bool, *args: Any, **kwargs: Any) -> LocalHandle | RayHandle:
+    """Instantiate `cls` in-process or as a Ray actor (one CPU each, so both fit a 2-core machine)."""
+    if not use_ray:
+        return LocalHandle(cls(*args, **kwargs))
+    import ray
+
+    return RayHandle(ray.remote(num_cpus=1)(cls).remote(*args, **kwargs))

@@ -1,0 +1,149 @@
+"""The training loops: GRPO-style RL (rollout -> reward -> advantages -> train -> sync) and SFT.
+
+Both talk to the engine and the trainer only through handles (miles.orchestrate.handles), so the
+same loop drives Ray actors and in-process objects. Metric names follow DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from miles.algo.registry import ADVANTAGES, get
+from miles.data.arithmetic import Example
+from miles.data.source import PromptSource
+from miles.data.tokenizer import TokenizerInfo, encode_prompt
+from miles.types import Sample, build_train_batch
+
+
+@dataclass
+class LoopContext:
+    engine: object  # handle to a NativeEngine
+    trainer: object  # handle to a TorchTrainer
+    source: PromptSource
+    tokenizer: TokenizerInfo
+    reward_fn: Callable[[str, str], float]
+    log: Callable[[dict[str, float], int], None]  # (metrics, step) -> None
+    on_samples: Callable[[list[Sample], int], None] = lambda samples, step: None
+    task_name: str = "task"
+    eval_max_new_tokens: int = 8
+
+
+def sync_weights(ctx: LoopContext, check: bool) -> float:
+    """Push the trainer's weights to the engine; with `check`, the engine verifies the checksum."""
+    start = time.perf_counter()
+    weights, digest = ctx.trainer.submit("get_weights", num_returns=2)
+    ctx.engine.get(ctx.engine.submit("update_weights", weights, digest if check else None))
+    return time.perf_counter() - start
+
+
+def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample]]:
+    samples = ctx.engine.call(
+        "generate", [e.prompt for e in examples], [e.label for e in examples], 1, 0.0, ctx.eval_max_new_tokens
+    )
+    for s in samples:
+        s.reward = ctx.reward_fn(s.response, s.label)
+    return sum(s.reward for s in samples) / len(samples), samples
+
+
+def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
+    """Greedy accuracy on the held-out split: eval/<task>/accuracy."""
+    if not ctx.source.eval:
+        return {}
+    accuracy, samples = greedy_accuracy(ctx, ctx.source.eval)
+    ctx.on_samples(samples, step)
+    return {f"eval/{ctx.task_name}/accuracy": accuracy}
+
+
+def rl_loop(ctx: LoopContext, cfg) -> float:
+    """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps)."""
+    r, a = cfg.rollout, cfg.algo
+    advantage_fn = get(ADVANTAGES, "advantage estimator", a.advantage)
+    last = evaluate(ctx, 0)
+    ctx.log(last, 0)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        examples = ctx.source.next_batch(r.batch_size)
+        samples: list[Sample] = ctx.engine.call(
+            "generate", [e.prompt for e in examples], [e.label for e in examples], r.n_samples_per_prompt
+        )
+        t1 = time.perf_counter()
+        for s in samples:
+            s.reward = ctx.reward_fn(s.response, s.label)
+        rewards = torch.tensor([s.reward for s in samples])
+        groups = torch.tensor([s.group for s in samples])
+        advantages = advantage_fn(rewards, groups, norm_by_std=a.norm_adv_by_std)
+        batch = build_train_batch(samples, advantages, ctx.tokenizer.pad_id or 0)
+        metrics = ctx.trainer.call("train_rl", batch)
+        t2 = time.perf_counter()
+        metrics["perf/weight_sync_s"] = sync_weights(ctx, r.check_weight_sync)
+        response_tokens = sum(len(s.response_ids) for s in samples)
+        metrics.update(
+            {
+                "rollout/reward_mean": float(rewards.mean()),
+                "rollout/response_len_mean": response_tokens / len(samples),
+                "rollout/tokens_per_s": response_tokens / (t1 - t0),
+                "perf/rollout_time_s": t1 - t0,
+                "perf/train_time_s": t2 - t1,
+            }
+        )
+        if step % cfg.eval.interval == 0 or step == cfg.steps:
+            last = evaluate(ctx, step)
+            metrics.update(last)
+        metrics["perf/step_time_s"] = time.perf_counter() - t0
+        ctx.log(metrics, step)
+    return next(iter(last.values()), 0.0)
+
+
+def sft_batch(examples: list[Example], tok: TokenizerInfo):
+    """(prompt, label + eos) sequences with the loss on the label tokens and eos."""
+    samples = []
+    for ex in examples:
+        response = tok.tokenizer.encode(ex.label, add_special_tokens=False).ids
+        samples.append(
+            Sample(
+                prompt=ex.prompt,
+                label=ex.label,
+                prompt_ids=encode_prompt(tok, ex.prompt),
+                response_ids=response + ([tok.eos_id] if tok.eos_id is not None else []),
+                rollout_logprobs=[],
+            )
+        )
+    return build_train_batch(samples, torch.zeros(len(samples)), tok.pad_id or 0)
+
+
+def sft_loop(
+    ctx: LoopContext,
+    steps: int,
+    batch_size: int,
+    eval_interval: int,
+    stop_when: tuple[list[Example], float] | None = None,
+) -> float:
+    """SFT on the task's training pairs; evaluates through the engine after syncing weights.
+
+    `stop_when=(probe, target)` ends training at the first eval where the greedy accuracy on the
+    probe examples (training-distribution problems, never the held-out split) reaches `target`.
+    """
+    last = evaluate(ctx, 0)
+    ctx.log(last, 0)
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        metrics = ctx.trainer.call("train_sft", sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer))
+        done = step == steps
+        if step % eval_interval == 0 or done:
+            sync_weights(ctx, check=True)
+            if stop_when is not None:
+                metrics["train/probe_accuracy"], _ = greedy_accuracy(ctx, stop_when[0])
+                done = done or metrics["train/probe_accuracy"] >= stop_when[1]
+            if done or stop_when is None:
+                last = evaluate(ctx, step)
+                metrics.update(last)
+        metrics["perf/step_time_s"] = time.perf_counter() - t0
+        ctx.log(metrics, step)
+        if done:
+            break
+    return next(iter(last.values()), 0.0)
+

@@ -1,0 +1,109 @@
+"""One experiment, end to end: record -> initial weights -> components -> loop -> final checkpoint.
+
+`launch.py` calls `run` with the validated RunCfg; so can a test or the GPU machine (with
+`cfg.ray.enabled=False` the engine and the trainer run in-process).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from miles.config.schema import AlgoName, RunCfg
+from miles.data.rewards import get_reward_fn
+from miles.data.source import PromptSource
+from miles.data.tokenizer import TokenizerInfo
+from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint
+from miles.orchestrate.handles import spawn, start_ray
+from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop, sync_weights
+from miles.tracking.console import batch_table, console, step_line
+from miles.tracking.mlflow_logger import MlflowLogger
+from miles.tracking.run_record import git_info, write_run_record
+from miles.types import Sample
+
+
+def _samples_logger(tracker: MlflowLogger, limit: int):
+    def log_samples(samples: list[Sample], step: int) -> None:
+        rows = [
+            {"step": step, "prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward}
+            for s in samples[:limit]
+        ]
+        if rows:
+            tracker.log_table(rows, f"samples/step_{step:05d}.json")
+
+    return log_samples
+
+
+def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: str) -> float:
+    """Returns the final held-out accuracy (the objective sweeps maximize)."""
+    run_dir = Path(run_dir)
+    console.print(batch_table(cfg))
+    record = write_run_record(run_dir, resolved_yaml, overrides)
+    source = PromptSource(cfg.task, cfg.seed)
+    init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
+
+    run_name = cfg.tracking.run_name or f"{cfg.algo.name.value}-{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    tracker = MlflowLogger(
+        cfg.tracking,
+        run_name,
+        tags={
+            "mlflow.source.git.commit": git_info()[0]["sha"] or "",
+            "miles.run_dir": str(run_dir.absolute()),
+            "miles.algo": cfg.algo.name.value,
+            "miles.model": cfg.model.name,
+        },
+    )
+    tracker.log_params(asdict(cfg))
+    for path in record.values():
+        tracker.log_artifact(path, "run_record")
+    console.print(f"MLflow run {tracker.run_id} ({tracker.uri}); outputs in {run_dir}")
+
+    use_ray = cfg.ray.enabled
+    if use_ray:
+        start_ray(cfg.ray.address, cfg.ray.num_cpus)
+    hw = cfg.hardware
+    from miles.rollout.native import NativeEngine
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
+                   hw.device, hw.cpu_threads, cfg.seed)
+    trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
+                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed)
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        tracker.log_metrics(metrics, step)
+        console.print(step_line(step, cfg.steps, metrics))
+
+    ctx = LoopContext(
+        engine=engine, trainer=trainer, source=source, tokenizer=TokenizerInfo.load(init_dir),
+        reward_fn=get_reward_fn(cfg.task.reward), log=log,
+        on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
+        task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens,
+    )
+    try:
+        # The engine starts from the same files as the trainer; one checked sync proves the path works.
+        sync_weights(ctx, check=cfg.rollout.check_weight_sync)
+        if cfg.algo.name == AlgoName.sft:
+            objective = sft_loop(ctx, cfg.steps, cfg.trainer.global_batch_size, cfg.eval.interval)
+        else:
+            objective = rl_loop(ctx, cfg)
+        final = run_dir / "checkpoint"
+        trainer.call("save", str(final))
+        copy_tokenizer(init_dir, final)
+        tracker.log_metrics({"final/objective": objective}, cfg.steps)
+        console.print(f"done: final held-out accuracy {objective:.3f}; checkpoint in {final}")
+        tracker.finish("FINISHED")
+        return objective
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except Exception:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        if use_ray:
+            import ray
+
+            ray.shutdown()
+

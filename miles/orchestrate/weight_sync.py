@@ -1,0 +1,33 @@
+"""Weight sync trainer -> rollout engine: dtype conversion and a checksum both sides compute.
+
+The checksum is a SHA-256 over parameter names, dtypes, shapes and raw bytes, so "equal checksum"
+means bitwise-equal weights in the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from miles.config.schema import DType
+
+TORCH_DTYPES = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16}
+
+
+def to_dtype(state_dict: dict[str, torch.Tensor], dtype: DType) -> dict[str, torch.Tensor]:
+    target = TORCH_DTYPES[DType(dtype)]
+    return {k: v.detach().to("cpu", target).contiguous() for k, v in state_dict.items()}
+
+
+def checksum(state_dict: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights differ from what the trainer sent."""

@@ -1,0 +1,1 @@
+"""Rollout engines. `native.NativeEngine` runs the same miles.models modules as the trainer."""

@@ -1,0 +1,41 @@
+"""Token sampling from next-token logits: temperature, top-k, top-p; greedy when temperature is 0.
+
+The returned log-prob is that of the sampled token under softmax(logits / temperature), before the
+top-k / top-p truncation: the trainer recomputes exactly that quantity, so the two are comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] logits -> (token ids [B], log-probs [B])."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1)
+    filtered = logp
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
+        mass_before = torch.cumsum(sorted_lp.exp(), -1) - sorted_lp.exp()
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(filtered, -1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,88 @@
+"""MLflow tracking for one run: params (the flattened resolved config), per-step metrics, artifacts.
+
+Only the driver logs. With `tracking.uri: null` the store is local (SQLite under ./mlruns, no server);
+set `tracking.uri=http://host:5000` for a server. Inside a sweep (see miles.tracking.sweep) the run
+becomes a child of the sweep's parent run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from miles.config.schema import TrackingCfg
+
+PARENT_RUN_ENV = "MILES_MLFLOW_PARENT_RUN_ID"
+SWEEP_DIR_ENV = "MILES_SWEEP_DIR"
+_MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+
+
+def resolve_uri(uri: str | None) -> str:
+    if uri:
+        return uri
+    root = Path("mlruns").absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def get_or_create_experiment(client, name: str, uri: str | None) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    # A local store keeps its artifacts next to the database; a server picks its own location.
+    location = (Path("mlruns") / "artifacts").absolute().as_uri() if not uri else None
+    return client.create_experiment(name, artifact_location=location)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flatten(v, key + "."))
+        else:
+            flat[key] = str(v)[:_MAX_PARAM_LEN]
+    return flat
+
+
+class MlflowLogger:
+    def __init__(self, cfg: TrackingCfg, run_name: str, tags: dict[str, str] | None = None):
+        from mlflow.tracking import MlflowClient
+
+        self.uri = resolve_uri(cfg.uri)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        experiment_id = get_or_create_experiment(self.client, cfg.experiment, cfg.uri)
+        tags = dict(tags or {})
+        if os.environ.get(PARENT_RUN_ENV):
+            tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
+        if os.environ.get(SWEEP_DIR_ENV):
+            tags["miles.sweep_dir"] = os.environ[SWEEP_DIR_ENV]
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self.experiment_id = experiment_id
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        columns = {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+        self.client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,1 @@
+"""Trainer backends. `torch_trainer.TorchTrainer` is the native one."""

@@ -1,0 +1,152 @@
+"""Native torch trainer: AdamW, micro-batches with gradient accumulation, gradient clipping.
+
+`train_rl` runs `algo.num_steps_per_rollout` optimizer steps of the configured policy loss on one
+rollout batch; `train_sft` runs one NLL step. The old log-probs are recomputed here, with the same
+micro-batches the update uses, so the first step of every rollout has ppo_kl == 0 bit for bit.
+Plain class: `miles.orchestrate` wraps it in a Ray actor, tests and the GPU machine call it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import defaultdict
+
+import torch
+
+from miles.algo.losses import entropy_from_logits, masked_sum, token_logprobs
+from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
+from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
+from miles.models import from_pretrained, save_pretrained
+from miles.orchestrate.weight_sync import checksum, to_dtype
+from miles.types import TrainBatch
+
+
+class TorchTrainer:
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        algo: AlgoCfg,
+        cfg: TrainerCfg,
+        precision: PrecisionCfg,
+        temperature: float = 1.0,
+        device: str = "cpu",
+        threads: int | None = None,
+        seed: int = 0,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.algo, self.cfg, self.precision = algo, cfg, precision
+        self.device = torch.device(device)
+        # Log-probs are those of the sampling distribution, softmax(logits / T), as the engine reports them.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if algo.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
+        )
+
+    # ----------------------------------------------------------------------------- forward passes
+    def _autocast(self):
+        if self.precision.train_dtype == DType.bf16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward_logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
+        tokens = mb.tokens.to(self.device)
+        with self._autocast():
+            logits = model(tokens[:, :-1])
+        logp = token_logprobs(logits, tokens[:, 1:], self.temperature)
+        entropy = entropy_from_logits(logits / self.temperature) if with_entropy else None
+        return logp, entropy
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        size = self.cfg.micro_batch_size
+        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs of tokens[:, 1:] under the current policy, computed micro-batch by micro-batch."""
+        return torch.cat([self._forward_logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+
+    # ----------------------------------------------------------------------------- optimizer steps
+    def _step(self, micro_batches: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]], loss_fn):
+        """One optimizer step over the micro-batches; returns summed metrics and the grad norm."""
+        normalizer = float(sum(mb.loss_mask.sum() for mb, _, _ in micro_batches).clamp(min=1.0))
+        sums: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb, old_logp, ref_logp in micro_batches:
+            loss, metrics = loss_fn(mb, old_logp, ref_logp, normalizer)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] += float(v)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        sums["grad_norm"] = float(grad_norm)
+        return sums
+
+    def _rl_loss(self, mb: TrainBatch, old_logp, ref_logp, normalizer: float):
+        a = self.algo
+        mask = mb.loss_mask.to(self.device)
+        logp, entropy = self._forward_logprobs(self.model, mb, with_entropy=True)
+        pg_loss, metrics = get(POLICY_LOSSES, "policy loss", a.policy_loss)(
+            logp, old_logp, mb.advantages.to(self.device), mask, normalizer,
+            eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+        )
+        entropy_term = masked_sum(entropy, mask) / normalizer
+        loss = pg_loss - a.entropy_coef * entropy_term
+        metrics["entropy"] = entropy_term.detach()
+        if ref_logp is not None:
+            kl = masked_sum(get(KL_ESTIMATORS, "KL estimator", a.kl_estimator)(logp, ref_logp), mask) / normalizer
+            loss = loss + a.kl_coef * kl
+            metrics["kl_ref"] = kl.detach()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
+        mbs = self._micro_batches(batch)
+        with torch.no_grad():
+            old = [self._forward_logprobs(self.model, mb)[0] for mb in mbs]
+            ref = [self._forward_logprobs(self.ref_model, mb)[0] if self.ref_model else None for mb in mbs]
+        mask = batch.loss_mask.to(self.device)
+        old_all = torch.cat(old)
+        mismatch = masked_sum((old_all - batch.rollout_logprobs.to(self.device)).abs(), mask) / mask.sum().clamp(min=1)
+
+        per_step = len(mbs) // self.algo.num_steps_per_rollout
+        totals: dict[str, float] = defaultdict(float)
+        for s in range(self.algo.num_steps_per_rollout):
+            chunk = slice(s * per_step, (s + 1) * per_step)
+            step_metrics = self._step(list(zip(mbs[chunk], old[chunk], ref[chunk])), self._rl_loss)
+            for k, v in step_metrics.items():
+                totals[k] += v / self.algo.num_steps_per_rollout
+        metrics = {f"train/{k}": v for k, v in totals.items()}
+        metrics["mismatch/logprob_abs_diff"] = float(mismatch)
+        return metrics
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""
+
+        def sft_loss(mb: TrainBatch, _old, _ref, normalizer: float):
+            logp, _ = self._forward_logprobs(self.model, mb)
+            return get(POLICY_LOSSES, "policy loss", "nll")(logp, mb.loss_mask.to(self.device), normalizer)
+
+        metrics = self._step([(mb, None, None) for mb in self._micro_batches(batch)], sft_loss)
+        return {"train/loss": metrics["nll"], "train/grad_norm": metrics["grad_norm"]}
+
+    # ----------------------------------------------------------------------------- weights
+    def get_weights(self) -> tuple[dict[str, torch.Tensor], str]:
+        """Weights in the rollout engine's dtype, on CPU, with their checksum."""
+        weights = to_dtype(self.model.state_dict(), self.precision.rollout_dtype)
+        return weights, checksum(weights)
+
+    def save(self, path: str) -> None:
+        save_pretrained(self.model, path)
