@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from miles.config.schema import AlgoName, RunCfg, TaskKind
 
 
@@ -100,7 +102,13 @@ def validate(cfg: RunCfg) -> list[str]:
     if not 0 < cfg.task.eval_fraction < 1:
         problems.append(f"task.eval_fraction must be in (0, 1) (got {cfg.task.eval_fraction})")
 
-    if m.hf_checkpoint is None:
+    if m.hf_checkpoint is not None:
+        missing = [f for f in ("config.json", "tokenizer.json") if not (Path(m.hf_checkpoint) / f).is_file()]
+        if missing:
+            problems.append(
+                f"model.hf_checkpoint={m.hf_checkpoint} must be an HF checkpoint directory; missing: {', '.join(missing)}"
+            )
+    else:
         if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
             problems.append(
                 f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})"

@@ -110,13 +110,8 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
 
 
 def initial_checkpoint(cfg: RunCfg, source: PromptSource, run_dir: Path, log=print) -> Path:
-    if cfg.model.hf_checkpoint:
-        path = Path(cfg.model.hf_checkpoint)
-        if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
-            raise FileNotFoundError(
-                f"model.hf_checkpoint={path} must be a directory with config.json, *.safetensors and tokenizer.json"
-            )
-        return path
+    if cfg.model.hf_checkpoint:  # validate() checked that it holds a checkpoint
+        return Path(cfg.model.hf_checkpoint)
     if cfg.algo.name == AlgoName.sft or not cfg.warm_start.enabled:
         return random_checkpoint(cfg.model, source.alphabet(), cfg.seed, run_dir / "init")
     return warm_start_checkpoint(cfg, log)

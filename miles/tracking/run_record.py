@@ -15,12 +15,16 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+# The code's own checkout, whatever the working directory of the run is.
+CODE_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("miles", "torch", "ray", "mlflow", "hydra-core", "omegaconf", "safetensors", "tokenizers", "numpy")
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True)
+        out = subprocess.run(
+            ["git", *args], cwd=CODE_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout

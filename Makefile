@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    creates .venv, installs Miles, runs the default experiment (CPU, local Ray, local MLflow)
+#   make test   creates .venv, installs Miles with its dev extras, runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch (on this workplace's disk; from PyPI's CPU index elsewhere).
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-fast sft bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python launch.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Unit tests only (seconds): skips the end-to-end tier marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/rollout_speed.py
+
+clean:
+	rm -rf outputs multirun mlruns .cache .pytest_cache

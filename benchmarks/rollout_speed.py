@@ -1,0 +1,163 @@
+"""Rollout speed: miles' NativeEngine vs `transformers` generate on the same weights and batch.
+
+    .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick]
+
+Both sides load one random checkpoint written by `random_checkpoint`, get the same left-padded
+arithmetic prompts (each repeated n times, as the engine groups samples), generate exactly the
+same number of new tokens per row at temperature 1.0 with no top-k / top-p, and run on the same
+`torch.set_num_threads`. Calls are interleaved (native, hf, native, hf, ...) so that load from
+other jobs on the machine hits both sides alike; the ratio hf / native is the figure to trust.
+Each timed call goes from prompt strings to response ids on both sides (tokenize, pad, prefill,
+decode loop). A greedy run per case checks that both produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+
+from miles.config.schema import ModelCfg, RolloutCfg
+from miles.data.arithmetic import ArithmeticTask
+from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
+from miles.orchestrate.checkpoints import random_checkpoint
+from miles.rollout.native import NativeEngine
+
+TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=32, max_position_embeddings=64)  # the default experiment's model
+BIGGER = ModelCfg(name="qwen3_512x8", hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                  num_kv_heads=4, head_dim=64, max_position_embeddings=128)
+
+
+@dataclass
+class Case:
+    name: str
+    model: ModelCfg
+    prompts: int
+    n: int  # samples per prompt: rows = prompts * n
+    new_tokens: int
+
+
+CASES = [
+    Case("tiny, default rollout (32 prompts x 8)", TINY, 32, 8, 8),
+    Case("tiny, 64 rows x 32 tokens", TINY, 16, 4, 32),
+    Case("512x8L, 64 rows x 32 tokens", BIGGER, 16, 4, 32),
+    Case("512x8L, 256 rows x 8 tokens", BIGGER, 32, 8, 8),
+]
+
+
+def left_padded(info: TokenizerInfo, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's batch layout: row i*n+j is prompt i, <bos> + chars, padded on the left."""
+    ids = [encode_prompt(info, p) for p in prompts for _ in range(n)]
+    width = max(map(len, ids))
+    tokens = torch.full((len(ids), width), info.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(ids):
+        tokens[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return tokens, mask
+
+
+class HFSide:
+    def __init__(self, ckpt: str):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.info = TokenizerInfo.load(ckpt)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, new_tokens: int, greedy: bool = False) -> list[list[int]]:
+        tokens, mask = left_padded(self.info, prompts, n)
+        if greedy:  # default stopping at eos, as the engine's default stop_ids; no forced length
+            kw = dict(do_sample=False, max_new_tokens=new_tokens)
+        else:  # exactly new_tokens per row: min_new_tokens masks eos, matching the engine's empty stop_ids
+            kw = dict(do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
+                      min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+        out = self.model.generate(input_ids=tokens, attention_mask=mask, pad_token_id=self.info.pad_id,
+                                  eos_token_id=self.info.eos_id, use_cache=True, **kw)
+        return [trim_at_eos(row, self.info.eos_id) for row in out[:, tokens.shape[1]:].tolist()]
+
+
+def trim_at_eos(ids: list[int], eos: int) -> list[int]:
+    """HF keeps padding finished rows; the engine returns the response up to and including eos."""
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def greedy_agreement(engine: NativeEngine, hf: HFSide, prompts: list[str], n: int, new_tokens: int) -> float:
+    """Share of rows whose greedy responses are token-identical (n=1: greedy rows of a prompt are equal)."""
+    ours = [s.response_ids for s in engine.generate(prompts, prompts, n=1, temperature=0.0,
+                                                    max_new_tokens=new_tokens)]
+    theirs = hf.generate(prompts, 1, new_tokens, greedy=True)
+    return sum(a == b for a, b in zip(ours, theirs)) / len(ours)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_case(case: Case, threads: int, repeats: int, workdir: str) -> dict:
+    ckpt = str(random_checkpoint(case.model, DEFAULT_ALPHABET, seed=0, out=f"{workdir}/{case.model.name}"))
+    examples = ArithmeticTask(num_digits=2).sample_train(case.prompts, np.random.default_rng(0))
+    prompts, labels = [e.prompt for e in examples], [e.label for e in examples]
+    engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=case.new_tokens, temperature=1.0), seed=0, threads=threads)
+    hf = HFSide(ckpt)
+    torch.set_num_threads(threads)  # the engine set it already; repeated so both sides visibly share it
+
+    agreement = greedy_agreement(engine, hf, prompts, case.n, case.new_tokens)
+    # Benchmark only: no stop ids, so every row decodes exactly new_tokens (a random model often
+    # samples eos early, which would make the two sides do different amounts of work).
+    engine.stop_ids = torch.tensor([], dtype=torch.long)
+    native = lambda: engine.generate(prompts, labels, n=case.n)
+    hf_call = lambda: hf.generate(prompts, case.n, case.new_tokens)
+    assert all(len(s.response_ids) == case.new_tokens for s in native())  # also the warm-up
+    assert all(len(r) == case.new_tokens for r in hf_call())  # min_new_tokens suppresses eos
+    times = {"native": [], "hf": []}
+    for _ in range(repeats):
+        times["native"].append(timed(native))
+        times["hf"].append(timed(hf_call))
+    native_s, hf_s = statistics.median(times["native"]), statistics.median(times["hf"])
+    rows = case.prompts * case.n
+    return dict(case=case.name, rows=rows, new=case.new_tokens, native_s=native_s, hf_s=hf_s,
+                native_tps=rows * case.new_tokens / native_s, hf_tps=rows * case.new_tokens / hf_s,
+                speedup=hf_s / native_s, agreement=agreement)
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| case | rows | new tokens | native s | hf s | native tok/s | hf tok/s | speed-up (hf/native) "
+             "| greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['case']} | {r['rows']} | {r['new']} | {r['native_s']:.3f} | {r['hf_s']:.3f} "
+                     f"| {r['native_tps']:,.0f} | {r['hf_tps']:,.0f} | {r['speedup']:.2f}x | {r['agreement']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both sides")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per side (median reported)")
+    parser.add_argument("--quick", action="store_true", help="only the default-rollout case, 2 repeats")
+    args = parser.parse_args()
+    cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}, "
+          f"repeats {repeats} (interleaved, median), {os.cpu_count()} CPUs, load average before {load()}")
+    with tempfile.TemporaryDirectory() as workdir:
+        results = [run_case(case, args.threads, repeats, workdir) for case in cases]
+    # Other jobs on the machine slow both sides alike (calls are interleaved) but make absolute
+    # times noisy; the load average says how busy the machine was.
+    print(f"load average after {load()}\n")
+    print(markdown(results))
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""User mistakes on the command line: exit code 2, one short message, no traceback."""
+
+import pytest
+
+from conftest import run_launch
+
+CASES = {
+    "model=nope": "unknown model 'nope'; valid choices: qwen3_tiny",
+    "trainer.lr=abc": "bad value for 'trainer.lr'",
+    "rollout.n_samples_per_prompt=0": "rollout.n_samples_per_prompt must be > 0",
+    "trainer.global_batch_size=128": "batch invariant broken",
+    "trainer.foo=1": "unknown key 'trainer.foo'; valid keys of trainer: backend, lr",
+    "algo.name=nope": "expected one of [grpo, sft]",
+    "task.kind=file": "task.train_file must be set when task.kind=file",
+}
+
+
+@pytest.mark.parametrize("override,expected", CASES.items())
+def test_user_mistake_exits_2_with_one_message(tmp_path, override, expected):
+    proc = run_launch([override], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.startswith("error: ")
+
+
+def test_malformed_data_line_names_file_and_line(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n{oops\n')
+    proc = run_launch(["task.kind=file", f"task.train_file={data}", "ray.enabled=false"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "prompts.jsonl" in proc.stderr and "line 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_print_composed_config(tmp_path):
+    proc = run_launch(["--cfg", "job", "trainer.lr=3e-4"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0
+    assert "lr: 0.0003" in proc.stdout and "name: qwen3_tiny" in proc.stdout
