@@ -1,20 +1,41 @@
-"""Advantage estimators: per-sequence rewards [N] (grouped by `group_ids` [N]) -> advantages [N]."""
+"""Advantage estimators and reward shaping.
+
+Sequence-level estimators (ADVANTAGES): per-sequence rewards [N] grouped by `group_ids` [N] ->
+advantages [N]. The loop calls them as fn(rewards, group_ids, norm_by_std=...); estimators for which
+std normalization means nothing take and ignore it (`**_`), as `nll_loss` does with the PPO kwargs.
+GAE needs a critic and token-level inputs, so it lives in TOKEN_ADVANTAGES (see `registry`).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from miles.algo.registry import register_advantage
+from miles.algo.registry import register_advantage, register_token_advantage
+
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inverse [N], counts [G]): the dense group index of every sample and the size of every group."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return inverse, counts
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample mean and unbiased std of its group's rewards (std 0 for singleton groups)."""
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    inverse, counts = _group_index(group_ids)
     sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
     means = sums / counts
     sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
     stds = torch.sqrt(sq / (counts - 1).clamp(min=1))
     return means[inverse], stds[inverse]
+
+
+def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (unbiased std + eps) over the whole batch; a constant batch (or N < 2) gives 0."""
+    if x.numel() < 2 or bool((x == x[0]).all()):
+        # Tested exactly rather than through std > 0: the float mean of equal values can miss them.
+        return torch.zeros_like(x)
+    centred = x - x.mean()
+    return centred / (centred.std() + eps)
 
 
 @register_advantage("grpo")
@@ -33,3 +54,111 @@ def grpo_advantages(
         return centred
     # A zero-variance group has centred == 0; keep it exactly 0 even with eps == 0.
     return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_: object) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean(group).
+
+    The std division is the question-level difficulty bias the paper removes, so `norm_by_std` is
+    ignored. Pair it with the "constant" loss aggregation to also remove the length bias.
+    """
+    return grpo_advantages(rewards, group_ids, norm_by_std=False)
+
+
+@register_advantage("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_: object) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(group)).
+
+    The leave-one-out baseline is independent of r_i, so the estimator stays unbiased. A singleton
+    group has no other sample to form a baseline and gets 0. `norm_by_std` is ignored.
+    """
+    rewards = rewards.to(torch.float32)
+    inverse, counts = _group_index(group_ids)
+    n = counts[inverse].to(rewards.dtype)
+    mean, _ = _group_stats(rewards, group_ids)
+    # A singleton has r_i == mean, so the clamp only avoids 1 / 0 and the result is exactly 0.
+    return n / (n - 1).clamp(min=1) * (rewards - mean)
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, **_: object
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): A_i = (r_i - mean_batch(r)) / (std_batch(r) + eps).
+
+    Global batch whitening, no group baseline: group ids are ignored, so it also works with one
+    sample per prompt. Whitening already divides by a std, so `norm_by_std` is ignored.
+    """
+    return _batch_whiten(rewards.to(torch.float32), eps)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, **_: object
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025): subtract the group mean, then whiten over the whole batch.
+
+    A_i = c_i / (std_batch(c) + eps), c_i = r_i - mean(group(i)); the batch mean of c is already 0.
+    Uses the batch std instead of GRPO's per-group std, so low-variance groups are not amplified.
+    """
+    centred = grpo_advantages(rewards, group_ids, norm_by_std=False)
+    return _batch_whiten(centred, eps)
+
+
+@register_token_advantage("gae")
+@torch.no_grad()  # advantages and returns are regression / policy-gradient targets, never differentiated
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016, eq. 16) for a PPO critic: [B, T] rewards, values, mask -> (A, returns).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  returns = A + V,
+    where t + 1 is the next *unmasked* token (masked tokens, e.g. tool outputs inside a multi-turn
+    response, are skipped, not treated as steps) and V, A after the last unmasked token are 0 (the
+    episode ends). The sequence reward usually sits on the last response token. Masked positions
+    get advantage and return 0. Whitening the advantages, if wanted, is the caller's choice.
+    """
+    token_rewards, values, mask = token_rewards.float(), values.float(), mask.float()
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        keep = mask[:, t] > 0
+        advantages[:, t] = torch.where(keep, adv, torch.zeros_like(adv))
+        next_value = torch.where(keep, values[:, t], next_value)
+        next_adv = torch.where(keep, adv, next_adv)
+    return advantages, (advantages + values) * mask
+
+
+def clip_rewards(rewards: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Clamp rewards to [low, high] so one outlier reward cannot dominate the batch statistics."""
+    return rewards.clamp(min=low, max=high)
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025, sec. 3.4), added to the reward: [N] -> [N].
+
+    0 for len <= max_len - cache_len; ((max_len - cache_len) - len) / cache_len in the cache interval
+    (linear from 0 to -1); -1 beyond max_len. cache_len == 0 is a hard cutoff at max_len.
+    """
+    excess = (response_lengths.float() - (max_len - cache_len)).clamp(min=0)
+    if cache_len == 0:
+        return -(excess > 0).float()
+    return -(excess / cache_len).clamp(max=1.0)
+
+
+def keep_groups_with_variance(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling (Yu et al. 2025, sec. 3.2): bool mask [N] of samples to keep.
+
+    Drops every group whose rewards are all equal (all correct or all wrong, including singleton
+    groups): their group-baseline advantages are 0, so they only dilute the batch.
+    """
+    inverse, counts = _group_index(group_ids)
+    rewards = rewards.to(torch.float32)
+    # Compared through max / min rather than std so that equal rewards are detected exactly.
+    hi = torch.full((len(counts),), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+    lo = torch.full((len(counts),), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+    return (hi > lo)[inverse]

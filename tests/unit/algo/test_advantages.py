@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from miles.algo.registry import ADVANTAGES, get
+from miles.algo.advantages import (
+    clip_rewards,
+    gae_advantages,
+    grpo_advantages,
+    keep_groups_with_variance,
+    overlong_penalty,
+)
+from miles.algo.registry import ADVANTAGES, TOKEN_ADVANTAGES, get
 
 
 def test_grpo_hand_computed():
@@ -32,5 +39,113 @@ def test_grpo_interleaved_groups_and_zero_mean():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid: grpo"):
+    with pytest.raises(ValueError, match="valid: dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
         get(ADVANTAGES, "advantage estimator", "nope")
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_every_estimator_takes_the_loops_call(name):
+    # miles/orchestrate/loop.py calls advantage_fn(rewards, groups, norm_by_std=...) for any name.
+    rewards, groups = torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 1, 1])
+    for norm_by_std in (True, False):
+        adv = get(ADVANTAGES, "advantage", name)(rewards, groups, norm_by_std=norm_by_std)
+        assert adv.shape == (4,) and adv.dtype == torch.float32 and torch.isfinite(adv).all()
+
+
+def test_gae_is_only_a_token_level_estimator():
+    assert TOKEN_ADVANTAGES["gae"] is gae_advantages and "gae" not in ADVANTAGES
+
+
+def test_dr_grpo_is_grpo_without_std_whatever_the_flag():
+    rewards = torch.tensor([3.0, 1.0, 2.0, 5.0, 7.0, 9.0, 4.0])
+    groups = torch.tensor([1, 1, 1, 2, 2, 2, 3])
+    expected = grpo_advantages(rewards, groups, norm_by_std=False)
+    for norm_by_std in (True, False):
+        adv = get(ADVANTAGES, "a", "dr_grpo")(rewards, groups, norm_by_std=norm_by_std)
+        assert torch.equal(adv, expected)
+
+
+def test_rloo_hand_computed():
+    # Group 0 (interleaved with group 1): 1, 0, 0, 1 -> 1 - mean(0, 0, 1) = 2/3, 0 - mean(0, 1, 1) = -2/3.
+    # Group 1: 3, 5 -> 3 - 5 = -2, 5 - 3 = 2. Group 2 is a singleton: no baseline, advantage 0.
+    rewards = torch.tensor([1.0, 3.0, 0.0, 0.0, 5.0, 1.0, 7.0])
+    groups = torch.tensor([0, 1, 0, 0, 1, 0, 2])
+    adv = get(ADVANTAGES, "a", "rloo")(rewards, groups)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2.0, -2 / 3, -2 / 3, 2.0, 2 / 3, 0.0]))
+
+
+def test_reinforce_pp_whitens_the_batch_and_ignores_groups():
+    # mean 2, centred -2, -1, 0, 3, unbiased variance (4 + 1 + 0 + 9) / 3 = 14 / 3
+    rewards = torch.tensor([0.0, 1.0, 2.0, 5.0])
+    fn = get(ADVANTAGES, "a", "reinforce_pp")
+    adv = fn(rewards, torch.tensor([0, 0, 1, 1]), eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([-2.0, -1.0, 0.0, 3.0]) / math.sqrt(14 / 3))
+    assert torch.equal(fn(rewards, torch.tensor([0, 1, 2, 3]), eps=0.0), adv)
+    # constant batch and single sample: no signal, exactly 0 (no 0 / 0)
+    assert torch.equal(fn(torch.full((3,), 0.7), torch.zeros(3), eps=0.0), torch.zeros(3))
+    assert torch.equal(fn(torch.tensor([4.0]), torch.zeros(1)), torch.zeros(1))
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    # group means 0.5 and 4 -> centred 0.5, -0.5, -1, 1 (batch mean 0); unbiased variance 2.5 / 3
+    rewards = torch.tensor([1.0, 0.0, 3.0, 5.0])
+    adv = get(ADVANTAGES, "a", "reinforce_pp_baseline")(rewards, torch.tensor([0, 0, 1, 1]), eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -1.0, 1.0]) / math.sqrt(2.5 / 3))
+
+
+def _gae_3_tokens(gamma, lam):
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    return gae_advantages(rewards, values, torch.ones(1, 3), gamma, lam)
+
+
+def test_gae_hand_computed_gamma_1_lambda_1():
+    # gamma = lam = 1: A_t = (sum of future rewards) - V_t = 1 - V_t and every return is 1.
+    adv, ret = _gae_3_tokens(1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.4, 0.3]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+
+
+def test_gae_hand_computed_gamma_09_lambda_095():
+    # delta_2 = 1 - 0.7 = 0.3; delta_1 = 0.9 * 0.7 - 0.6 = 0.03; delta_0 = 0.9 * 0.6 - 0.5 = 0.04
+    # gamma * lam = 0.855: A_2 = 0.3; A_1 = 0.03 + 0.855 * 0.3 = 0.2865;
+    # A_0 = 0.04 + 0.855 * 0.2865 = 0.04 + 0.2449575 = 0.2849575
+    adv, ret = _gae_3_tokens(0.9, 0.95)
+    torch.testing.assert_close(adv, torch.tensor([[0.2849575, 0.2865, 0.3]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.2849575 + 0.5, 0.2865 + 0.6, 0.3 + 0.7]]))
+
+
+def test_gae_skips_masked_tokens():
+    # The 3-token case with a masked (tool output) token inside and a padding token after; their
+    # garbage rewards and values must not leak into the valid tokens.
+    rewards = torch.tensor([[0.0, 50.0, 0.0, 1.0, 50.0]])
+    values = torch.tensor([[0.5, 100.0, 0.6, 0.7, 100.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0]])
+    adv, ret = gae_advantages(rewards, values, mask, 0.9, 0.95)
+    ref_adv, ref_ret = _gae_3_tokens(0.9, 0.95)
+    torch.testing.assert_close(adv[:, [0, 2, 3]], ref_adv)
+    torch.testing.assert_close(ret[:, [0, 2, 3]], ref_ret)
+    assert adv[0, 1] == adv[0, 4] == ret[0, 1] == ret[0, 4] == 0.0
+
+
+def test_clip_rewards():
+    clipped = clip_rewards(torch.tensor([-3.0, 0.5, 4.0]), -1.0, 1.0)
+    torch.testing.assert_close(clipped, torch.tensor([-1.0, 0.5, 1.0]))
+
+
+def test_overlong_penalty_hand_computed():
+    # max_len 10, cache 4: free up to 6, then -1/4 per token, -1 from 10 on
+    lengths = torch.tensor([3, 6, 7, 8, 10, 11, 20])
+    expected = torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0])
+    torch.testing.assert_close(overlong_penalty(lengths, max_len=10, cache_len=4), expected)
+    # no cache: a hard cutoff
+    hard = overlong_penalty(torch.tensor([5, 10, 11]), max_len=10, cache_len=0)
+    torch.testing.assert_close(hard, torch.tensor([0.0, 0.0, -1.0]))
+
+
+def test_keep_groups_with_variance():
+    # all-correct, mixed, all-wrong, singleton; equal floats that a float mean would miss (0.1 * 3)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.3, 0.1, 0.1, 0.1])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 4])
+    keep = keep_groups_with_variance(rewards, groups)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False, False, True, True, False, False, False, False, False, False]

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from miles.algo.kl import kl_k1, kl_k3
+from miles.algo.kl import kl_k1, kl_k2, kl_k3, kl_low_var
 from miles.algo.losses import entropy_from_logits, nll_loss, ppo_clip_loss, token_logprobs
 
 
@@ -71,3 +71,20 @@ def test_kl_estimators_hand_computed():
     expected = torch.tensor([0.5 - 1 - math.log(0.5), 2 - 1 - math.log(2)])
     torch.testing.assert_close(kl_k3(logp, ref), expected)
     assert kl_k3(logp, logp).abs().max().item() == 0.0
+
+
+def test_k2_and_low_var_kl_hand_computed():
+    logp = torch.log(torch.tensor([0.5, 0.2]))
+    ref = torch.log(torch.tensor([0.25, 0.4]))
+    # log-ratios log 2 and log(1/2): k2 = 0.5 * (log 2)^2 for both
+    torch.testing.assert_close(kl_k2(logp, ref), torch.full((2,), 0.5 * math.log(2) ** 2))
+    assert kl_k2(logp, logp).abs().max().item() == 0.0
+    # low_var_kl is k3 while nothing is clamped ...
+    torch.testing.assert_close(kl_low_var(logp, ref), kl_k3(logp, ref))
+    assert kl_low_var(logp, logp).abs().max().item() == 0.0
+    # ... and at most 10, with no gradient, when the log-ratio is extreme either way (k3: 29 and e^30 - 31)
+    far = torch.tensor([0.0, -30.0], requires_grad=True)
+    value = kl_low_var(far, torch.tensor([-30.0, 0.0]))
+    torch.testing.assert_close(value, torch.tensor([10.0, 10.0]))
+    value.sum().backward()
+    assert far.grad.abs().max().item() == 0.0

@@ -56,7 +56,7 @@ def test_validate_reports_every_problem_at_once(compose):
     joined = "\n".join(problems)
     assert "rollout.n_samples_per_prompt must be > 0" in joined
     assert "trainer.micro_batch_size (100)" in joined
-    assert "algo.kl_estimator='k9' is unknown; valid: k1, k3" in joined
+    assert "algo.kl_estimator='k9' is unknown; valid: k1, k2, k3, low_var_kl" in joined
     assert len(problems) >= 3
 
 
