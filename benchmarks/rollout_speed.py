@@ -88,9 +88,10 @@ def trim_at_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def greedy_agreement(engine: NativeEngine, hf: HFSide, prompts: list[str], n: int, new_tokens: int) -> float:
-    """Share of rows whose greedy responses are token-identical (n=1: greedy rows of a prompt are equal)."""
-    ours = [s.response_ids for s in engine.generate(prompts, prompts, n=1, temperature=0.0,
+def greedy_agreement(engine: NativeEngine, hf: HFSide, prompts: list[str], new_tokens: int) -> float:
+    """Share of rows whose greedy responses (up to eos) are token-identical. One row per prompt:
+    greedy samples of one prompt are equal, so distinct prompts fill the batch instead."""
+    ours = [s.response_ids for s in engine.generate(prompts, ["?"] * len(prompts), n=1, temperature=0.0,
                                                     max_new_tokens=new_tokens)]
     theirs = hf.generate(prompts, 1, new_tokens, greedy=True)
     return sum(a == b for a, b in zip(ours, theirs)) / len(ours)
@@ -104,13 +105,15 @@ def timed(fn) -> float:
 
 def run_case(case: Case, threads: int, repeats: int, workdir: str) -> dict:
     ckpt = str(random_checkpoint(case.model, DEFAULT_ALPHABET, seed=0, out=f"{workdir}/{case.model.name}"))
-    examples = ArithmeticTask(num_digits=2).sample_train(case.prompts, np.random.default_rng(0))
-    prompts, labels = [e.prompt for e in examples], [e.label for e in examples]
+    rows = case.prompts * case.n
+    examples = ArithmeticTask(num_digits=2).sample_train(rows, np.random.default_rng(0))
+    greedy_prompts = [e.prompt for e in examples]  # as many distinct prompts as the timed batch has rows
+    prompts, labels = greedy_prompts[: case.prompts], [e.label for e in examples[: case.prompts]]
     engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=case.new_tokens, temperature=1.0), seed=0, threads=threads)
     hf = HFSide(ckpt)
     torch.set_num_threads(threads)  # the engine set it already; repeated so both sides visibly share it
 
-    agreement = greedy_agreement(engine, hf, prompts, case.n, case.new_tokens)
+    agreement = greedy_agreement(engine, hf, greedy_prompts, case.new_tokens)
     # Benchmark only: no stop ids, so every row decodes exactly new_tokens (a random model often
     # samples eos early, which would make the two sides do different amounts of work).
     engine.stop_ids = torch.tensor([], dtype=torch.long)
@@ -123,7 +126,6 @@ def run_case(case: Case, threads: int, repeats: int, workdir: str) -> dict:
         times["native"].append(timed(native))
         times["hf"].append(timed(hf_call))
     native_s, hf_s = statistics.median(times["native"]), statistics.median(times["hf"])
-    rows = case.prompts * case.n
     return dict(case=case.name, rows=rows, new=case.new_tokens, native_s=native_s, hf_s=hf_s,
                 native_tps=rows * case.new_tokens / native_s, hf_tps=rows * case.new_tokens / hf_s,
                 speedup=hf_s / native_s, agreement=agreement)
@@ -138,12 +140,17 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both sides")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per side (median reported)")
     parser.add_argument("--quick", action="store_true", help="only the default-rollout case, 2 repeats")
     args = parser.parse_args()
+    transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
     cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}, "
           f"repeats {repeats} (interleaved, median), {os.cpu_count()} CPUs, load average before {load()}")
@@ -153,10 +160,6 @@ def main() -> None:
     # times noisy; the load average says how busy the machine was.
     print(f"load average after {load()}\n")
     print(markdown(results))
-
-
-def load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

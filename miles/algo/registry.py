@@ -49,6 +49,3 @@ def get(registry: dict[str, Callable], kind: str, name: str) -> Callable:
         raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
     return registry[name]
 
-
-# Importing the implementations fills the registries.
-from miles.algo import advantages, kl, losses, policy_losses  # noqa: E402,F401

@@ -98,7 +98,7 @@ class TaskCfg:
 @dataclass
 class RolloutCfg:
     engine: str = "native"
-    batch_size: int = 32
+    batch_size: int = 64
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -111,18 +111,18 @@ class RolloutCfg:
 @dataclass
 class TrainerCfg:
     backend: str = "torch"
-    lr: float = 1e-4
+    lr: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    global_batch_size: int = 256
-    micro_batch_size: int = 64
+    global_batch_size: int = 512
+    micro_batch_size: int = 128
     grad_clip: float = 1.0
 
 
 @dataclass
 class EvalCfg:
-    interval: int = 10
+    interval: int = 25
     max_new_tokens: int = 8
 
 
@@ -166,6 +166,6 @@ class RunCfg:
     eval: EvalCfg = field(default_factory=EvalCfg)
     warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
     ray: RayCfg = field(default_factory=RayCfg)
-    steps: int = 40
+    steps: int = 200
     seed: int = 0
     output_dir: Optional[str] = None  # filled by launch.py from Hydra's run dir
