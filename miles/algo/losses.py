@@ -9,7 +9,6 @@ too; they are token means (fractions for the *_clipfrac ones) under "token_mean"
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -109,10 +108,6 @@ def ppo_clip_loss(
         if dual_clip_c is not None:
             metrics["pg_clipfrac_lower"] = aggregate(lower.float(), mask, agg_mode, normalizer)
     return loss, metrics
-
-
-# The trainer passes only the eps kwargs, so dual clip is selected by name; c = 3 is verl's default.
-register_policy_loss("ppo_dual_clip")(functools.partial(ppo_clip_loss, dual_clip_c=3.0))
 
 
 @register_policy_loss("nll")

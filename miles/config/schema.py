@@ -22,7 +22,16 @@ class DType(str, Enum):
 
 
 class AlgoName(str, Enum):
+    """The preset's name; every name but sft runs the RL loop (ppo and opd: not yet implemented)."""
+
     grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+    gspo = "gspo"
+    reinforce_pp = "reinforce_pp"
+    reinforce_pp_baseline = "reinforce_pp_baseline"
+    rloo = "rloo"
+    cispo = "cispo"
     sft = "sft"
 
 
@@ -62,6 +71,17 @@ class AlgoCfg:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     num_steps_per_rollout: int = 1
+    loss_agg: str = "token_mean"
+    dual_clip_c: Optional[float] = None
+    use_rollout_logprobs: bool = False
+    tis: str = "none"
+    tis_clip: float = 2.0
+    mis: str = "none"
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    dynamic_sampling: bool = False
+    max_draws: int = 4
+    overlong_buffer: int = 0
 
 
 @dataclass

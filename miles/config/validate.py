@@ -26,6 +26,8 @@ def _positive(problems: list[str], **values: float) -> None:
 
 
 def validate(cfg: RunCfg) -> list[str]:
+    from miles.algo.corrections import LEVELS
+    from miles.algo.losses import AGG_MODES
     from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
     from miles.data.rewards import REWARDS
 
@@ -66,7 +68,7 @@ def validate(cfg: RunCfg) -> list[str]:
             f"trainer.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"trainer.micro_batch_size ({t.micro_batch_size})"
         )
-    if a.name == AlgoName.grpo:
+    if a.name != AlgoName.sft:
         samples = r.batch_size * r.n_samples_per_prompt
         consumed = t.global_batch_size * a.num_steps_per_rollout
         if samples > 0 and consumed > 0 and samples != consumed:
@@ -86,8 +88,19 @@ def validate(cfg: RunCfg) -> list[str]:
         ):
             if name not in registry:
                 problems.append(f"{key}={name!r} is unknown; valid: {', '.join(sorted(registry))}")
-        if not 0 <= a.eps_clip < 1 or a.eps_clip_high < 0:
-            problems.append("algo.eps_clip must be in [0, 1) and algo.eps_clip_high >= 0")
+        if not 0 <= a.eps_clip <= 1 or a.eps_clip_high < 0:
+            problems.append("algo.eps_clip must be in [0, 1] and algo.eps_clip_high >= 0")
+        if a.loss_agg not in AGG_MODES:
+            problems.append(f"algo.loss_agg={a.loss_agg!r} is unknown; valid: {', '.join(AGG_MODES)}")
+        if a.dual_clip_c is not None and (a.dual_clip_c <= 1 or a.policy_loss != "ppo_clip"):
+            problems.append("algo.dual_clip_c must be > 1 and needs algo.policy_loss=ppo_clip")
+        for key, level in (("algo.tis", a.tis), ("algo.mis", a.mis)):
+            if level not in ("none", *LEVELS):
+                problems.append(f"{key}={level!r} is unknown; valid: none, {', '.join(LEVELS)}")
+        if a.tis_clip <= 0 or not 0 <= a.mis_low < 1 < a.mis_high:
+            problems.append("algo.tis_clip must be > 0 and algo.mis_low < 1 < algo.mis_high")
+        if a.max_draws < 1 or not 0 <= a.overlong_buffer < r.max_new_tokens:
+            problems.append("algo.max_draws must be >= 1 and 0 <= algo.overlong_buffer < rollout.max_new_tokens")
         if a.kl_coef < 0:
             problems.append(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
     elif a.policy_loss != "nll":

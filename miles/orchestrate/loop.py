@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from miles.algo.advantages import overlong_penalty
 from miles.algo.registry import ADVANTAGES, get
 from miles.data.arithmetic import Example
 from miles.data.source import PromptSource
@@ -58,31 +59,71 @@ def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
     return {f"eval/{ctx.task_name}/accuracy": accuracy}
 
 
+def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> list[list[Sample]]:
+    """Sample n responses for `num_prompts` new prompts and score them; returns one list per group."""
+    r = cfg.rollout
+    examples = ctx.source.next_batch(num_prompts)
+    samples: list[Sample] = ctx.engine.call(
+        "generate", [e.prompt for e in examples], [e.label for e in examples], r.n_samples_per_prompt
+    )
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    penalty = (
+        overlong_penalty(lengths, r.max_new_tokens, cfg.algo.overlong_buffer)
+        if cfg.algo.overlong_buffer
+        else torch.zeros(len(samples))
+    )
+    for s, p in zip(samples, penalty.tolist()):
+        s.reward = ctx.reward_fn(s.response, s.label) + p
+    n = r.n_samples_per_prompt
+    return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+
+def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, float]]:
+    """`rollout.batch_size` scored groups. With `algo.dynamic_sampling` (DAPO), groups whose rewards
+    are all equal are set aside and more prompts drawn, up to `algo.max_draws` generate calls; if
+    the budget runs out, set-aside groups (advantage 0) top the batch up so its size stays fixed."""
+    a, need = cfg.algo, cfg.rollout.batch_size
+    informative: list[list[Sample]] = []
+    uninformative: list[list[Sample]] = []
+    draws = 0
+    while len(informative) < need and draws < (a.max_draws if a.dynamic_sampling else 1):
+        for group in _generate_scored(ctx, cfg, need - len(informative) if a.dynamic_sampling else need):
+            varied = len({s.reward for s in group}) > 1
+            (informative if varied or not a.dynamic_sampling else uninformative).append(group)
+        draws += 1
+    groups = (informative + uninformative)[:need]
+    samples = []
+    for g, group in enumerate(groups):
+        for s in group:
+            s.group = g
+            samples.append(s)
+    metrics = {}
+    if a.dynamic_sampling:
+        metrics = {"rollout/num_draws": float(draws), "rollout/informative_group_frac": min(len(informative), need) / need}
+    return samples, metrics
+
+
 def rl_loop(ctx: LoopContext, cfg) -> float:
     """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps)."""
-    r, a = cfg.rollout, cfg.algo
+    a = cfg.algo
     advantage_fn = get(ADVANTAGES, "advantage estimator", a.advantage)
     last = evaluate(ctx, 0)
     ctx.log(last, 0)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
-        examples = ctx.source.next_batch(r.batch_size)
-        samples: list[Sample] = ctx.engine.call(
-            "generate", [e.prompt for e in examples], [e.label for e in examples], r.n_samples_per_prompt
-        )
+        samples, rollout_metrics = collect_rollout(ctx, cfg)
         t1 = time.perf_counter()
-        for s in samples:
-            s.reward = ctx.reward_fn(s.response, s.label)
         rewards = torch.tensor([s.reward for s in samples])
         groups = torch.tensor([s.group for s in samples])
         advantages = advantage_fn(rewards, groups, norm_by_std=a.norm_adv_by_std)
         batch = build_train_batch(samples, advantages, ctx.tokenizer.pad_id or 0)
         metrics = ctx.trainer.call("train_rl", batch)
         t2 = time.perf_counter()
-        metrics["perf/weight_sync_s"] = sync_weights(ctx, r.check_weight_sync)
+        metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
         response_tokens = sum(len(s.response_ids) for s in samples)
         metrics.update(
             {
+                **rollout_metrics,
                 "rollout/reward_mean": float(rewards.mean()),
                 "rollout/response_len_mean": response_tokens / len(samples),
                 "rollout/tokens_per_s": response_tokens / (t1 - t0),

@@ -69,7 +69,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
                    hw.device, hw.cpu_threads, cfg.seed)
     trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
-                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed)
+                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
+                    max_response_len=cfg.rollout.max_new_tokens)
 
     def log(metrics: dict[str, float], step: int) -> None:
         tracker.log_metrics(metrics, step)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
-from miles.algo.losses import entropy_from_logits, masked_sum, token_logprobs
+from miles.algo.corrections import mis_mask, tis_weights
+from miles.algo.losses import entropy_from_logits, loss_normalizer, masked_sum, token_logprobs
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
 from miles.models import from_pretrained, save_pretrained
@@ -33,11 +35,13 @@ class TorchTrainer:
         device: str = "cpu",
         threads: int | None = None,
         seed: int = 0,
+        max_response_len: int | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.algo, self.cfg, self.precision = algo, cfg, precision
+        self.max_response_len = max_response_len  # the generation budget: loss_agg=constant divides by it
         self.device = torch.device(device)
         # Log-probs are those of the sampling distribution, softmax(logits / T), as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -78,12 +82,16 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------------------- optimizer steps
     def _step(self, micro_batches: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]], loss_fn):
-        """One optimizer step over the micro-batches; returns summed metrics and the grad norm."""
-        normalizer = float(sum(mb.loss_mask.sum() for mb, _, _ in micro_batches).clamp(min=1.0))
+        """One optimizer step over the micro-batches; returns summed metrics and the grad norm.
+
+        `loss_fn(mb, old_logp, ref_logp, masks)` gets the loss masks of the whole step, from which it
+        derives its normalizer, so the micro-batch losses add up to the loss of the full step.
+        """
+        masks = [mb.loss_mask for mb, _, _ in micro_batches]
         sums: dict[str, float] = defaultdict(float)
         self.optimizer.zero_grad(set_to_none=True)
         for mb, old_logp, ref_logp in micro_batches:
-            loss, metrics = loss_fn(mb, old_logp, ref_logp, normalizer)
+            loss, metrics = loss_fn(mb, old_logp, ref_logp, masks)
             loss.backward()
             for k, v in metrics.items():
                 sums[k] += float(v)
@@ -93,14 +101,18 @@ class TorchTrainer:
         sums["grad_norm"] = float(grad_norm)
         return sums
 
-    def _rl_loss(self, mb: TrainBatch, old_logp, ref_logp, normalizer: float):
+    def _rl_loss(self, mb: TrainBatch, old_logp, ref_logp, masks: list[torch.Tensor]):
         a = self.algo
         mask = mb.loss_mask.to(self.device)
         logp, entropy = self._forward_logprobs(self.model, mb, with_entropy=True)
+        extra = {"dual_clip_c": a.dual_clip_c} if a.dual_clip_c is not None else {}
         pg_loss, metrics = get(POLICY_LOSSES, "policy loss", a.policy_loss)(
-            logp, old_logp, mb.advantages.to(self.device), mask, normalizer,
-            eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+            logp, old_logp, mb.advantages.to(self.device), mask,
+            loss_normalizer(masks, a.loss_agg, self.max_response_len),
+            eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, agg_mode=a.loss_agg, **extra,
         )
+        # Entropy and KL are reported (and penalized) as token means, whatever the policy loss aggregation.
+        normalizer = loss_normalizer(masks, "token_mean")
         entropy_term = masked_sum(entropy, mask) / normalizer
         loss = pg_loss - a.entropy_coef * entropy_term
         metrics["entropy"] = entropy_term.detach()
@@ -111,6 +123,24 @@ class TorchTrainer:
         metrics["loss"] = loss.detach()
         return loss, metrics
 
+    def _correct(self, batch: TrainBatch, old: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
+        """Mismatch corrections against the engine's log-probs: TIS scales advantages, MIS masks tokens.
+
+        Scaling A by w > 0 equals scaling each token's clipped loss by w, since max(-Aw r, -Aw clip r)
+        = w max(-A r, -A clip r).
+        """
+        a, metrics = self.algo, {}
+        rollout, mask, adv = batch.rollout_logprobs.to(self.device), batch.loss_mask, batch.advantages
+        if a.tis != "none":
+            weights, m = tis_weights(old, rollout, mask, a.tis, a.tis_clip)
+            adv = adv * weights.cpu()
+            metrics.update({f"mismatch/{k}": float(v) for k, v in m.items()})
+        if a.mis != "none":
+            mask, m = mis_mask(old, rollout, mask, a.mis_low, a.mis_high, a.mis)
+            mask = mask.cpu()
+            metrics.update({f"mismatch/{k}": float(v) for k, v in m.items()})
+        return replace(batch, advantages=adv, loss_mask=mask), metrics
+
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
         mbs = self._micro_batches(batch)
@@ -120,6 +150,10 @@ class TorchTrainer:
         mask = batch.loss_mask.to(self.device)
         old_all = torch.cat(old)
         mismatch = masked_sum((old_all - batch.rollout_logprobs.to(self.device)).abs(), mask) / mask.sum().clamp(min=1)
+        if self.algo.use_rollout_logprobs:  # the engine's numbers define the old policy
+            old = [mb.rollout_logprobs.to(self.device) for mb in mbs]
+        batch, correction_metrics = self._correct(batch, old_all)
+        mbs = self._micro_batches(batch)
 
         per_step = len(mbs) // self.algo.num_steps_per_rollout
         totals: dict[str, float] = defaultdict(float)
@@ -130,13 +164,14 @@ class TorchTrainer:
                 totals[k] += v / self.algo.num_steps_per_rollout
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics["mismatch/logprob_abs_diff"] = float(mismatch)
-        return metrics
+        return {**metrics, **correction_metrics}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""
 
-        def sft_loss(mb: TrainBatch, _old, _ref, normalizer: float):
+        def sft_loss(mb: TrainBatch, _old, _ref, masks: list[torch.Tensor]):
             logp, _ = self._forward_logprobs(self.model, mb)
+            normalizer = loss_normalizer(masks, "token_mean")
             return get(POLICY_LOSSES, "policy loss", "nll")(logp, mb.loss_mask.to(self.device), normalizer)
 
         metrics = self._step([(mb, None, None) for mb in self._micro_batches(batch)], sft_loss)

@@ -60,7 +60,7 @@ def test_every_rl_loss_takes_the_trainers_call_and_adds_up(name, mode):
 
 CLIPPED = {
     "ppo_clip": lambda *a: ppo_clip_loss(*a, eps_clip=0.2, eps_clip_high=0.28),
-    "ppo_dual_clip": lambda *a: get(POLICY_LOSSES, "loss", "ppo_dual_clip")(*a, eps_clip=0.2, eps_clip_high=0.28),
+    "ppo_dual_clip": lambda *a: ppo_clip_loss(*a, eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=3.0),
     "gspo": lambda *a: gspo_loss(*a, eps_clip=3e-4, eps_clip_high=4e-4),
     "cispo": lambda *a: cispo_loss(*a, eps_clip=0.2, eps_clip_high=0.28),
 }
