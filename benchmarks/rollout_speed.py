@@ -30,8 +30,8 @@ from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
 
-TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
-                num_kv_heads=2, head_dim=32, max_position_embeddings=64)  # the default experiment's model
+TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
+                head_dim=32, rope_theta=10000.0, max_position_embeddings=64)  # conf/model/qwen3_tiny.yaml
 BIGGER = ModelCfg(name="qwen3_512x8", hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                   num_kv_heads=4, head_dim=64, max_position_embeddings=128)
 
@@ -45,8 +45,9 @@ class Case:
     new_tokens: int
 
 
-CASES = [
-    Case("tiny, default rollout (32 prompts x 8)", TINY, 32, 8, 8),
+CASES = [  # the first is the default experiment's rollout (conf/rollout/native.yaml); --quick runs only it
+    Case("tiny, default rollout (64 prompts x 8)", TINY, 64, 8, 8),
+    Case("tiny, 32 prompts x 8", TINY, 32, 8, 8),
     Case("tiny, 64 rows x 32 tokens", TINY, 16, 4, 32),
     Case("512x8L, 64 rows x 32 tokens", BIGGER, 16, 4, 32),
     Case("512x8L, 256 rows x 8 tokens", BIGGER, 32, 8, 8),

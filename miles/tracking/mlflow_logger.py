@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from enum import Enum
 from pathlib import Path
 
 from miles.config.schema import TrackingCfg
@@ -42,7 +43,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(v, dict):
             flat.update(flatten(v, key + "."))
         else:
-            flat[key] = str(v)[:_MAX_PARAM_LEN]
+            flat[key] = str(v.value if isinstance(v, Enum) else v)[:_MAX_PARAM_LEN]
     return flat
 
 
