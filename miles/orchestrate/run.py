@@ -19,7 +19,7 @@ from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop, sync_weights
 from miles.tracking.console import batch_table, console, step_line
 from miles.tracking.mlflow_logger import MlflowLogger
-from miles.tracking.run_record import git_info, write_run_record
+from miles.tracking.run_record import write_run_record
 from miles.types import Sample
 
 
@@ -39,7 +39,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     """Returns the final held-out accuracy (the objective sweeps maximize)."""
     run_dir = Path(run_dir)
     console.print(batch_table(cfg))
-    record = write_run_record(run_dir, resolved_yaml, overrides)
+    record, git = write_run_record(run_dir, resolved_yaml, overrides)
     source = PromptSource(cfg.task, cfg.seed)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
 
@@ -48,7 +48,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         cfg.tracking,
         run_name,
         tags={
-            "mlflow.source.git.commit": git_info()[0]["sha"] or "",
+            "mlflow.source.git.commit": git["sha"] or "",
             "miles.run_dir": str(run_dir.absolute()),
             "miles.algo": cfg.algo.name.value,
             "miles.model": cfg.model.name,
@@ -59,30 +59,19 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         tracker.log_artifact(path, "run_record")
     console.print(f"MLflow run {tracker.run_id} ({tracker.uri}); outputs in {run_dir}")
 
-    use_ray = cfg.ray.enabled
-    if use_ray:
-        start_ray(cfg.ray.address, cfg.ray.num_cpus)
-    hw = cfg.hardware
-    from miles.rollout.native import NativeEngine
-    from miles.trainer.torch_trainer import TorchTrainer
-
-    engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-                   hw.device, hw.cpu_threads, cfg.seed)
-    trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
-                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
-                    max_response_len=cfg.rollout.max_new_tokens)
-
     def log(metrics: dict[str, float], step: int) -> None:
         tracker.log_metrics(metrics, step)
         console.print(step_line(step, cfg.steps, metrics))
 
-    ctx = LoopContext(
-        engine=engine, trainer=trainer, source=source, tokenizer=TokenizerInfo.load(init_dir),
-        reward_fn=get_reward_fn(cfg.task.reward), log=log,
-        on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
-        task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens,
-    )
+    use_ray = cfg.ray.enabled
     try:
+        engine, trainer = _spawn_components(cfg, init_dir)
+        ctx = LoopContext(
+            engine=engine, trainer=trainer, source=source, tokenizer=TokenizerInfo.load(init_dir),
+            reward_fn=get_reward_fn(cfg.task.reward), log=log,
+            on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
+            task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens,
+        )
         # The engine starts from the same files as the trainer; one checked sync proves the path works.
         sync_weights(ctx, check=cfg.rollout.check_weight_sync)
         if cfg.algo.name == AlgoName.sft:
@@ -108,3 +97,18 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 
             ray.shutdown()
 
+
+def _spawn_components(cfg: RunCfg, init_dir: Path):
+    """The rollout engine and the trainer, as Ray actors (ray.enabled) or in-process objects."""
+    from miles.rollout.native import NativeEngine
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    use_ray, hw = cfg.ray.enabled, cfg.hardware
+    if use_ray:
+        start_ray(cfg.ray.address, cfg.ray.num_cpus)
+    engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
+                   hw.device, hw.cpu_threads, cfg.seed)
+    trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
+                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
+                    max_response_len=cfg.rollout.max_new_tokens)
+    return engine, trainer

@@ -57,8 +57,8 @@ def env_info() -> dict:
     }
 
 
-def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str]) -> dict[str, Path]:
-    """Write the record files; returns name -> path (also logged as MLflow artifacts)."""
+def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str]) -> tuple[dict[str, Path], dict]:
+    """Write the record files; returns (name -> path, for the MLflow artifacts; the git info)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     git, diff = git_info()
@@ -74,4 +74,4 @@ def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[st
         path = run_dir / name
         path.write_text(text)
         paths[name] = path
-    return paths
+    return paths, git
