@@ -9,11 +9,13 @@ Cross-field rules live in `miles.config.validate`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import List, Optional
 
 from omegaconf import MISSING
+
+from miles.models.config import ArchConfig
 
 
 class DType(str, Enum):
@@ -41,22 +43,20 @@ class TaskKind(str, Enum):
 
 
 @dataclass
-class ModelCfg:
+class ModelCfg(ArchConfig):
+    """conf/model/*.yaml: the architecture (every ArchConfig field, feature blocks included) plus
+    the config's name and an optional checkpoint whose config.json replaces the sizes."""
+
     name: str = MISSING
-    family: str = "qwen3"
     hf_checkpoint: Optional[str] = None
-    vocab_size: int = 0  # 0: take the size of the task's tokenizer
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 128
-    qk_norm: bool = True
+
+    def __post_init__(self) -> None:
+        pass  # `validate()` reports ArchConfig.problems() with every other config error
+
+    def arch(self, vocab_size: int, **token_ids) -> ArchConfig:
+        """The ArchConfig of these sizes; vocab_size 0 in the YAML means the tokenizer's size."""
+        values = {f.name: getattr(self, f.name) for f in fields(ArchConfig)}
+        return ArchConfig(**{**values, "vocab_size": self.vocab_size or vocab_size, **token_ids})
 
 
 @dataclass

@@ -122,10 +122,6 @@ def validate(cfg: RunCfg) -> list[str]:
                 f"model.hf_checkpoint={m.hf_checkpoint} must be an HF checkpoint directory; missing: {', '.join(missing)}"
             )
     else:
-        if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
-            problems.append(
-                f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})"
-            )
         _positive(
             problems,
             **{
@@ -136,6 +132,8 @@ def validate(cfg: RunCfg) -> list[str]:
                 "model.head_dim": m.head_dim,
             },
         )
+        if not problems:
+            problems += [f"model.{p}" if not p.startswith("model.") else p for p in m.problems()]
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     return problems

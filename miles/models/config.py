@@ -1,149 +1,180 @@
-"""Architecture description of the decoder-only models Miles trains (Qwen3 / Qwen2).
+"""Architecture description of every decoder-only model family Miles trains.
 
-`ArchConfig` is the single source of truth the modules in `miles.models` are built
-from. It is converted from and to the `config.json` dict of a HuggingFace checkpoint
-(`from_hf_config` / `ArchConfig.to_hf_config`), so a checkpoint written by Miles loads
-in `transformers` and vice versa.
+`ArchConfig` is the single source of truth the modules in `miles.models` are built from. Core
+fields describe the transformer every family shares (embedding, RMSNorm pre-norm blocks, GQA
+attention with RoPE, SwiGLU MLP); optional feature blocks switch on what a family adds:
 
-The two supported families differ only in the attention block:
-  * qwen3: RMSNorm over head_dim on q and k before RoPE (qk_norm), no projection bias;
-  * qwen2: no qk_norm, bias on the q/k/v projections (never on o_proj).
+  moe          routed experts (softmax / sigmoid+bias routers, group-limited top-k, shared experts,
+               dense-first layers, interleaved MoE layers)
+  mla          multi-head latent attention (DeepSeek-V3 / Kimi K2 / GLM-4.7-Flash / GLM-5)
+  dsa          DeepSeek sparse attention: lightning indexer + top-k key selection (V3.2, GLM-5)
+  linear_attn  gated DeltaNet layers interleaved with full attention (Qwen3-Next)
+  rope_scaling YaRN / Llama-3 style frequency scaling
+  llama4       chunked attention with NoPE layers (iRoPE), L2 q/k norm, attention temperature tuning
+
+`family` is the HF `model_type` ("qwen3", "deepseek_v3", ...); `miles.models.families` holds, per
+family, the conversion to and from `config.json` and the checkpoint tensor names. The same
+dataclass is the Hydra schema of `conf/model/*.yaml` (`miles.config.schema.ModelCfg` extends it),
+so every field here is a config key and every default is what an omitted key means.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8  # routed experts per MoE layer
+    num_experts_per_tok: int = 2  # top-k routed experts per token
+    moe_intermediate_size: int = 64  # SwiGLU width of one routed expert
+    scoring: str = "softmax"  # router score: softmax (Qwen3-MoE, MiniMax...) or sigmoid (DeepSeek-V3, GLM)
+    norm_topk_prob: bool = True  # renormalize the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weighted sum
+    score_correction_bias: bool = False  # learned per-expert bias added for selection only (DeepSeek-V3)
+    n_group: int = 1  # expert groups for group-limited routing (1: off)
+    topk_group: int = 1  # groups a token may route to
+    num_shared_experts: int = 0  # always-on experts (width shared_expert_intermediate_size each)
+    shared_expert_intermediate_size: int = 0  # 0: moe_intermediate_size * num_shared_experts
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert output (Qwen2/3-Next style)
+    first_k_dense: int = 0  # the first k layers use a dense MLP (intermediate_size)
+    layer_freq: int = 1  # every layer_freq-th layer is MoE (Llama 4 interleave, Qwen3-MoE sparse step)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense and (layer + 1) % self.layer_freq == 0
+
+
+@dataclass
+class MLAConfig:
+    q_lora_rank: int = 0  # query compression rank (0: full-rank q_proj, as DeepSeek-V2-Lite)
+    kv_lora_rank: int = 32  # compressed KV latent width (what the cache stores)
+    qk_nope_head_dim: int = 16  # per-head q/k width without RoPE
+    qk_rope_head_dim: int = 8  # per-head q/k width with RoPE (k part shared by all heads)
+    v_head_dim: int = 16  # per-head value width
+
+
+@dataclass
+class DSAConfig:
+    index_n_heads: int = 4  # lightning indexer heads
+    index_head_dim: int = 16  # lightning indexer head width
+    index_topk: int = 8  # keys each query attends to
+
+
+@dataclass
+class LinearAttnConfig:
+    full_attention_interval: int = 4  # every k-th layer is full (gated) attention, the rest gated DeltaNet
+    num_key_heads: int = 2  # DeltaNet key (and query) heads
+    num_value_heads: int = 4  # DeltaNet value heads
+    key_head_dim: int = 16  # DeltaNet key head width
+    value_head_dim: int = 16  # DeltaNet value head width
+    conv_kernel_size: int = 4  # causal depthwise conv over q/k/v
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
+
+
+@dataclass
+class RopeScalingConfig:
+    type: str = "yarn"  # yarn or llama3
+    factor: float = 1.0  # context extension factor
+    original_max_position_embeddings: int = 4096  # pre-extension context length
+    beta_fast: float = 32.0  # yarn: high-frequency boundary (rotations)
+    beta_slow: float = 1.0  # yarn: low-frequency boundary (rotations)
+    mscale: float = 1.0  # yarn: attention scale coefficient
+    mscale_all_dim: float = 0.0  # yarn: DeepSeek's softmax-scale correction (0: off)
+    low_freq_factor: float = 1.0  # llama3: low-frequency wavelength factor
+    high_freq_factor: float = 4.0  # llama3: high-frequency wavelength factor
+
+
+@dataclass
+class Llama4AttnConfig:
+    attention_chunk_size: int = 8192  # RoPE layers attend within chunks of this many tokens
+    nope_layer_interval: int = 4  # every k-th layer has no RoPE and global attention (iRoPE)
+    use_qk_norm: bool = True  # L2 norm of q and k on RoPE layers
+    attn_temperature_tuning: bool = True  # scale NoPE-layer queries with log(position) (long context)
+    floor_scale: float = 8192.0  # temperature tuning: position bucket size
+    attn_scale: float = 0.1  # temperature tuning: strength
 
 
 @dataclass
 class ArchConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    vocab_size: int = 0
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     qk_norm: bool = True
     attention_bias: bool = False
+    family: str = "qwen3"
+    partial_rotary_factor: float = 1.0
+    mtp_layers: int = 0
+    moe: Optional[MoEConfig] = None
+    mla: Optional[MLAConfig] = None
+    dsa: Optional[DSAConfig] = None
+    linear_attn: Optional[LinearAttnConfig] = None
+    rope_scaling: Optional[RopeScalingConfig] = None
+    llama4: Optional[Llama4AttnConfig] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
+    # Layer indices that keep a dense MLP although `moe` is set (Qwen3-MoE's mlp_only_layers).
+    mlp_only_layers: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        _ = self.model_type  # raises on a qk_norm / attention_bias combination we cannot express
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every inconsistency of this architecture, each naming the field to change (empty: fine).
+        `validate()` reports them as config errors; constructing a bad ArchConfig raises them."""
+        from miles.models.families import FAMILIES
+
+        out = []
+        if self.family not in FAMILIES:
+            return [f"family: unknown model family {self.family!r}; choose one of {', '.join(sorted(FAMILIES))}"]
+        if self.mla is None and self.num_heads % self.num_kv_heads:
+            out.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.mla is None and self.rotary_dim % 2:
+            out.append(f"the rotary width (head_dim x partial_rotary_factor = {self.rotary_dim}) must be even")
+        return out + FAMILIES[self.family].problems(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Per-head width that RoPE rotates (the rest of the head passes through)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def model_type(self) -> str:
-        """HF model_type this architecture corresponds to ("qwen3" or "qwen2")."""
-        if self.qk_norm and not self.attention_bias:
-            return "qwen3"
-        if not self.qk_norm and self.attention_bias:
-            return "qwen2"
-        # HF Qwen3 with attention_bias also puts a bias on o_proj, and HF Qwen2 always has
-        # q/k/v bias: other combinations have no transformers counterpart to stay in parity with.
-        raise ValueError(
-            f"unsupported combination qk_norm={self.qk_norm}, attention_bias={self.attention_bias}: "
-            "use qk_norm=True/attention_bias=False (qwen3) or qk_norm=False/attention_bias=True (qwen2)"
-        )
+        """HF model_type of this architecture (the family name)."""
+        return self.family
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.mlp_only_layers and self.moe.is_moe_layer(layer)
 
     def to_hf_config(self, dtype: str = "float32") -> dict[str, Any]:
-        """config.json dict that `transformers` loads as Qwen3ForCausalLM (or Qwen2ForCausalLM).
+        """config.json dict that `transformers` loads as this family's *ForCausalLM.
+        `dtype` is the storage dtype name of the weights ("float32", "bfloat16", ...)."""
+        from miles.models.families import get_family
 
-        `dtype` is the storage dtype name of the weights ("float32", "bfloat16", ...).
-        """
-        model_type = self.model_type
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
-        out: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            # transformers < 5 reads rope_theta, >= 5 reads rope_parameters.
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            # transformers < 5 reads torch_dtype, >= 5 reads dtype.
-            "torch_dtype": dtype,
-            "dtype": dtype,
-        }
-        if model_type == "qwen3":
-            out["attention_bias"] = self.attention_bias
-        return out
-
-
-def _rope_theta(d: dict[str, Any]) -> float:
-    """rope_theta sits at the top level (transformers < 5) or in rope_parameters (>= 5)."""
-    rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    for spec in (rope, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"unsupported RoPE scaling type {kind!r} (only plain RoPE is implemented)")
-    # 10000 is what transformers assumes for qwen2/qwen3 when the key is absent.
-    return float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        return get_family(self.family).to_hf_config(self, dtype)
 
 
 def from_hf_config(d: dict[str, Any]) -> ArchConfig:
-    """Read a Qwen3 / Qwen2 `config.json` dict into an ArchConfig.
+    """Read a checkpoint's `config.json` dict into an ArchConfig.
 
-    Raises ValueError naming the model_type when it is not one of SUPPORTED_MODEL_TYPES,
-    and for features this implementation does not have (RoPE scaling, sliding window).
+    Raises ValueError naming the model_type when no family implements it, and for features a
+    family does not have (e.g. sliding-window attention).
     """
-    model_type = d.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if d.get("use_sliding_window"):
-        raise ValueError(f"{model_type}: sliding-window attention is not supported")
-    hidden, heads = d["hidden_size"], d["num_attention_heads"]
-    is_qwen3 = model_type == "qwen3"
-    return ArchConfig(
-        vocab_size=d["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=d["intermediate_size"],
-        num_layers=d["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads") or heads,
-        # transformers' Qwen3Config defaults head_dim to 128, Qwen2 derives it from the width.
-        head_dim=d.get("head_dim") or (128 if is_qwen3 else hidden // heads),
-        rope_theta=_rope_theta(d),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        max_position_embeddings=d.get("max_position_embeddings", 32768),
-        qk_norm=is_qwen3,
-        # Qwen2 always has q/k/v bias; Qwen3 makes it a config flag (off in released models).
-        attention_bias=bool(d.get("attention_bias", False)) if is_qwen3 else True,
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_id=d.get("eos_token_id"),
-        pad_token_id=d.get("pad_token_id"),
-    )
+    from miles.models.families import get_family
+
+    return get_family(d.get("model_type")).from_hf_config(d)

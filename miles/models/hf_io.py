@@ -2,8 +2,9 @@
 
 A checkpoint directory holds `config.json` plus either `model.safetensors` or shards
 `model-0000x-of-0000y.safetensors` listed in `model.safetensors.index.json`.
-Tensor names are translated through `_NAME_PREFIXES`, the one table used in both
-directions; names are checked strictly (missing or unexpected tensors raise ValueError).
+Tensor names and layouts are translated by the checkpoint's family (`miles.models.families`):
+one table per family, used in both directions; names are checked strictly (missing or
+unexpected tensors raise ValueError).
 Loading builds the model on the meta device and adopts the checkpoint tensors directly,
 so no memory or time is spent on a random initialization that would be overwritten.
 """
@@ -20,36 +21,15 @@ from safetensors.torch import save_file
 
 from miles.models.causal_lm import CausalLM
 from miles.models.config import from_hf_config
+from miles.models.families import get_family
 
 PathLike = Union[str, Path]
 
-# (our name prefix, HF name prefix). HF wraps the decoder in a "model." submodule; the
-# rest of every name (layers.{i}.self_attn.q_proj.weight, ...) is identical on both sides.
-_NAME_PREFIXES = (
-    ("embed_tokens.", "model.embed_tokens."),
-    ("layers.", "model.layers."),
-    ("norm.", "model.norm."),
-    ("lm_head.", "lm_head."),
-)
 # Non-learned buffers some older checkpoints contain; RoPE tables are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-
-
-def to_hf_name(name: str) -> str:
-    for ours, theirs in _NAME_PREFIXES:
-        if name.startswith(ours):
-            return theirs + name[len(ours) :]
-    raise KeyError(f"no HF name for parameter {name!r}")
-
-
-def from_hf_name(name: str) -> str:
-    for ours, theirs in _NAME_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name[len(theirs) :]
-    raise KeyError(f"no Miles name for checkpoint tensor {name!r}")
 
 
 def _read_tensors(path: Path, device: Union[str, torch.device]) -> dict[str, torch.Tensor]:
@@ -79,7 +59,7 @@ def _drop_tied_lm_head(hf_tensors: dict[str, torch.Tensor]) -> None:
 def from_pretrained(
     path: PathLike, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
 ) -> CausalLM:
-    """Load a Qwen3 / Qwen2 HF checkpoint directory into a CausalLM with weights in `dtype`.
+    """Load an HF checkpoint directory of any supported family into a CausalLM with weights in `dtype`.
 
     Raises ValueError naming missing or unexpected tensors, or an unsupported model_type.
     """
@@ -87,15 +67,18 @@ def from_pretrained(
     cfg = from_hf_config(json.loads((path / "config.json").read_text()))
     with torch.device("meta"):
         model = CausalLM(cfg)
-    expected = {to_hf_name(n): n for n in model.state_dict()}
-
+    family = get_family(cfg.family)
     hf_tensors = {
-        k: v for k, v in _read_tensors(path, device).items() if not k.endswith(_IGNORED_SUFFIXES)
+        k: v for k, v in _read_tensors(path, device).items()
+        if not k.endswith(_IGNORED_SUFFIXES) and not family.ignored(k, cfg)
     }
+    # Layout conversions (e.g. per-expert tensors stacked into fused ones) keep HF names.
+    tensors = family.from_hf_tensors(hf_tensors, cfg)
     if cfg.tie_word_embeddings:
-        _drop_tied_lm_head(hf_tensors)
-    missing = sorted(set(expected) - set(hf_tensors))
-    unexpected = sorted(set(hf_tensors) - set(expected))
+        _drop_tied_lm_head(tensors)
+    expected = {family.to_hf_name(n): n for n in model.state_dict()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"{path}: checkpoint does not match the {cfg.model_type} architecture; "
@@ -103,7 +86,7 @@ def from_pretrained(
         )
     state = {}
     for hf_name, ours in expected.items():
-        tensor = hf_tensors[hf_name]
+        tensor = tensors[hf_name]
         want = model.get_parameter(ours).shape
         if tensor.shape != want:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(want)}")
@@ -120,10 +103,12 @@ def save_pretrained(model: CausalLM, path: PathLike, dtype: Optional[torch.dtype
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = dtype or model.dtype
+    family = get_family(model.config.family)
     tensors = {
-        to_hf_name(name): t.detach().to(device="cpu", dtype=dtype).contiguous()
+        family.to_hf_name(name): t.detach().to(device="cpu", dtype=dtype).contiguous()
         for name, t in model.state_dict().items()
     }
+    tensors = family.to_hf_tensors(tensors, model.config)
     dtype_name = str(dtype).removeprefix("torch.")
     config = model.config.to_hf_config(dtype=dtype_name)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

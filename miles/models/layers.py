@@ -1,12 +1,8 @@
-"""Building blocks of the Qwen-style decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
+"""Building blocks shared by every family: RMSNorm and the SwiGLU MLP (RoPE lives in rope.py).
 
 Numerics follow Qwen3: RMSNorm normalizes in float32 and casts back to the input dtype
-before scaling by its weight; RoPE angles, cos and sin are computed in float32 and cast
-to the dtype of q/k only when applied. Nothing here depends on a fixed parameter dtype,
-so the same code runs fp32, bf16 weights, or fp32 weights under autocast.
-
-RoPE uses the "rotate half" layout of HF Qwen checkpoints: dimension j is paired with
-j + head_dim/2 (not with its neighbour), and both halves share frequency j.
+before scaling by its weight. Nothing here depends on a fixed parameter dtype, so the same
+code runs fp32, bf16 weights, or fp32 weights under autocast.
 """
 
 from __future__ import annotations
@@ -30,34 +26,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for the given positions, float32.
-
-    position_ids: LongTensor [B, T] (absolute positions, so left padding and decode
-    steps need no special casing). Returns (cos, sin), each [B, T, head_dim].
-    Computed once per forward and shared by every layer; there is no cached buffer,
-    so model.to(dtype) or meta-device construction cannot degrade or lose the table.
-    """
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [head_dim/2]
-    angles = position_ids[..., None].float() * inv_freq  # [B, T, head_dim/2]
-    angles = torch.cat((angles, angles), dim=-1)  # both halves of a pair share a frequency
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [B, H, T, head_dim] by the angles of cos/sin: [B, T, head_dim]. Keeps x's dtype."""
-    cos = cos[:, None].to(x.dtype)  # broadcast over heads
-    sin = sin[:, None].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
-
-
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases. x: [..., hidden] -> [..., hidden]."""
+    """down(silu(gate(x)) * up(x)), no biases. x: [..., hidden] -> [..., hidden]. Also one expert
+    of a MoE layer; `ctx` is unused, it keeps the feed-forward call uniform (see blocks.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -65,5 +36,5 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

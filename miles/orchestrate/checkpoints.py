@@ -17,7 +17,7 @@ import torch
 from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RunCfg, TrainerCfg
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, build_char_tokenizer, save_tokenizer
-from miles.models import ArchConfig, CausalLM, save_pretrained
+from miles.models import CausalLM, save_pretrained
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Bump when the warm-start recipe changes, so stale cached checkpoints are rebuilt.
@@ -35,24 +35,7 @@ def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path
     out = Path(out)
     tok = build_char_tokenizer(alphabet)
     info = TokenizerInfo.from_tokenizer(tok)
-    arch = ArchConfig(
-        vocab_size=model.vocab_size or info.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        rope_theta=model.rope_theta,
-        rms_norm_eps=model.rms_norm_eps,
-        tie_word_embeddings=model.tie_word_embeddings,
-        max_position_embeddings=model.max_position_embeddings,
-        qk_norm=model.qk_norm,
-        attention_bias=model.family == "qwen2",  # Qwen2 has q/k/v biases, Qwen3 has none
-        bos_token_id=info.bos_id,
-        eos_token_id=info.eos_id,
-        pad_token_id=info.pad_id,
-    )
+    arch = model.arch(info.vocab_size, bos_token_id=info.bos_id, eos_token_id=info.eos_id, pad_token_id=info.pad_id)
     torch.manual_seed(seed)
     save_pretrained(CausalLM(arch), out)
     save_tokenizer(tok, out)

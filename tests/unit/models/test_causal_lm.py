@@ -30,6 +30,7 @@ def _model(tied: bool = False, qk_norm: bool = True) -> CausalLM:
         tie_word_embeddings=tied,
         qk_norm=qk_norm,
         attention_bias=not qk_norm,
+        family="qwen3" if qk_norm else "qwen2",
     )
     model = CausalLM(cfg, seed=0).eval()
     # Non-trivial norms and biases so that every code path influences the logits.
@@ -68,7 +69,7 @@ def _reference(model: CausalLM, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
 def _decode(model: CausalLM, seqs, chunks, rows=None):
     """Prefill the left-padded prompts, then feed the continuation in `chunks` (sizes summing to
     NEW_TOKENS) through the cache. If `rows` is given, the batch is reduced / reordered to those
-    rows with KVCache.select after the prefill. Returns (prefill logits, continuation logits
+    rows with ModelCache.select after the prefill. Returns (prefill logits, continuation logits
     [B, NEW_TOKENS, V], prompt mask, row order)."""
     ids, mask, pos = _left_pad([s[: len(s) - NEW_TOKENS] for s in seqs])
     cache = model.new_cache(len(seqs), ids.shape[1] + NEW_TOKENS)
@@ -171,8 +172,8 @@ def test_cache_overflow_and_bad_mask_shape_raise():
 def test_new_cache_shapes_and_tied_head():
     model = _model(tied=True)
     cache = model.new_cache(3, 10, dtype=torch.bfloat16)
-    assert len(cache.keys) == len(cache.values) == 2
-    assert cache.keys[0].shape == (3, 2, 10, 16) and cache.keys[0].dtype == torch.bfloat16
+    assert len(cache.layers) == 2
+    assert cache.layers[0].keys.shape == (3, 2, 10, 16) and cache.layers[0].keys.dtype == torch.bfloat16
     assert model.lm_head is None
     assert "lm_head.weight" not in model.state_dict()
     untied = _model(tied=False)
@@ -199,7 +200,7 @@ def test_bfloat16_weights_and_autocast_track_fp32():
     bf16 = model.to(torch.bfloat16)
     cache = bf16.new_cache(2, 6)
     decoded = bf16(ids, cache=cache)
-    assert decoded.dtype == torch.bfloat16 and cache.keys[0].dtype == torch.bfloat16
+    assert decoded.dtype == torch.bfloat16 and cache.layers[0].keys.dtype == torch.bfloat16
     # bf16 has ~3 significant digits; logits here are O(1).
     for out in (autocast, decoded):
         assert torch.isfinite(out).all()

@@ -1,0 +1,44 @@
+"""Which attention and which feed-forward block each layer gets, from the ArchConfig feature blocks.
+
+One place decides, so a family is a combination of blocks rather than a copy of the decoder.
+Every attention block has `forward(x, ctx)` and `new_cache(batch, max_len, dtype, device)`;
+every feed-forward block has `forward(x, ctx)`. The returned name is the layer's attribute name,
+which is also its checkpoint name (`self_attn` / `linear_attn`, `mlp`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from miles.models.config import ArchConfig
+from miles.models.layers import SwiGLUMLP
+
+
+def make_attention(cfg: ArchConfig, layer: int) -> tuple[str, nn.Module]:
+    if cfg.linear_attn is not None and cfg.linear_attn.is_linear_layer(layer):
+        from miles.models.deltanet import GatedDeltaNet
+
+        return "linear_attn", GatedDeltaNet(cfg, layer)
+    if cfg.mla is not None:
+        from miles.models.mla import MLAttention
+
+        return "self_attn", MLAttention(cfg, layer)
+    if cfg.llama4 is not None:
+        from miles.models.llama4 import Llama4Attention
+
+        return "self_attn", Llama4Attention(cfg, layer)
+    if cfg.linear_attn is not None:
+        from miles.models.deltanet import GatedAttention
+
+        return "self_attn", GatedAttention(cfg, layer)
+    from miles.models.attention import Attention
+
+    return "self_attn", Attention(cfg, layer)
+
+
+def make_mlp(cfg: ArchConfig, layer: int) -> nn.Module:
+    if cfg.is_moe_layer(layer):
+        from miles.models.moe import MoE
+
+        return MoE(cfg, layer)
+    return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)

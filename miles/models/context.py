@@ -1,0 +1,73 @@
+"""What every layer of one forward call shares: positions, masks, the cache, routing records.
+
+Built once per `CausalLM.forward`; RoPE tables and attention masks are computed on first use and
+memoized, so layers with the same rotary width or the same mask kind share one tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from miles.models.cache import ModelCache
+
+
+def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, device: torch.device,
+                chunk: Optional[int] = None) -> torch.Tensor:
+    """Boolean mask for T queries at columns [past, past + T) over S = past + T keys.
+
+    attention_mask: [B, S] (1 = real token, 0 = pad) or None (all real). chunk: attend only within
+    blocks of `chunk` columns (Llama 4 chunked attention; columns, so left padding shifts blocks
+    the same way on every path). Returns [B or 1, 1, T, S], True = may attend.
+    """
+    s = past + t
+    key_pos = torch.arange(s, device=device)
+    query_pos = torch.arange(past, s, device=device)
+    allowed = key_pos[None, :] <= query_pos[:, None]  # [T, S]
+    if chunk is not None:
+        allowed = allowed & (key_pos[None, :] // chunk == query_pos[:, None] // chunk)
+    if attention_mask is None:
+        return allowed[None, None]
+    allowed = allowed[None] & attention_mask.bool()[:, None, :]  # [B, T, S]
+    # A pad query (e.g. a left-pad column) can have no visible real key; an all-False row
+    # makes SDPA return NaN, which would poison sums over masked losses. Letting every query
+    # see its own key keeps such rows finite and changes nothing for real tokens, whose own
+    # key is always visible anyway.
+    allowed = allowed | (key_pos[None, :] == query_pos[:, None])
+    return allowed[:, None]
+
+
+@dataclass
+class ForwardContext:
+    position_ids: torch.Tensor  # [B, T] absolute positions of the new tokens
+    attention_mask: Optional[torch.Tensor]  # [B, S] 1 = real token, S = past + T; None = all real
+    past: int  # positions already in the cache
+    cache: Optional[ModelCache] = None
+    # MoE layers write the experts they chose here (layer -> LongTensor [B, T, k]) when it is a
+    # dict, and route by `routing_replay[layer]` instead of their router when that is given (R3).
+    routing_record: Optional[dict] = None
+    routing_replay: Optional[dict] = None
+    _memo: dict = field(default_factory=dict)
+
+    @property
+    def t(self) -> int:
+        return self.position_ids.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.position_ids.device
+
+    def memo(self, key, build: Callable[[], object]):
+        """`build()` once per forward for each key (RoPE tables, masks)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def mask(self, chunk: Optional[int] = None) -> torch.Tensor:
+        return self.memo(("mask", chunk), lambda: causal_mask(self.attention_mask, self.past, self.t,
+                                                              self.device, chunk))
+
+    def layer_cache(self, layer: int):
+        return None if self.cache is None else self.cache.layers[layer]
