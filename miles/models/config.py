@@ -52,6 +52,9 @@ class MLAConfig:
     qk_nope_head_dim: int = 16  # per-head q/k width without RoPE
     qk_rope_head_dim: int = 8  # per-head q/k width with RoPE (k part shared by all heads)
     v_head_dim: int = 16  # per-head value width
+    # HF DeepseekV3 / Glm4MoeLite `rope_interleave`: the checkpoint's rope dims come in adjacent
+    # pairs (x0, x1), (x2, x3)...; False: HF's rotate-half layout (j paired with j + dim/2).
+    rope_interleave: bool = True  # rope pairs are adjacent dims (DeepSeek layout)
 
 
 @dataclass
@@ -81,8 +84,12 @@ class RopeScalingConfig:
     original_max_position_embeddings: int = 4096  # pre-extension context length
     beta_fast: float = 32.0  # yarn: high-frequency boundary (rotations)
     beta_slow: float = 1.0  # yarn: low-frequency boundary (rotations)
-    mscale: float = 1.0  # yarn: attention scale coefficient
-    mscale_all_dim: float = 0.0  # yarn: DeepSeek's softmax-scale correction (0: off)
+    # yarn attention factor (multiplies cos / sin) = mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    # when both are set, else mscale(factor, 1); mscale(s, m) = 0.1 m ln(s) + 1 (transformers' rule).
+    mscale: float = 0.0  # yarn: numerator coefficient of the attention factor (0: not set)
+    mscale_all_dim: float = 0.0  # yarn: denominator coefficient, and DeepSeek's softmax-scale correction mscale(factor, mscale_all_dim)^2 (0: off)
+    attention_factor: float = 0.0  # yarn: explicit attention factor (0: derived as above)
+    truncate: bool = True  # yarn: round the correction range to whole dims (transformers' default)
     low_freq_factor: float = 1.0  # llama3: low-frequency wavelength factor
     high_freq_factor: float = 4.0  # llama3: high-frequency wavelength factor
 

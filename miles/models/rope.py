@@ -9,6 +9,8 @@ meta-device construction cannot degrade or lose a table.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from miles.models.config import RopeScalingConfig
@@ -19,7 +21,54 @@ def inv_freq(dim: int, theta: float, scaling: RopeScalingConfig | None = None) -
     base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     if scaling is None:
         return base, 1.0
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(base, dim, theta, scaling)
     raise ValueError(f"rope_scaling.type {scaling.type!r} is not implemented")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale_factor(scaling: RopeScalingConfig | None) -> float:
+    """Factor on 1/sqrt(head_dim) in attention: DeepSeek's YaRN corrects the softmax temperature by
+    mscale(factor, mscale_all_dim)^2 (the cos / sin attention factor then cancels to ~1)."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def _yarn_inv_freq(base: torch.Tensor, dim: int, theta: float,
+                   scaling: RopeScalingConfig) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers' `_compute_yarn_parameters`: frequencies that turn
+    fewer than beta_slow times over the original context are interpolated (divided by factor),
+    those turning more than beta_fast times are kept, a linear ramp over dims blends in between."""
+    factor = scaling.factor
+    if scaling.attention_factor:
+        attention = scaling.attention_factor
+    elif scaling.mscale and scaling.mscale_all_dim:
+        attention = yarn_mscale(factor, scaling.mscale) / yarn_mscale(factor, scaling.mscale_all_dim)
+    else:
+        attention = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        # the dim whose wavelength completes `rotations` turns over the original context
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (frequency / factor)
+    wavelength_factor = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    # 1 / (factor * x) rather than base / factor: the same rounding as transformers, bit for bit
+    freq = 1.0 / (factor * wavelength_factor) * (1 - keep) + base * keep
+    return freq, float(attention)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
