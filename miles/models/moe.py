@@ -1,0 +1,169 @@
+"""Mixture-of-experts feed-forward block shared by every MoE family (Qwen3-MoE, Qwen3-Next,
+DeepSeek-V3 / Kimi K2, GLM-4.5+, MiniMax-M2).
+
+    out = routed_scaling_factor * sum_{e in topk} w_e * expert_e(x)   (+ shared experts)
+
+Routing (`Router`, module name `gate` as in HF):
+  scores   = softmax(logits) or sigmoid(logits)            (logits = x @ W^T, in float32)
+  choice   = scores (+ e_score_correction_bias)            bias steers selection only (DeepSeek-V3)
+  groups   = n_group groups of experts; keep the topk_group groups with the largest sum of their
+             top-2 choice scores, mask the rest (DeepSeek-V3 group-limited routing)
+  experts  = top-k of choice                               (or ctx.routing_replay[layer])
+  weights  = scores at those experts (never the biased ones), / their sum if norm_topk_prob,
+             * routed_scaling_factor
+The chosen experts are written to ctx.routing_record[layer] ([B, T, k]) when recording, and
+ctx.routing_replay[layer] replaces the router's choice when given (R3 routing replay: the trainer
+reuses the rollout engine's experts; gradients still flow through the weights).
+
+Experts are fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
+the in-memory layout of transformers 5; checkpoints store one tensor per expert and per matrix,
+which `miles.models.families.moe_io` converts. Each expert runs only on the tokens routed to it.
+
+Shared experts (always on) are one SwiGLU of width shared_expert_intermediate_size; with
+`shared_expert_gate` (Qwen2-MoE / Qwen3-Next) their output is scaled by sigmoid(x @ g) and the
+module is named `shared_expert`, otherwise `shared_experts` (DeepSeek-V3 / GLM), as in HF.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.models.config import ArchConfig, MoEConfig
+from miles.models.layers import SwiGLUMLP
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, bias: Optional[torch.Tensor] = None,
+          replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure routing math. logits: [N, E] float32; bias: [E] or None; replay: [N, k] experts to use
+    instead of the top-k. Returns (experts [N, k] long, weights [N, k] float32)."""
+    n, e = logits.shape
+    scores = logits.softmax(-1) if moe.scoring == "softmax" else logits.sigmoid()
+    if replay is not None:
+        experts = replay.reshape(n, -1).to(device=logits.device, dtype=torch.long)
+    else:
+        choice = scores if bias is None else scores + bias.float()
+        if moe.n_group > 1:
+            # A group's strength is the sum of its two best experts (DeepSeek-V3); experts outside
+            # the topk_group strongest groups cannot be chosen.
+            grouped = choice.view(n, moe.n_group, e // moe.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+        experts = choice.topk(moe.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return experts, weights * moe.routed_scaling_factor
+
+
+class Router(nn.Module):
+    """`gate.weight` [E, H] (+ `gate.e_score_correction_bias` [E]). The bias is a Parameter so
+    that checkpoint I/O treats it like any weight, but it is not trained by gradients (DeepSeek
+    updates it with a load-balancing rule), hence requires_grad=False."""
+
+    def __init__(self, hidden: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if moe.score_correction_bias else None
+        )
+
+    @torch.no_grad()
+    def init_weights(self, gen: Optional[torch.Generator]) -> None:
+        self.weight.normal_(0.0, 0.02, generator=gen)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+    def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (experts [N, k], weights [N, k] float32). Router math runs in float32
+        (as HF DeepSeek-V3 / GLM), so that bf16 weights do not flip near-tied selections."""
+        logits = F.linear(x.float(), self.weight.float())
+        return route(logits, self.moe, self.e_score_correction_bias, replay)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two fused tensors: gate_up_proj [E, 2I, H] (gate rows first, then up),
+    down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    @torch.no_grad()
+    def init_weights(self, gen: Optional[torch.Generator]) -> None:
+        self.gate_up_proj.normal_(0.0, 0.02, generator=gen)
+        self.down_proj.normal_(0.0, 0.02, generator=gen)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [N, H], experts / weights: [N, k] -> [N, H] = sum_j weights[:, j] * expert_{experts[:, j]}(x).
+
+        (token, slot) pairs are sorted by expert so each expert runs one matmul on a contiguous
+        slice of its tokens (the layout a grouped GEMM takes); experts nobody chose cost nothing.
+        Contributions are summed per token in ascending expert order, like HF's expert loop."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        tokens = order // k  # token of each sorted (token, slot) pair
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[tokens]
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            gate, up = F.linear(xs[start:start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            start += c
+        if not outs:
+            return torch.zeros_like(x)
+        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # float32 weights: product in float32
+        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
+        return out.index_add_(0, tokens, y).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) of one layer. forward: x [B, T, H] -> [B, T, H]."""
+
+    def __init__(self, cfg: ArchConfig, layer: int):
+        super().__init__()
+        moe = cfg.moe
+        self.layer = layer  # key of this layer in ctx.routing_record / routing_replay
+        self.moe = moe
+        self.gate = Router(cfg.hidden_size, moe)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.moe_intermediate_size)
+        shared = moe.shared_expert_intermediate_size or moe.moe_intermediate_size * moe.num_shared_experts
+        self.shared_name = None
+        if moe.num_shared_experts > 0 or moe.shared_expert_intermediate_size > 0:
+            # HF spells it `shared_expert` where it is gated (Qwen2-MoE / Qwen3-Next) and
+            # `shared_experts` otherwise (DeepSeek-V3, GLM-4.5); using its spelling saves renames.
+            self.shared_name = "shared_expert" if moe.shared_expert_gate else "shared_experts"
+            setattr(self, self.shared_name, SwiGLUMLP(cfg.hidden_size, shared))
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+
+    def idle_params(self) -> int:
+        """Routed-expert parameters a token does not use (E - k experts)."""
+        per_expert = self.experts.gate_up_proj[0].numel() + self.experts.down_proj[0].numel()
+        return (self.moe.num_experts - self.moe.num_experts_per_tok) * per_expert
+
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        replay = None if ctx is None or ctx.routing_replay is None else ctx.routing_replay.get(self.layer)
+        experts, weights = self.gate(flat, replay)
+        if ctx is not None and ctx.routing_record is not None:
+            ctx.routing_record[self.layer] = experts.view(b, t, -1)
+        out = self.experts(flat, experts, weights)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.view(b, t, h)

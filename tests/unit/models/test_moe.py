@@ -1,0 +1,148 @@
+"""MoE routing against hand-computed cases, the fused expert compute against a per-token loop,
+routing record / replay, and the per-expert <-> fused checkpoint layout."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles.models import CausalLM, param_count
+from miles.models.config import ArchConfig, MoEConfig
+from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.moe import MoE, route
+
+
+def logit(p):
+    """Inverse sigmoid, so sigmoid scores can be written down directly."""
+    return [math.log(x / (1 - x)) for x in p]
+
+
+def test_softmax_topk_renormalized():
+    # softmax(log [1, 2, 3, 4]) = [.1, .2, .3, .4]: top-2 = experts 3, 2 with weights .4/.7, .3/.7
+    logits = torch.tensor([[math.log(v) for v in (1.0, 2.0, 3.0, 4.0)]])
+    moe = MoEConfig(num_experts=4, num_experts_per_tok=2, scoring="softmax", norm_topk_prob=True)
+    experts, weights = route(logits, moe)
+    assert experts.tolist() == [[3, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.4 / 0.7, 0.3 / 0.7]]))
+    moe.norm_topk_prob, moe.routed_scaling_factor = False, 2.5
+    torch.testing.assert_close(route(logits, moe)[1], torch.tensor([[0.4, 0.3]]) * 2.5)
+
+
+def test_sigmoid_bias_selects_but_does_not_weight():
+    # scores [.9, .8, .3, .2]; the bias lifts expert 2 to 1.0 for selection: top-2 = {2, 0};
+    # the weights come from the unbiased scores .3 and .9, renormalized: .25, .75.
+    logits = torch.tensor([logit([0.9, 0.8, 0.3, 0.2])])
+    moe = MoEConfig(num_experts=4, num_experts_per_tok=2, scoring="sigmoid", score_correction_bias=True)
+    experts, weights = route(logits, moe, bias=torch.tensor([0.0, 0.0, 0.7, 0.0]))
+    assert experts.tolist() == [[2, 0]]
+    torch.testing.assert_close(weights, torch.tensor([[0.25, 0.75]]))
+
+
+def test_group_limited_topk():
+    # 4 groups of 2: sums of top-2 = 1.0, 1.2, 1.1, 0.2 -> groups 1 and 2 allowed; the best single
+    # expert (0, score .95) is in group 0 and must not be chosen: top-2 = experts 2 (.7), 4 (.6).
+    p = [0.95, 0.05, 0.7, 0.5, 0.6, 0.5, 0.1, 0.1]
+    logits = torch.tensor([logit(p)])
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, scoring="sigmoid", n_group=4, topk_group=2)
+    experts, weights = route(logits, moe)
+    assert experts.tolist() == [[2, 4]]
+    torch.testing.assert_close(weights, torch.tensor([[0.7 / 1.3, 0.6 / 1.3]]))
+    moe.n_group = 1  # without groups the global top-2 wins
+    assert route(logits, moe)[0].tolist() == [[0, 2]]
+
+
+def _arch(**moe_kw) -> ArchConfig:
+    """A small MoE architecture; the MoE options are set after construction because the module is
+    family-agnostic while each family admits only its own router (qwen3_moe: plain softmax)."""
+    arch = ArchConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=8, family="qwen3_moe",
+                      moe=MoEConfig(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8))
+    for key, value in moe_kw.items():
+        setattr(arch.moe, key, value)
+    return arch
+
+
+def _randomized_moe(**moe_kw) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(_arch(**moe_kw), 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    return layer
+
+
+def test_experts_match_a_per_token_loop():
+    layer = _randomized_moe()
+    x = torch.randn(2, 5, 16)
+    ctx = SimpleNamespace(routing_record={}, routing_replay=None)
+    out = layer(x, ctx)
+    experts, weights = layer.gate(x.reshape(-1, 16))
+    ref = torch.zeros(10, 16)
+    for n, tok in enumerate(x.reshape(-1, 16)):
+        for e, w in zip(experts[n].tolist(), weights[n]):
+            gate, up = (layer.experts.gate_up_proj[e] @ tok).chunk(2)
+            ref[n] += w * (layer.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(out.reshape(-1, 16), ref)
+    # the record is what the router chose, per [B, T]
+    assert torch.equal(ctx.routing_record[0], experts.view(2, 5, 2))
+
+
+def test_shared_expert_gated_and_plain():
+    plain = _randomized_moe(num_shared_experts=1)
+    assert hasattr(plain, "shared_experts") and plain.shared_expert_gate is None
+    gated = _randomized_moe(shared_expert_intermediate_size=12, shared_expert_gate=True)
+    assert gated.shared_expert.gate_proj.weight.shape == (12, 16)
+    x = torch.randn(1, 3, 16)
+    routed = gated.experts(x.reshape(-1, 16), *gated.gate(x.reshape(-1, 16)))
+    shared = torch.sigmoid(gated.shared_expert_gate(x)) * gated.shared_expert(x)
+    torch.testing.assert_close(gated(x), routed.view(1, 3, 16) + shared)
+
+
+def _model(**moe_kw) -> CausalLM:
+    model = CausalLM(_arch(**moe_kw), seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("moe_kw", [{}, dict(scoring="sigmoid", score_correction_bias=True, n_group=3, topk_group=2,
+                                             num_shared_experts=1, routed_scaling_factor=2.0)])
+def test_routing_record_and_replay(moe_kw):
+    model = _model(**moe_kw)
+    ids = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    record = {}
+    logits = model(ids, routing_record=record)
+    assert sorted(record) == [0, 1] and record[0].shape == (2, 7, 2)
+    # replaying the recorded routing reproduces the forward bitwise
+    assert torch.equal(model(ids, routing_replay=record), logits)
+    # another routing changes it, and the router still gets gradients through the weights
+    other = {layer: (e + 1) % 6 for layer, e in record.items()}
+    replayed_record = {}
+    out = model(ids, routing_replay=other, routing_record=replayed_record)
+    assert not torch.allclose(out, logits)
+    assert all(torch.equal(replayed_record[k], other[k]) for k in other)
+    out.sum().backward()
+    assert model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_fuse_and_split_experts_round_trip():
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(3, 8, 5),
+             "model.layers.0.mlp.experts.down_proj": torch.randn(3, 5, 4), "model.norm.weight": torch.ones(5)}
+    split = split_experts(fused)
+    assert split["model.layers.0.mlp.experts.2.up_proj.weight"].shape == (4, 5)
+    assert torch.equal(split["model.layers.0.mlp.experts.1.gate_proj.weight"], fused["model.layers.0.mlp.experts.gate_up_proj"][1, :4])
+    back = fuse_experts(split)
+    assert back.keys() == fused.keys() and all(torch.equal(back[k], fused[k]) for k in fused)
+    assert fuse_experts(fused).keys() == fused.keys()  # already fused: unchanged
+    del split["model.layers.0.mlp.experts.1.down_proj.weight"]
+    with pytest.raises(ValueError, match="incomplete"):
+        fuse_experts(split)
+
+
+def test_idle_params():
+    arch = _arch(num_shared_experts=1)
+    total, active = param_count(arch)
+    per_expert = 3 * 16 * 8
+    assert total - active == arch.num_layers * (6 - 2) * per_expert
