@@ -1,7 +1,10 @@
 """GQA attention (Qwen2 / Qwen3 / GLM-4.5 / MiniMax style): H query heads share H/Hkv key/value heads.
 
-Options from the ArchConfig: QK-norm (RMSNorm over head_dim before RoPE), q/k/v bias, partial
-rotary (only the first rotary_dim dims of a head rotate). Parameter names match HF (q_proj,
+Options from the ArchConfig: QK-norm before RoPE, either per head (`qk_norm_type: head`, RMSNorm
+over head_dim with one [head_dim] weight: Qwen3, GLM-4.5) or over the whole projection
+(`qk_norm_type: full`, RMSNorm over all heads' q (resp. k) at once with a [heads * head_dim]
+weight: MiniMax-M2); q/k/v bias; partial rotary (only the first rotary_dim dims of a head rotate,
+rotate-half layout within them, as HF GLM-4.5 / MiniMax-M2). Parameter names match HF (q_proj,
 k_proj, v_proj, o_proj, q_norm, k_norm). The same forward serves training (no cache) and decoding
 (keys / values appended to this layer's KVBuffer).
 """
@@ -32,9 +35,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
-        # Qwen3 normalizes each head's q and k (over head_dim) before RoPE; Qwen2 does not.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 normalizes each head's q and k (over head_dim) before RoPE; Qwen2 does not;
+        # MiniMax-M2 normalizes the full q and k projections (statistics across heads).
+        self.full_qk_norm = cfg.qk_norm_type == "full"
+        q_norm_dim, k_norm_dim = (q_dim, kv_dim) if self.full_qk_norm else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_norm_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> KVBuffer:
         return KVBuffer(batch, self.num_kv_heads, max_len, self.head_dim, self.head_dim, dtype, device)
@@ -42,11 +48,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.full_qk_norm and self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, heads * D]: one norm across heads
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if not self.full_qk_norm and self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         cos, sin = ctx.memo(("rope", self.rotary_dim, self.rope_theta, id(self.rope_scaling)),
                             lambda: rope_cos_sin(ctx.position_ids, self.rotary_dim, self.rope_theta,

@@ -118,6 +118,9 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     qk_norm: bool = True
+    # head: RMSNorm per head over head_dim (Qwen3, GLM-4.5); full: one RMSNorm over all heads' q
+    # (resp. k) together, weight [heads * head_dim] (MiniMax-M2's per-layer qk norm).
+    qk_norm_type: str = "head"
     attention_bias: bool = False
     family: str = "qwen3"
     partial_rotary_factor: float = 1.0
@@ -149,6 +152,8 @@ class ArchConfig:
             return [f"family: unknown model family {self.family!r}; choose one of {', '.join(sorted(FAMILIES))}"]
         if self.mla is None and self.num_heads % self.num_kv_heads:
             out.append(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.qk_norm_type not in ("head", "full"):
+            out.append(f"qk_norm_type must be head or full, got {self.qk_norm_type!r}")
         if self.mla is None and self.rotary_dim % 2:
             out.append(f"the rotary width (head_dim x partial_rotary_factor = {self.rotary_dim}) must be even")
         return out + FAMILIES[self.family].problems(self)

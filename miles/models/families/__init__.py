@@ -142,4 +142,6 @@ def common_arch_kwargs(d: dict[str, Any], default_head_dim: Optional[int] = None
 # Each module registers its families on import.
 from miles.models.families import qwen  # noqa: E402,F401
 from miles.models.families import qwen3_moe  # noqa: E402,F401
+from miles.models.families import glm4_moe  # noqa: E402,F401
+from miles.models.families import minimax  # noqa: E402,F401
 from miles.models.families import deepseek  # noqa: E402,F401
