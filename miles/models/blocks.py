@@ -19,6 +19,10 @@ def make_attention(cfg: ArchConfig, layer: int) -> tuple[str, nn.Module]:
         from miles.models.deltanet import GatedDeltaNet
 
         return "linear_attn", GatedDeltaNet(cfg, layer)
+    if cfg.dsa is not None:  # DSA is MLA restricted to the keys its indexer selects
+        from miles.models.dsa import SparseMLAttention
+
+        return "self_attn", SparseMLAttention(cfg, layer)
     if cfg.mla is not None:
         from miles.models.mla import MLAttention
 

@@ -60,8 +60,14 @@ class MLAConfig:
 @dataclass
 class DSAConfig:
     index_n_heads: int = 4  # lightning indexer heads
-    index_head_dim: int = 16  # lightning indexer head width
+    index_head_dim: int = 16  # lightning indexer head width (its first qk_rope_head_dim dims rotate)
     index_topk: int = 8  # keys each query attends to
+    # Layout of the indexer's rotary dims: False = rotate-half (DeepSeek-V3.2), True = adjacent
+    # pairs (GLM-5). The main MLA attention has its own switch (mla.rope_interleave).
+    rope_interleave: bool = False  # indexer rope pairs are adjacent dims (GLM-5 layout)
+    # Layers without an indexer that reuse the top-k selection of the nearest earlier indexer
+    # layer (GLM's cross-layer IndexShare, HF `indexer_types` == "shared"); empty: every layer indexes.
+    shared_layers: List[int] = field(default_factory=list)  # layers reusing an earlier layer's top-k
 
 
 @dataclass
