@@ -1,0 +1,189 @@
+"""DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5): MLA that attends only to the keys a
+lightning indexer selects.
+
+The lightning indexer is a small, cheap attention of its own that scores every (query, key) pair:
+
+  q_idx:  q latent (MLA's q_a_layernorm output) -> wq_b -> [B, T, H_idx, D_idx]
+  k_idx:  x -> wk -> k_norm (LayerNorm, with bias) -> [B, S, D_idx], one key head shared by all
+          indexer heads; the first qk_rope_head_dim dims of q_idx and k_idx get RoPE (same
+          frequencies as MLA; rotate-half layout for V3.2, adjacent pairs for GLM-5)
+  w:      x -> weights_proj -> [B, T, H_idx] * H_idx^-0.5   (per-query weight of each head)
+  score[b, t, s] = sum_h w[b, t, h] * relu(q_idx[b, t, h] . k_idx[b, s] * D_idx^-0.5)
+
+Each query then keeps its `index_topk` best-scoring visible keys (all of them while fewer are
+visible), and MLA runs with that selection intersected with the causal / padding mask, exactly as
+transformers' eager path folds the selection into the attention mask. On CPU a dense masked
+attention is the clearest correct form; a kernel that gathers only the selected keys is the
+optimization (the mask is the same).
+
+The selection is not differentiable and the indexer gets no gradient from the language-model loss
+(transformers runs it under no_grad; DeepSeek trains it with a separate distillation loss, which
+RL post-training leaves alone), so `select_keys` runs under no_grad.
+
+Ties: torch.topk breaks ties arbitrarily and differently for different row lengths, which would
+let a padded prefill or a decode step pick other keys than the full forward when scores tie
+exactly at the cut (e.g. keys whose indexer heads are all zeroed by the ReLU). `topk_keep` breaks
+ties deterministically (earliest key first), so the same keys are selected on every path.
+
+Decode: the indexer keys of past positions live in the layer cache (`DSACache`, next to MLA's
+compressed latent). GLM's cross-layer index sharing (`dsa.shared_layers`): such a layer has no
+indexer and reuses the selection of the nearest earlier indexer layer from the same forward call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles.models.config import ArchConfig
+from miles.models.context import ForwardContext
+from miles.models.mla import MLACache, MLAttention
+from miles.models.rope import apply_rope, rope_cos_sin
+
+INDEXER_NORM_EPS = 1e-6  # transformers' (and DeepSeek's) fixed k_norm eps, not config.rms_norm_eps
+
+
+def topk_keep(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the k highest scores of each row. scores: [..., S] -> bool [..., S], True at
+    exactly k entries per row (k <= S). Ties at the k-th value go to the earliest columns, so the
+    choice depends only on the row's values and their order, not on the row's length."""
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    tie = scores == kth
+    need = k - above.sum(-1, keepdim=True)
+    return above | (tie & (tie.cumsum(-1) <= need))
+
+
+class DSACache(MLACache):
+    """MLA's compressed cache plus the indexer keys of every cached position:
+    index_keys [B, max_len, index_head_dim] (None on layers that reuse another layer's selection)."""
+
+    def __init__(self, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int, index_dim: int,
+                 dtype, device):
+        super().__init__(batch, max_len, kv_lora_rank, rope_dim, dtype, device)
+        self.index_keys = (torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device)
+                           if index_dim else None)
+
+    def update_index_keys(self, start: int, k: torch.Tensor) -> torch.Tensor:
+        """Write k [B, T, D] at [start, start + T); return all indexer keys so far [B, start + T, D]
+        (a view into the buffer; the MLA `update` of the same call checks the length)."""
+        end = start + k.shape[1]
+        self.index_keys[:, start:end] = k
+        return self.index_keys[:, :end]
+
+    def select(self, index: torch.Tensor) -> None:
+        super().select(index)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[index]
+
+
+class LightningIndexer(nn.Module):
+    """DSA's key selector. Parameter names match transformers' DeepseekV32Indexer / GlmMoeDsaIndexer
+    (wq_b, wk, k_norm, weights_proj), so checkpoint names need no renames."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int):
+        super().__init__()
+        d, m = cfg.dsa, cfg.mla
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.topk = d.index_n_heads, d.index_head_dim, d.index_topk
+        self.rope_dim, self.rope_interleave = m.qk_rope_head_dim, d.rope_interleave
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.wq_b = nn.Linear(m.q_lora_rank, d.index_n_heads * d.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, d.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.index_head_dim, eps=INDEXER_NORM_EPS)
+        # transformers keeps this projection in float32 even in bf16 checkpoints (it sets the
+        # weight of every head's vote); forward computes it in the weight's own dtype.
+        self.weights_proj = nn.Linear(cfg.hidden_size, d.index_n_heads, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, gen) -> None:
+        # The projections are nn.Linear (CausalLM.init_weights draws them); LayerNorm is not.
+        self.k_norm.weight.fill_(1.0)
+        self.k_norm.bias.zero_()
+
+    def rope(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Rotate the first rope_dim dims of x: [B, H, T, D] at ctx's positions (the rest pass).
+        Adjacent-pair layouts are de-interleaved first: q and k alike, so scores are unchanged
+        (this is also exactly transformers' output layout)."""
+        cos, sin = ctx.memo(("rope", self.rope_dim, self.rope_theta, id(self.rope_scaling)),
+                            lambda: rope_cos_sin(ctx.position_ids, self.rope_dim, self.rope_theta,
+                                                 self.rope_scaling))
+        if self.rope_interleave:
+            r = x[..., :self.rope_dim]
+            x = torch.cat((r[..., 0::2], r[..., 1::2], x[..., self.rope_dim:]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext,
+               cache: DSACache | None = None) -> torch.Tensor:
+        """Index scores, float32 [B, T, S] (S = ctx.past + T): x [B, T, hidden] (the attention
+        input), q_latent [B, T, q_lora_rank]. Writes this call's indexer keys into `cache`."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_latent).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.wk(x))[:, None]  # [B, 1, T, D]
+        q = self.rope(q, ctx).transpose(1, 2)  # [B, T, H, D]
+        k = self.rope(k, ctx)[:, 0]  # [B, T, D]
+        if cache is not None:
+            k = cache.update_index_keys(ctx.past, k).to(q.dtype)
+        # relu(q.k) per head: [B, T, H, D] @ [B, 1, D, S] -> [B, T, H, S]
+        dots = torch.matmul(q.float(), k.float().transpose(-1, -2)[:, None]) * self.head_dim ** -0.5
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return torch.matmul(w[:, :, None], dots.relu())[:, :, 0]  # [B, T, 1, H] @ [B, T, H, S]
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext,
+                cache: DSACache | None = None) -> torch.Tensor:
+        """The selected keys: bool [B, 1, T, S], True = kept; each query keeps its index_topk
+        best visible keys (ctx.mask() decides visibility), or all of them when fewer are visible."""
+        scores = self.scores(x, q_latent, ctx, cache)
+        visible = ctx.mask()[:, 0]  # [B|1, T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        # & visible: rows with fewer visible keys than topk fill up with masked (-inf) columns
+        return (topk_keep(scores, min(self.topk, scores.shape[-1])) & visible)[:, None]
+
+
+class SparseMLAttention(MLAttention):
+    """MLA restricted to the indexer's keys. Same parameters as MLAttention plus `indexer`
+    (absent on GLM layers that share an earlier layer's selection), HF names throughout."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        shared = set(cfg.dsa.shared_layers)
+        if layer_idx in shared:
+            earlier = [i for i in range(layer_idx) if i not in shared]
+            if not earlier:
+                raise ValueError(f"dsa.shared_layers: layer {layer_idx} has no earlier indexer layer to share")
+            self.indexer, self.index_source = None, earlier[-1]
+        else:
+            self.indexer, self.index_source = LightningIndexer(cfg, layer_idx), layer_idx
+        self.index_dim = cfg.dsa.index_head_dim
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> DSACache:
+        index_dim = self.index_dim if self.indexer is not None else 0
+        return DSACache(batch, max_len, self.kv_lora_rank, self.rope_dim, index_dim, dtype, device)
+
+    def select_keys(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext,
+                    cache: DSACache | None) -> torch.Tensor:
+        """bool [B, 1, T, S]: this layer's selection, or its source layer's (computed earlier in
+        the same forward call, since layers run in order)."""
+        key = ("dsa_keep", self.index_source)
+        if self.indexer is None:
+            return ctx.memo(key, self._no_source_selection)
+        return ctx.memo(key, lambda: self.indexer(x, q_latent, ctx, cache))
+
+    def _no_source_selection(self):
+        raise RuntimeError(f"layer {self.layer_idx} shares the key selection of layer {self.index_source}, "
+                           "which has not run in this forward call")
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]."""
+        b, t, _ = x.shape
+        q, q_latent = self.query(x, ctx)
+        latent, k_rope = self.latent_kv(x, ctx)
+        cache = ctx.layer_cache(self.layer_idx)
+        if cache is not None:
+            latent, k_rope = cache.update(ctx.past, latent, k_rope)
+            latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)  # cache dtype may differ
+        k, v = self.expand_kv(latent, k_rope)
+        keep = self.select_keys(x, q_latent, ctx, cache)
+        out = self.attend(q, k, v, ctx.mask() & keep)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))

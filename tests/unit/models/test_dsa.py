@@ -1,0 +1,162 @@
+"""DeepSeek Sparse Attention: the lightning indexer against transformers' indexer modules, the
+DeepSeek-V3.2 and GLM-5 families through the zoo checks, and proof that the sparsity is active."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
+
+from miles.models.config import DSAConfig, MLAConfig
+from miles.models.context import ForwardContext
+from miles.models.dsa import DSACache, LightningIndexer, topk_keep
+from zoo_checks import (check_decode_matches_forward, check_loads_transformers_checkpoint,
+                         check_transformers_loads_ours, max_diff, random_ids, randomize, tiny_hf_model)
+
+HIDDEN, Q_LORA, ROPE, IDX_HEADS, IDX_DIM, TOPK = 32, 24, 8, 8, 16, 5
+
+
+def _indexer_pair(glm: bool, seed: int = 0):
+    """transformers' indexer and ours with the same random weights."""
+    cls, hf_cfg_cls = ((hf_glm.GlmMoeDsaIndexer, transformers.GlmMoeDsaConfig) if glm
+                       else (hf_v32.DeepseekV32Indexer, transformers.DeepseekV32Config))
+    hf_cfg = hf_cfg_cls(hidden_size=HIDDEN, q_lora_rank=Q_LORA, qk_rope_head_dim=ROPE, index_n_heads=IDX_HEADS,
+                        index_head_dim=IDX_DIM, index_topk=TOPK, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = cls(hf_cfg, 0).eval()
+    randomize(hf, seed)
+    cfg = SimpleNamespace(hidden_size=HIDDEN, rope_theta=10000.0, rope_scaling=None,
+                          mla=MLAConfig(q_lora_rank=Q_LORA, qk_rope_head_dim=ROPE),
+                          dsa=DSAConfig(index_n_heads=IDX_HEADS, index_head_dim=IDX_DIM, index_topk=TOPK,
+                                        rope_interleave=glm))
+    ours = LightningIndexer(cfg, 0).eval()
+    ours.load_state_dict(hf.state_dict())  # same parameter names as transformers
+    rotary = (hf_glm.GlmMoeDsaRotaryEmbedding if glm else hf_v32.DeepseekV32RotaryEmbedding)(hf_cfg)
+    return hf, ours, rotary
+
+
+def _inputs(b: int, t: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, t, HIDDEN, generator=gen), torch.randn(b, t, Q_LORA, generator=gen)
+
+
+def _hf_keep(hf, rotary, x, q_latent, pos, visible):
+    """transformers' selection as a mask, the way its eager attention scatters it. visible: [B, T, S]."""
+    idx = hf(x, q_latent, rotary(x, pos), visible, pos).long()
+    return torch.zeros(visible.shape, dtype=torch.bool).scatter(-1, idx, True) & visible
+
+
+@pytest.mark.parametrize("glm", [False, True], ids=["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@torch.no_grad()
+def test_indexer_selects_the_same_keys_as_transformers(glm, padded):
+    hf, ours, rotary = _indexer_pair(glm)
+    b, t = 3, 14
+    mask = None
+    if padded:
+        mask = torch.ones(b, t, dtype=torch.long)
+        mask[0, :4], mask[2, :9] = 0, 0
+    pos = torch.arange(t).expand(b, t) if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    ctx = ForwardContext(pos, mask, 0)
+    visible = ctx.mask()[:, 0].expand(b, t, t)
+    total = 0
+    for seed in range(4):
+        x, q_latent = _inputs(b, t, seed)
+        keep = ours(x, q_latent, ForwardContext(pos, mask, 0))[:, 0]
+        ref = _hf_keep(hf, rotary, x, q_latent, pos, visible)
+        assert torch.equal(keep, ref), (keep ^ ref).nonzero()
+        # every query keeps min(topk, visible keys) keys
+        assert torch.equal(keep.sum(-1), visible.sum(-1).clamp(max=TOPK))
+        total += (visible.sum(-1) > TOPK).sum().item()
+    assert total > 50  # the selection really drops keys for most queries
+
+
+@pytest.mark.parametrize("glm", [False, True], ids=["deepseek_v32", "glm_moe_dsa"])
+@torch.no_grad()
+def test_indexer_decode_with_its_key_cache_matches_the_full_forward(glm):
+    """Prefill of left-padded rows + one token per step through DSACache selects the same keys
+    (and computes the same scores) as the full forward."""
+    _, ours, _ = _indexer_pair(glm)
+    b, t, prompt = 2, 11, 6
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    x, q_latent = _inputs(b, t, seed=7)
+    full_ctx = ForwardContext(pos, mask, 0)
+    full_scores, full_keep = ours.scores(x, q_latent, full_ctx), ours(x, q_latent, full_ctx)
+    cache = DSACache(b, t, 4, ROPE, IDX_DIM, torch.float32, "cpu")
+    for start, end in [(0, prompt)] + [(i, i + 1) for i in range(prompt, t)]:
+        ctx = ForwardContext(pos[:, start:end], mask[:, :end], start)
+        keep = ours(x[:, start:end], q_latent[:, start:end], ctx, cache)  # writes this step's keys
+        scores = ours.scores(x[:, start:end], q_latent[:, start:end], ctx, cache)  # rewrites the same keys
+        vis = full_ctx.mask()[:, 0, start:end, :end].expand(b, -1, -1)
+        torch.testing.assert_close(scores.masked_fill(~vis, 0), full_scores[:, start:end, :end].masked_fill(~vis, 0),
+                                   rtol=0, atol=1e-6)
+        assert torch.equal(keep[:, 0], full_keep[:, 0, start:end, :end])
+
+
+def test_topk_keep_breaks_ties_toward_earlier_keys_whatever_the_row_length():
+    s = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0, float("-inf")]])
+    assert topk_keep(s, 3).tolist() == [[True, True, False, False, True, False, False]]
+    assert torch.equal(topk_keep(s[:, :6], 3), topk_keep(s, 3)[:, :6])
+    assert topk_keep(torch.tensor([[1.0, float("-inf"), float("-inf")]]), 2).sum() == 2
+
+
+# -- whole models --------------------------------------------------------------------------------
+
+def _tiny_hf_config(glm: bool, **extra):
+    """A tiny V3.2 / GLM-5 config with every feature: q LoRA, MLA, DSA with index_topk (4) below the
+    test sequence lengths (9 and up), MoE with groups (V3.2), a shared expert, a dense first layer."""
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=8, index_n_heads=8, index_head_dim=16, index_topk=4, first_k_dense_replace=1,
+                  routed_scaling_factor=2.5, max_position_embeddings=64)
+    if glm:
+        return transformers.GlmMoeDsaConfig(**common, **extra)
+    return transformers.DeepseekV32Config(**common, n_group=4, topk_group=2, **extra)
+
+
+def _zoo(hf_config, tmp_path):
+    ours = check_loads_transformers_checkpoint(tiny_hf_model(hf_config), tmp_path)
+    check_transformers_loads_ours(ours, tmp_path)
+    check_decode_matches_forward(ours, prompt_lens=(3, 6, 9), new_tokens=4)
+    return ours
+
+
+def test_deepseek_v32_passes_the_zoo_checks(tmp_path):
+    ours = _zoo(_tiny_hf_config(glm=False), tmp_path)
+    assert ours.config.family == "deepseek_v32" and ours.config.dsa.index_topk == 4
+    assert not ours.config.dsa.rope_interleave
+
+
+def test_glm_moe_dsa_passes_the_zoo_checks(tmp_path):
+    ours = _zoo(_tiny_hf_config(glm=True), tmp_path)
+    assert ours.config.family == "glm_moe_dsa" and ours.config.dsa.rope_interleave
+
+
+def test_glm_moe_dsa_with_shared_indexer_layers_passes_the_zoo_checks(tmp_path):
+    """Layer 2 reuses layer 1's selection (GLM IndexShare) and has no indexer of its own."""
+    ours = _zoo(_tiny_hf_config(glm=True, indexer_types=["full", "full", "shared"]), tmp_path)
+    assert ours.config.dsa.shared_layers == [2]
+    assert ours.layers[2].self_attn.indexer is None
+
+
+@torch.no_grad()
+def test_sparsity_is_active(tmp_path):
+    """With index_topk (4) below the sequence length the output differs from dense MLA (same weights,
+    index_topk raised to the length) at every position past the 4th, and equals it before."""
+    ours = check_loads_transformers_checkpoint(tiny_hf_model(_tiny_hf_config(glm=False)), tmp_path)
+    dense = copy.deepcopy(ours)
+    for layer in dense.layers:
+        layer.self_attn.indexer.topk = 10 ** 6
+    ids = random_ids(64, batch=2, length=12)
+    sparse_logits, dense_logits = ours(ids), dense(ids)
+    assert max_diff(sparse_logits[:, :4], dense_logits[:, :4]) < 1e-5
+    per_position = (sparse_logits - dense_logits).abs().amax(dim=(0, 2))
+    assert (per_position[4:] > 1e-3).all(), per_position
