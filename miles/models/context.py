@@ -19,18 +19,25 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
     """Boolean mask for T queries at columns [past, past + T) over S = past + T keys.
 
     attention_mask: [B, S] (1 = real token, 0 = pad) or None (all real). chunk: attend only within
-    blocks of `chunk` columns (Llama 4 chunked attention; columns, so left padding shifts blocks
-    the same way on every path). Returns [B or 1, 1, T, S], True = may attend.
+    blocks of `chunk` token positions (Llama 4 chunked attention). Blocks follow each row's token
+    positions (cumsum of its mask - 1), not columns: left padding must not move chunk boundaries,
+    or a padded prefill + decode would differ from the unpadded forward (transformers likewise
+    offsets chunks by the left padding). Returns [B or 1, 1, T, S], True = may attend.
     """
     s = past + t
     key_pos = torch.arange(s, device=device)
     query_pos = torch.arange(past, s, device=device)
     allowed = key_pos[None, :] <= query_pos[:, None]  # [T, S]
     if chunk is not None:
-        allowed = allowed & (key_pos[None, :] // chunk == query_pos[:, None] // chunk)
+        # token position of every column: [1, S] unpadded, else [B, S] (pads get their left neighbour's)
+        token_pos = key_pos[None] if attention_mask is None else attention_mask.long().cumsum(-1) - 1
+        block = torch.div(token_pos, chunk, rounding_mode="floor")
+        allowed = allowed[None] & (block[:, None, :] == block[:, past:, None])  # [B or 1, T, S]
+    else:
+        allowed = allowed[None]
     if attention_mask is None:
-        return allowed[None, None]
-    allowed = allowed[None] & attention_mask.bool()[:, None, :]  # [B, T, S]
+        return allowed[:, None]
+    allowed = allowed & attention_mask.bool()[:, None, :]  # [B, T, S]
     # A pad query (e.g. a left-pad column) can have no visible real key; an all-False row
     # makes SDPA return NaN, which would poison sums over masked losses. Letting every query
     # see its own key keeps such rows finite and changes nothing for real tokens, whose own

@@ -23,6 +23,8 @@ def inv_freq(dim: int, theta: float, scaling: RopeScalingConfig | None = None) -
         return base, 1.0
     if scaling.type == "yarn":
         return _yarn_inv_freq(base, dim, theta, scaling)
+    if scaling.type == "llama3":
+        return _llama3_inv_freq(base, scaling), 1.0
     raise ValueError(f"rope_scaling.type {scaling.type!r} is not implemented")
 
 
@@ -69,6 +71,19 @@ def _yarn_inv_freq(base: torch.Tensor, dim: int, theta: float,
     # 1 / (factor * x) rather than base / factor: the same rounding as transformers, bit for bit
     freq = 1.0 / (factor * wavelength_factor) * (1 - keep) + base * keep
     return freq, float(attention)
+
+
+def _llama3_inv_freq(base: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
+    """Llama 3.1 / Llama 4 scaling (transformers' `_compute_llama3_parameters`): wavelengths shorter
+    than original_len / high_freq_factor are kept, longer than original_len / low_freq_factor are
+    divided by factor, and those in between blend smoothly (no attention factor)."""
+    old_len, lo, hi = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / base
+    freq = torch.where(wavelen > old_len / lo, base / scaling.factor, base)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * freq / scaling.factor + smooth * freq
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, freq)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
