@@ -137,10 +137,10 @@ class Llama4Experts(nn.Module):
             gate, up = (xs[start:start + c] @ self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append((F.silu(gate) * up) @ self.down_proj[e])
             start += c
-        out = torch.zeros_like(x)
-        if outs:
-            out.index_add_(0, tokens, torch.cat(outs))
-        return out
+        if not outs:
+            return torch.zeros_like(x)
+        y = torch.cat(outs)  # compute dtype: x's, or autocast's when weights are float32
+        return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
 
 
 class Llama4MoE(nn.Module):

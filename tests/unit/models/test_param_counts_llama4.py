@@ -40,3 +40,39 @@ def test_llama4_moe_layers_interleave():
     # equals Scout's up to the routers (Maverick 24 x 128 x 5120, Scout 48 x 16 x 5120).
     routers = 24 * 128 * 5120 - 48 * 16 * 5120
     assert param_count(maverick)[1] - param_count(scout)[1] == routers
+
+
+# The text_config of the published config.json files (the URLs in the yaml headers), as the
+# multimodal llama4 checkpoints nest it.
+_COMMON = dict(model_type="llama4_text", attention_bias=False, attention_chunk_size=8192, attn_scale=0.1,
+               bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018, floor_scale=8192,
+               head_dim=128, hidden_act="silu", hidden_size=5120, intermediate_size=8192,
+               intermediate_size_mlp=16384, no_rope_layers=[], num_attention_heads=40, num_experts_per_tok=1,
+               num_hidden_layers=48, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+               tie_word_embeddings=False, vocab_size=202048)
+PUBLISHED_TEXT_CONFIGS = {
+    "llama4_scout": {**_COMMON, "attn_temperature_tuning": 4, "interleave_moe_layer_step": 1,
+                     "max_position_embeddings": 10485760, "num_local_experts": 16, "use_qk_norm": True,
+                     "moe_layers": list(range(48)),
+                     "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    "llama4_maverick": {**_COMMON, "interleave_moe_layer_step": 2, "max_position_embeddings": 1048576,
+                        "num_local_experts": 128, "use_qk_norm": False, "rope_scaling": None},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TEXT_CONFIGS))
+def test_published_checkpoint_config_reads_as_the_shipped_yaml(name):
+    """model.hf_checkpoint=<the published repo> yields the same architecture as model=<name>
+    (token ids aside: the yaml leaves them to the tokenizer)."""
+    import dataclasses
+
+    from miles.models import ArchConfig, from_hf_config
+
+    d = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+         "text_config": PUBLISHED_TEXT_CONFIGS[name], "vision_config": {"model_type": "llama4_vision_model"}}
+    got = from_hf_config(d)
+    want = load_arch(name)
+    fields = {f.name: getattr(want, f.name) for f in dataclasses.fields(ArchConfig)}
+    fields.update(bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018)
+    assert got == ArchConfig(**fields)
