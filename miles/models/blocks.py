@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from miles.models.config import ArchConfig
-from miles.models.layers import SwiGLUMLP
+from miles.models.layers import RMSNorm, SwiGLUMLP
 
 
 def make_attention(cfg: ArchConfig, layer: int) -> tuple[str, nn.Module]:
@@ -38,6 +38,16 @@ def make_attention(cfg: ArchConfig, layer: int) -> tuple[str, nn.Module]:
     from miles.models.attention import Attention
 
     return "self_attn", Attention(cfg, layer)
+
+
+def make_norm(cfg: ArchConfig, dim: int) -> nn.Module:
+    """The decoder's pre-norms and final norm: Qwen3-Next's are zero-centered (x_hat * (1 + w),
+    w stored around 0), every other family's plain RMSNorm (x_hat * w)."""
+    if cfg.family == "qwen3_next":
+        from miles.models.deltanet import ZeroCenteredRMSNorm
+
+        return ZeroCenteredRMSNorm(dim, cfg.rms_norm_eps)
+    return RMSNorm(dim, cfg.rms_norm_eps)
 
 
 def make_mlp(cfg: ArchConfig, layer: int) -> nn.Module:

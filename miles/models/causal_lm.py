@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models.blocks import make_attention, make_mlp
+from miles.models.blocks import make_attention, make_mlp, make_norm
 from miles.models.cache import ModelCache
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
@@ -32,8 +32,8 @@ class DecoderLayer(nn.Module):
         self.attn_name, attn = make_attention(cfg, layer_idx)
         setattr(self, self.attn_name, attn)  # registered under its checkpoint name
         self.mlp = make_mlp(cfg, layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
 
     @property
     def attn(self) -> nn.Module:
@@ -51,7 +51,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = (
             None
             if config.tie_word_embeddings

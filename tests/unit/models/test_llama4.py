@@ -172,3 +172,14 @@ def test_llama3_inv_freq_matches_transformers():
         want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
         got, factor = inv_freq(128, 500000.0, from_hf_config(cfg.to_dict()).rope_scaling)
         assert factor == 1.0 and torch.equal(got, want)
+
+
+def test_autocast_trains_through_router_and_experts():
+    """fp32 weights under bf16 autocast (the trainer's mixed precision): forward and backward run,
+    and the router gets a gradient through the sigmoid weight that scales the expert input."""
+    model = CausalLM(from_hf_config(_text_config().to_dict()), seed=0)
+    ids = random_ids(64, length=11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids).float().logsumexp(-1).mean().backward()
+    moe = model.layers[1].mlp
+    assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.gate_up_proj.grad.abs().sum() > 0
