@@ -51,6 +51,11 @@ def make_norm(cfg: ArchConfig, dim: int) -> nn.Module:
 
 
 def make_mlp(cfg: ArchConfig, layer: int) -> nn.Module:
+    if cfg.llama4 is not None and cfg.is_moe_layer(layer):
+        # Llama 4 scales the expert input by the router score and fuses experts as [E, H, 2I].
+        from miles.models.llama4 import Llama4MoE
+
+        return Llama4MoE(cfg, layer)
     if cfg.is_moe_layer(layer):
         from miles.models.moe import MoE
 

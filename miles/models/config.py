@@ -102,12 +102,17 @@ class RopeScalingConfig:
 
 @dataclass
 class Llama4AttnConfig:
-    attention_chunk_size: int = 8192  # RoPE layers attend within chunks of this many tokens
+    # Chunks follow token positions (position // chunk), not padded columns, as in transformers.
+    attention_chunk_size: Optional[int] = 8192  # RoPE layers attend within chunks of this many tokens (null: global)
     nope_layer_interval: int = 4  # every k-th layer has no RoPE and global attention (iRoPE)
-    use_qk_norm: bool = True  # L2 norm of q and k on RoPE layers
-    attn_temperature_tuning: bool = True  # scale NoPE-layer queries with log(position) (long context)
-    floor_scale: float = 8192.0  # temperature tuning: position bucket size
+    use_qk_norm: bool = True  # L2 norm (no weight) of q and k after RoPE, on RoPE layers only
+    attn_temperature_tuning: bool = True  # NoPE-layer queries x (1 + attn_scale * log1p(floor((pos + 1) / floor_scale)))
+    floor_scale: int = 8192  # temperature tuning: position bucket size
     attn_scale: float = 0.1  # temperature tuning: strength
+
+    def uses_rope(self, layer: int) -> bool:
+        """RoPE + chunked local attention, or (every nope_layer_interval-th layer) NoPE + global."""
+        return (layer + 1) % self.nope_layer_interval != 0
 
 
 @dataclass

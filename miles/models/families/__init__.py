@@ -148,3 +148,4 @@ from miles.models.families import deepseek  # noqa: E402,F401
 from miles.models.families import deepseek_v32  # noqa: E402,F401
 from miles.models.families import glm_moe_dsa  # noqa: E402,F401
 from miles.models.families import qwen3_next  # noqa: E402,F401
+from miles.models.families import llama4  # noqa: E402,F401
