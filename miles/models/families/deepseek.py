@@ -25,10 +25,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from miles.models.families import (Family, common_arch_kwargs, common_hf_config, get_family, register,
-                                   rope_theta_of)
+from miles.models.families import Family, common_arch_kwargs, common_hf_config, get_family, register
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Kimi K2.5 (multimodal) nests the language model under this prefix, beside its vision side.
+_TEXT_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 
 
 # -- RoPE scaling (YaRN) <-> config.json ------------------------------------------------------
@@ -209,34 +211,51 @@ def _problems(arch) -> list[str]:
 NOTES = ("MLA (q/kv LoRA, latent KV cache), YaRN, sigmoid router + correction bias, group-limited top-k, "
          "routed scaling, shared expert, dense-first layers; MTP layers skipped on load")
 
+
 def _ignored(name: str, arch) -> bool:
     """MTP layers; the vision side of a multimodal (Kimi K2.5) checkpoint."""
     name = name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
     return name.startswith(_VISION_PREFIXES) or ignore_mtp_layers(name, arch)
 
 
+def fused_experts_from_hf(tensors, arch):
+    """Per-expert checkpoint tensors -> the MoE module's fused expert tensors (HF names)."""
+    from miles.models.families.moe_io import fuse_experts
+
+    return fuse_experts(tensors)
+
+
+def per_expert_to_hf(tensors, arch):
+    """Fused expert tensors -> one matrix per expert, the layout checkpoints and transformers use."""
+    from miles.models.families.moe_io import split_experts
+
+    return split_experts(tensors)
+
+
 def _from_hf_tensors(tensors, arch):
     # Kimi K2.5 nests the language model under "language_model."
-    return {k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k: v for k, v in tensors.items()}
+    tensors = {k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k: v for k, v in tensors.items()}
+    return fused_experts_from_hf(tensors, arch)
 
 
 register(Family("deepseek_v3", "DeepseekV3ForCausalLM", _from_hf, _to_hf, _problems,
-                from_hf_tensors=_from_hf_tensors, ignored=_ignored, notes=NOTES))
+                to_hf_tensors=per_expert_to_hf, from_hf_tensors=_from_hf_tensors, ignored=_ignored,
+                notes=NOTES))
 # Kimi K2 / K2-Thinking config.json say model_type "kimi_k2" (remote code = DeepSeek-V3's); the
 # arch read is deepseek_v3, whose tensor hooks then apply.
-register(Family("kimi_k2", "DeepseekV3ForCausalLM", _from_hf, _to_hf, _problems, notes="read as deepseek_v3"))
+def _alias_problems(arch) -> list[str]:
+    return [f"family {arch.family} is read from checkpoints as deepseek_v3: write family: deepseek_v3"]
 
+
+register(Family("kimi_k2", "DeepseekV3ForCausalLM", _from_hf, _to_hf, _alias_problems, notes="read as deepseek_v3"))
 
 
 # -- kimi_k25: the text model of Kimi K2.5 (multimodal checkpoint) ----------------------------
 # From memory of the release (not verifiable offline): config.json has model_type "kimi_k25", the
 # DeepSeek-V3 text config nested under "text_config", language-model tensors under
 # "language_model.model.*" / "language_model.lm_head.*", and the vision tower and projector
-# beside them. The arch read from it is deepseek_v3, so the deepseek_v3 tensor hooks below strip
+# beside them. The arch read from it is deepseek_v3, so the deepseek_v3 tensor hooks above strip
 # the prefix and skip the vision tensors.
-
-_TEXT_PREFIX = "language_model."
-_VISION_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 
 
 def _k25_from_hf(d: dict[str, Any]):
@@ -246,5 +265,5 @@ def _k25_from_hf(d: dict[str, Any]):
     return get_family(text["model_type"]).from_hf_config(text)
 
 
-register(Family("kimi_k25", "DeepseekV3ForCausalLM", _k25_from_hf, _to_hf, _problems,
+register(Family("kimi_k25", "DeepseekV3ForCausalLM", _k25_from_hf, _to_hf, _alias_problems,
                 notes="text model of Kimi K2.5, read as deepseek_v3"))
