@@ -82,8 +82,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, H] -> (experts [N, k], weights [N, k] float32). Router math runs in float32
-        (as HF DeepSeek-V3 / GLM), so that bf16 weights do not flip near-tied selections."""
-        logits = F.linear(x.float(), self.weight.float())
+        (as HF DeepSeek-V3 / GLM), so that bf16 weights do not flip near-tied selections; autocast
+        is switched off here, or it would run this matmul in bf16 again."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         return route(logits, self.moe, self.e_score_correction_bias, replay)
 
 

@@ -146,3 +146,14 @@ def test_idle_params():
     total, active = param_count(arch)
     per_expert = 3 * 16 * 8
     assert total - active == arch.num_layers * (6 - 2) * per_expert
+
+
+def test_router_runs_in_float32_under_autocast():
+    layer = _randomized_moe(scoring="sigmoid", score_correction_bias=True)
+    x = torch.randn(12, 16)
+    experts, weights = layer.gate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        experts_ac, weights_ac = layer.gate(x)
+        assert layer(x[None], None).dtype == torch.float32  # fp32 weights: output keeps the input dtype
+    assert weights_ac.dtype == torch.float32
+    assert torch.equal(experts_ac, experts) and torch.equal(weights_ac, weights)
