@@ -61,6 +61,10 @@ def _from_hf(d: dict[str, Any]):
         raise ValueError(f"minimax_m2: unsupported RoPE scaling type {rope_type_of(d)!r} (plain RoPE only)")
     if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("shared_intermediate_size"):
         raise ValueError("minimax_m2: only the sigmoid router without shared experts is supported")
+    if any(kind != 1 for kind in d.get("attn_type_list") or []):
+        raise ValueError("minimax_m2: only full-attention layers (attn_type_list all 1) are supported")
+    if d.get("qk_norm_type", "per_layer") != "per_layer" or not d.get("use_qk_norm", True):
+        raise ValueError("minimax_m2: only the per_layer (full-width) QK-norm of HF MiniMaxM2 is supported")
     moe = MoEConfig(
         num_experts=d.get("num_local_experts") or d.get("num_experts") or 256,
         num_experts_per_tok=d.get("num_experts_per_tok", 8),
