@@ -4,6 +4,7 @@ DeepSeek-V3.2 and GLM-5 families through the zoo checks, and proof that the spar
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -160,3 +161,45 @@ def test_sparsity_is_active(tmp_path):
     assert max_diff(sparse_logits[:, :4], dense_logits[:, :4]) < 1e-5
     per_position = (sparse_logits - dense_logits).abs().amax(dim=(0, 2))
     assert (per_position[4:] > 1e-3).all(), per_position
+
+
+def test_deepseek_v32_with_yarn_passes_the_zoo_checks(tmp_path):
+    """YaRN as in the released model, with mscale != mscale_all_dim so that the cos / sin attention
+    factor (which the indexer's RoPE shares) and the softmax-scale correction are both not 1."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5}
+    ours = _zoo(_tiny_hf_config(glm=False, rope_parameters=yarn), tmp_path)
+    assert ours.config.rope_scaling.type == "yarn"
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_2_tiny", "glm5_tiny"])
+def test_tiny_configs_round_trip_through_transformers(name, tmp_path):
+    """The shipped tiny variants: config.json round trip, transformers loads our checkpoint with the
+    same logits (GLM's shared-index layer included), decode equals forward. Exact index-score ties at
+    the top-k cut (keys whose indexer heads the ReLU all zeroes) are broken earliest-first here and
+    arbitrarily by transformers' torch.topk; with 8 indexer heads and these seeds there are none."""
+    from omegaconf import OmegaConf
+
+    from miles.config.schema import ModelCfg
+    from miles.models import CausalLM, from_hf_config
+
+    conf = Path(__file__).resolve().parents[3] / "conf" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(conf)))
+    arch = cfg.arch(64)
+    assert from_hf_config(arch.to_hf_config()) == arch
+    assert arch.dsa.index_topk < 12  # below the lengths checked here: the sparsity is active
+    model = CausalLM(arch, seed=0)
+    randomize(model, seed=3)
+    check_transformers_loads_ours(model, tmp_path)
+    check_decode_matches_forward(model, prompt_lens=(5, 9, 12), new_tokens=3)
+
+
+@torch.no_grad()
+def test_decode_matches_forward_when_every_index_score_ties(tmp_path):
+    """All indexer scores exactly 0 (wq_b zeroed): every cut is a tie. torch.topk would pick different
+    keys for rows of different lengths (padded prefill, decode steps); topk_keep's earliest-first
+    rule picks the same ones on every path, so decoding still equals the full forward."""
+    ours = check_loads_transformers_checkpoint(tiny_hf_model(_tiny_hf_config(glm=False)), tmp_path)
+    for layer in ours.layers:
+        layer.self_attn.indexer.wq_b.weight.zero_()
+    check_decode_matches_forward(ours, prompt_lens=(3, 6, 9), new_tokens=4)
