@@ -4,6 +4,7 @@
     python launch.py algo=sft steps=300                # train the base policy
     python launch.py -m trainer.lr=1e-4,3e-4 steps=2   # a sweep: one MLflow parent run, a child per job
     python launch.py --cfg job                         # print the composed config
+    python launch.py model=kimi_k2 hardware=h200 dry_run=true  # memory plan only: exit 0 fits, 3 refused
 """
 
 import os
@@ -22,6 +23,7 @@ register_configs()
 @hydra.main(config_path=str(Path(__file__).parent / "conf"), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     from miles.config.validate import check
+    from miles.hardware import check_plan
     from miles.orchestrate.run import run
 
     # Raised here, a user mistake would reach Hydra's job runner, which adds its own error line.
@@ -30,6 +32,9 @@ def main(dcfg: DictConfig) -> float:
         dcfg.output_dir = hydra_cfg.runtime.output_dir
         cfg = OmegaConf.to_object(dcfg)  # typed dataclasses from here on
         check(cfg)  # every cross-field problem at once
+        check_plan(cfg)  # memory per device under the chosen layout; exit 3 if it cannot fit
+        if cfg.dry_run:
+            return 0.0
         resolved = OmegaConf.to_yaml(dcfg, resolve=True)
         return run(cfg, cfg.output_dir, list(hydra_cfg.overrides.task), resolved)
 

@@ -66,11 +66,19 @@ def user_error_message(ex: BaseException) -> str | None:
     return None
 
 
+class PlanRefused(Exception):
+    """The memory plan does not fit (the table is already printed): exit code 3."""
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
-    """Print a user mistake as `error: ...` and exit 2; let anything else propagate."""
+    """Print a user mistake as `error: ...` and exit 2 (3 for a refused memory plan); let anything
+    else propagate."""
     try:
         yield
+    except PlanRefused as ex:
+        print(f"error: {ex}", file=sys.stderr)
+        raise SystemExit(3) from None
     except Exception as ex:
         message = user_error_message(ex)
         if message is None:

@@ -37,6 +37,12 @@ class AlgoName(str, Enum):
     sft = "sft"
 
 
+class Quant(str, Enum):
+    none = "none"
+    fp8 = "fp8"  # e4m3, 128x128 weight blocks / 1x128 activation tiles (DeepSeek-V3, SGLang)
+    int4 = "int4"  # W4A16 symmetric group quantization
+
+
 class TaskKind(str, Enum):
     arithmetic = "arithmetic"  # built-in synthetic task (seeded, exact-match reward, held-out split)
     file = "file"  # user prompt data in JSONL / Parquet
@@ -89,6 +95,12 @@ class PrecisionCfg:
     name: str = MISSING
     train_dtype: DType = DType.fp32
     rollout_dtype: DType = DType.fp32
+    train_quant: Quant = Quant.none
+    rollout_quant: Quant = Quant.none
+    int4_group_size: int = 128
+    keep_high_precision: List[str] = field(default_factory=lambda: ["embed_tokens", "lm_head", "mlp.gate."])
+    keep_first_layers: int = 0
+    keep_last_layers: int = 0
 
 
 @dataclass
@@ -98,6 +110,15 @@ class HardwareCfg:
     num_nodes: int = 1
     gpus_per_node: int = 0
     cpu_threads: int = 2
+    memory_gb: float = 0.0  # per GPU; 0 on the CPU profile: this machine's RAM
+    host_memory_gb: float = 0.0  # CPU RAM per node (offload target); 0: this machine's RAM
+    intra_node_gbps: float = 0.0
+    inter_node_gbps: float = 0.0
+    peak_tflops_bf16: float = 0.0
+    peak_tflops_fp8: float = 0.0
+    peak_tflops_fp4: float = 0.0
+    precisions: List[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    memory_margin: float = 0.1
 
 
 @dataclass
@@ -126,6 +147,10 @@ class RolloutCfg:
     top_k: int = 0
     stop_tokens: List[str] = field(default_factory=list)
     check_weight_sync: bool = True
+    max_prompt_len: int = 64
+    num_gpus_per_engine: int = 0
+    colocate: bool = True
+    num_gpus: int = 0
 
 
 @dataclass
@@ -138,6 +163,12 @@ class TrainerCfg:
     global_batch_size: int = 512
     micro_batch_size: int = 128
     grad_clip: float = 1.0
+    tp: int = 0
+    pp: int = 0
+    ep: int = 0
+    cp: int = 1
+    recompute: bool = False
+    offload_optimizer: Optional[bool] = None
 
 
 @dataclass
@@ -188,4 +219,5 @@ class RunCfg:
     ray: RayCfg = field(default_factory=RayCfg)
     steps: int = 200
     seed: int = 0
+    dry_run: bool = False
     output_dir: Optional[str] = None  # filled by launch.py from Hydra's run dir

@@ -25,25 +25,6 @@ def _positive(problems: list[str], **values: float) -> None:
             problems.append(f"{key} must be > 0 (got {value})")
 
 
-# fp32 weights + gradients + two AdamW moments in the trainer, and the rollout engine's own copy.
-_CPU_BYTES_PER_PARAM = 4 + 4 + 8 + 4
-
-
-def _cpu_memory_problems(m) -> list[str]:
-    """Refuse, before anything is allocated, a model whose training state cannot fit this machine's RAM."""
-    import os
-
-    from miles.models import param_count
-
-    total, _ = param_count(m.arch(m.vocab_size or 1))
-    need, have = total * _CPU_BYTES_PER_PARAM, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need <= have:
-        return []
-    return [f"model={m.name} has {total / 1e9:.1f}B parameters: training on hardware=cpu needs about "
-            f"{need / 2**30:,.0f} GiB, this machine has {have / 2**30:,.0f} GiB; pick a *_tiny model "
-            "config (docs/models.md) or a GPU hardware profile"]
-
-
 def validate(cfg: RunCfg) -> list[str]:
     from miles.algo.corrections import LEVELS
     from miles.algo.losses import AGG_MODES
@@ -153,8 +134,9 @@ def validate(cfg: RunCfg) -> list[str]:
         )
         if not problems:
             problems += [f"model.{p}" if not p.startswith("model.") else p for p in m.problems()]
-        if not problems and cfg.hardware.device == "cpu":
-            problems += _cpu_memory_problems(m)
+    from miles.hardware.planner import precision_problems
+
+    problems += precision_problems(cfg.precision, cfg.hardware)
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     return problems

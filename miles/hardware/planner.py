@@ -1,0 +1,300 @@
+"""Memory planner: does this run fit, per GPU, under which parallel layout — decided before launch.
+
+    plan = make_plan(cfg)       # RunCfg -> Plan (layout chosen automatically where not given)
+    plan.fits, plan.problems, plan.suggestions
+
+Training is modelled as Megatron-style mixed precision with a distributed optimizer: dense weights
+sharded by TP x PP, routed experts by EP x PP, AdamW state sharded over the data-parallel replicas
+(or offloaded to host memory), activations per micro-batch (Korthikanti et al. 2022: 34 bytes x
+hidden per token and layer with sequence parallelism and flash attention; only the layer inputs
+are kept with recomputation) plus fp32 logits. Rollout: each engine of `num_gpus_per_engine` GPUs
+holds all weights in the recipe's rollout format, a fixed workspace, and a KV cache for as many
+sequences as fit. Colocated, the two phases take turns on the same GPUs (the idle side is
+offloaded to host memory), so a GPU must hold the larger of the two; disaggregated, each side has
+its own GPUs. On the CPU profile both live in the same RAM at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from miles.config.schema import AlgoName, HardwareCfg, PrecisionCfg, Quant, RunCfg
+from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
+                                      rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
+
+GB = 1e9
+ACT_BYTES_PER_HIDDEN = 34  # per token and layer, bf16, sequence parallel, flash attention
+ROLLOUT_WORKSPACE_GB = {"cuda": 4.0, "cpu": 0.5}  # decode activations, sampling buffers, CUDA graphs
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    offload: bool = False
+
+    def describe(self, gpus: int) -> str:
+        dp = gpus // (self.tp * self.pp * self.cp)
+        text = f"TP={self.tp} PP={self.pp} EP={self.ep} CP={self.cp} DP={dp}"
+        return text + (", optimizer offloaded to host" if self.offload else "")
+
+
+@dataclass
+class Plan:
+    fits: bool
+    gpus: int  # devices in the job (1 on the CPU profile)
+    capacity: float  # usable bytes per device (memory minus the margin)
+    train_gpus: int
+    rollout_gpus: int
+    layout: TrainLayout
+    train: dict[str, float]  # bytes per device by item
+    gpus_per_engine: int
+    rollout: dict[str, float]
+    kv_sequences: int  # sequences one engine's KV cache holds
+    sequences_per_engine: int  # sequences one engine must generate per step
+    colocated: bool
+    host_needed: float = 0.0  # bytes per node of host memory the plan needs
+    host_capacity: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def train_total(self) -> float:
+        return sum(self.train.values())
+
+    @property
+    def rollout_total(self) -> float:
+        return sum(self.rollout.values())
+
+
+def _machine_ram() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _device_memory(hw: HardwareCfg) -> float:
+    return hw.memory_gb * GB if hw.device != "cpu" else (hw.memory_gb * GB or _machine_ram())
+
+
+def model_arch(cfg: RunCfg):
+    """The architecture the run will build: the checkpoint's config.json when one is given."""
+    if cfg.model.hf_checkpoint:
+        from miles.models import from_hf_config
+
+        return from_hf_config(json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text()))
+    return cfg.model.arch(cfg.model.vocab_size or 1)
+
+
+def _seq_len(cfg: RunCfg) -> int:
+    return cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int) -> dict[str, float]:
+    """Bytes per training device under `layout` on `gpus` devices."""
+    arch, t, p = model_arch(cfg), cfg.trainer, cfg.precision
+    w, g, o = train_bytes_per_param(p)
+    tp, pp, ep, cp = layout.tp, layout.pp, layout.ep, layout.cp
+    # With PP the embedding sits on the first stage and the head on the last: a stage holds one of them.
+    embed = groups.embed / tp / (2 if pp > 1 and not arch.tie_word_embeddings else 1)
+    dense, routed = groups.dense / (tp * pp), groups.routed / (ep * pp)
+    dp_dense, dp_expert = gpus // (tp * pp * cp), gpus // (ep * pp)
+    optimizer = (embed + dense) * o / dp_dense + routed * o / dp_expert
+    stage_layers = math.ceil(arch.num_layers / pp)
+    tokens = t.micro_batch_size * _seq_len(cfg) / cp
+    act_scale = DTYPE_BYTES[p.train_dtype] / 2  # the constant is for 2-byte activations
+    per_layer = tokens * arch.hidden_size * ACT_BYTES_PER_HIDDEN * act_scale / tp
+    if t.recompute:  # keep each layer's input, recompute one layer at a time in backward
+        layers_act = stage_layers * tokens * arch.hidden_size * 2 * act_scale / tp + per_layer
+    else:
+        layers_act = stage_layers * per_layer
+    usage = {
+        "weights": (embed + dense + routed) * w,
+        "gradients": (embed + dense + routed) * g,
+        "optimizer": 0.0 if layout.offload else optimizer,
+        # 1F1B: the first stage holds up to PP micro-batches in flight.
+        "activations": layers_act * min(pp, max(1, t.global_batch_size // t.micro_batch_size)),
+        "logits": tokens * arch.vocab_size * 4 * 2 / tp,  # fp32 logits and their gradient
+    }
+    if cfg.algo.kl_coef > 0:  # frozen reference policy, sharded like the weights
+        usage["reference"] = (embed + dense + routed) * w
+    if cfg.algo.name == getattr(AlgoName, "ppo", None):  # the critic: a second trained model
+        usage["critic"] = usage["weights"] + usage["gradients"] + usage["optimizer"]
+    return usage
+
+
+def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capacity: float
+                  ) -> tuple[dict[str, float], int, float]:
+    """(bytes per rollout device by item, sequences the KV cache holds, KV bytes per sequence
+    per device). The KV cache gets what weights and workspace leave of `capacity`."""
+    arch, hw = model_arch(cfg), cfg.hardware
+    weights = rollout_weight_bytes(groups, cfg.precision) / gpus_per_engine
+    workspace = ROLLOUT_WORKSPACE_GB["cpu" if hw.device == "cpu" else "cuda"] * GB
+    kv_dtype = DTYPE_BYTES[cfg.precision.rollout_dtype]
+    per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
+    free = capacity - weights - workspace
+    kv_sequences = max(0, int(free // per_seq)) if per_seq else 0
+    return {"weights": weights, "workspace": workspace}, kv_sequences, per_seq
+
+
+def _layout_candidates(cfg: RunCfg, gpus: int) -> list[TrainLayout]:
+    arch, t, hw = model_arch(cfg), cfg.trainer, cfg.hardware
+    per_node = max(1, hw.gpus_per_node)
+    powers = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    tps = [t.tp] if t.tp else [x for x in powers if x <= per_node and arch.num_heads % x == 0]
+    pps = [t.pp] if t.pp else [x for x in powers if x <= arch.num_layers]
+    experts = arch.moe.num_experts if arch.moe else 1
+    eps = [t.ep] if t.ep else [x for x in powers if x <= experts and experts % x == 0]
+    offloads = [t.offload_optimizer] if t.offload_optimizer is not None else [False, True]
+    out = []
+    for tp, pp, ep, offload in itertools.product(tps, pps, eps, offloads):
+        if gpus % (tp * pp * t.cp) == 0 and gpus % (ep * pp) == 0:
+            out.append(TrainLayout(tp, pp, ep, t.cp, offload))
+    return out
+
+
+def host_bytes_per_node(cfg: RunCfg, usage: dict[str, float], layout: TrainLayout, gpus: int,
+                        colocated: bool) -> float:
+    """Host memory a node needs: colocated, the trainer's persistent state (weights, optimizer,
+    reference, critic; gradients are rebuilt every step) waits there during rollout; an offloaded
+    optimizer lives there always."""
+    per_gpu = sum(usage.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic")) if colocated else 0.0
+    if layout.offload:
+        per_gpu += _optimizer_bytes(cfg, layout, gpus)
+    return per_gpu * max(1, cfg.hardware.gpus_per_node)
+
+
+def _optimizer_bytes(cfg: RunCfg, layout: TrainLayout, gpus: int) -> float:
+    groups = param_groups(model_arch(cfg), cfg.precision)
+    return train_usage(cfg, groups, replace(layout, offload=False), gpus)["optimizer"]
+
+
+def _choose_layout(cfg, groups, gpus, capacity, host_capacity, colocated) -> tuple[TrainLayout, dict[str, float], bool]:
+    """The fitting layout with the least model parallelism (no offload first, then the smallest
+    TP x PP, then the least memory); the least-memory layout when none fits."""
+    scored = []
+    for layout in _layout_candidates(cfg, gpus):
+        usage = train_usage(cfg, groups, layout, gpus)
+        host = host_bytes_per_node(cfg, usage, layout, gpus, colocated)
+        scored.append((layout, usage, sum(usage.values()), host))
+    if not scored:
+        return TrainLayout(max(1, cfg.trainer.tp), max(1, cfg.trainer.pp), max(1, cfg.trainer.ep)), {}, False
+    fitting = [s for s in scored if s[2] <= capacity and (not host_capacity or s[3] <= host_capacity)]
+    if fitting:
+        layout, usage, _, _ = min(fitting, key=lambda s: (s[0].offload, s[0].tp * s[0].pp, s[2]))
+        return layout, usage, True
+    layout, usage, _, _ = min(scored, key=lambda s: (s[2] > capacity, s[2]))
+    return layout, usage, False
+
+
+def _engine_candidates(cfg: RunCfg, rollout_gpus: int) -> list[int]:
+    if cfg.rollout.num_gpus_per_engine:
+        return [cfg.rollout.num_gpus_per_engine]
+    return [g for g in (1, 2, 4, 8, 16, 32, 64, 128) if g <= rollout_gpus and rollout_gpus % g == 0]
+
+
+def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
+    hw, r = cfg.hardware, cfg.rollout
+    groups = param_groups(model_arch(cfg), cfg.precision)
+    on_cpu = hw.device == "cpu"
+    gpus = 1 if on_cpu else hw.num_nodes * hw.gpus_per_node
+    capacity = _device_memory(hw) * (1 - hw.memory_margin)
+    colocated = on_cpu or r.colocate
+    rollout_gpus = gpus if colocated else (r.num_gpus or gpus // 2)
+    train_gpus = gpus if colocated else gpus - rollout_gpus
+    problems: list[str] = []
+    if train_gpus < 1 or rollout_gpus < 1:
+        problems.append(f"rollout.num_gpus={rollout_gpus} leaves {train_gpus} GPUs for training; "
+                        f"disaggregated runs need both sides")
+        train_gpus, rollout_gpus = max(1, train_gpus), max(1, rollout_gpus)
+
+    sequences = r.batch_size * r.n_samples_per_prompt
+    engine_options = []
+    for g in _engine_candidates(cfg, rollout_gpus):
+        usage, kv_seqs, _ = rollout_usage(cfg, groups, g, capacity)
+        engine_options.append((g, usage, kv_seqs, math.ceil(sequences / max(1, rollout_gpus // g))))
+    if rollout_gpus % engine_options[0][0]:
+        problems.append(f"rollout.num_gpus_per_engine={engine_options[0][0]} must divide the {rollout_gpus} rollout GPUs")
+    # Smallest engine whose KV cache holds its whole share of the batch, else the smallest that
+    # holds at least one sequence, else (refused) the one asked for / the largest.
+    full = [o for o in engine_options if o[2] >= o[3]]
+    some = [o for o in engine_options if o[2] >= 1]
+    g, rollout, kv_seqs, per_engine = (full or some or engine_options[-1:])[0]
+
+    if on_cpu:
+        # One process pair shares the RAM: no offload, both sides resident together.
+        layout = TrainLayout()
+        train = train_usage(cfg, groups, layout, 1)
+        rollout_cap = capacity - sum(train.values())
+        rollout, kv_seqs, _ = rollout_usage(cfg, groups, 1, rollout_cap)
+    else:
+        host_capacity = hw.host_memory_gb * GB * (1 - hw.memory_margin)
+        layout, train, _ = _choose_layout(cfg, groups, train_gpus, capacity, host_capacity, colocated)
+    plan = Plan(False, gpus, capacity, train_gpus, rollout_gpus, layout, train, g, rollout, kv_seqs,
+                per_engine, colocated, problems=problems)
+    if on_cpu and plan.train_total + plan.rollout_total > capacity or not on_cpu and plan.train_total > capacity:
+        need = plan.train_total + (plan.rollout_total if on_cpu else 0)
+        where = "this machine's RAM" if on_cpu else f"one of {train_gpus} GPUs at the best layout ({layout.describe(train_gpus)})"
+        problems.append(f"training state does not fit: {need / GB:,.1f} GB needed on {where}, "
+                        f"{capacity / GB:,.1f} GB usable")
+    if kv_seqs < 1:
+        unit = ("device" if on_cpu else "GPU") + ("s" if g > 1 else "")
+        problems.append(f"one rollout engine's weights do not fit {g} {unit}: "
+                        f"{plan.rollout_total * g / GB:,.1f} GB of weights + workspace, "
+                        f"{capacity * g / GB:,.1f} GB usable, no room left for a KV cache")
+    if not on_cpu:
+        plan.host_needed = host_bytes_per_node(cfg, train, layout, train_gpus, colocated)
+        plan.host_capacity = host_capacity
+        if hw.host_memory_gb and plan.host_needed > plan.host_capacity:
+            problems.append(f"host memory per node: {plan.host_needed / GB:,.0f} GB needed for offloaded "
+                            f"state, {plan.host_capacity / GB:,.0f} GB usable")
+    plan.fits = not problems
+    if not plan.fits and suggest:
+        plan.suggestions = _suggestions(cfg, plan)
+    return plan
+
+
+def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
+    """What to change: the smallest engine or node count that fits, or a lighter rollout format."""
+    out = []
+    hw = cfg.hardware
+    if plan.kv_sequences < 1 and hw.device != "cpu":
+        groups = param_groups(model_arch(cfg), cfg.precision)
+        for g in (2, 4, 8, 16, 32, 64, 128):
+            if g > plan.gpus_per_engine and plan.rollout_gpus % g == 0:
+                if rollout_usage(cfg, groups, g, plan.capacity)[1] >= 1:
+                    out.append(f"rollout.num_gpus_per_engine={g} (the smallest engine that holds the weights)")
+                    break
+        for recipe, quant in (("fp8", Quant.fp8), ("int4_qat", Quant.int4)):
+            if cfg.precision.rollout_quant != quant:
+                lighter = replace(cfg, precision=replace(cfg.precision, rollout_quant=quant))
+                groups = param_groups(model_arch(lighter), lighter.precision)
+                if rollout_usage(lighter, groups, plan.gpus_per_engine, plan.capacity)[1] >= 1:
+                    out.append(f"precision={recipe} (its rollout weights fit the same engine)")
+    if any(p.startswith("training state") for p in plan.problems):
+        if hw.device == "cpu":
+            out.append("a *_tiny model config (docs/models.md) or a GPU hardware profile")
+        else:
+            for nodes in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+                if nodes > hw.num_nodes:
+                    bigger = replace(cfg, hardware=replace(hw, num_nodes=nodes))
+                    if make_plan(bigger, suggest=False).fits:
+                        out.append(f"hardware.num_nodes={nodes} (the smallest power of two that fits)")
+                        break
+    return out
+
+
+def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
+    """A recipe needs every number format it uses to be supported by the hardware profile."""
+    needed = {precision.train_dtype.value, precision.rollout_dtype.value,
+              precision.train_quant.value, precision.rollout_quant.value} - {"none"}
+    missing = sorted(needed - set(hw.precisions))
+    if missing:
+        return [f"precision={precision.name} uses {', '.join(missing)}, which hardware={hw.name} does not "
+                f"support (it runs {', '.join(hw.precisions)}); pick another precision recipe or hardware profile"]
+    return []

@@ -1,0 +1,58 @@
+"""The planner's answer as a table: per-device memory of each side, the layout, and the verdict."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from miles.config.schema import RunCfg
+from miles.hardware.planner import GB, Plan
+
+
+def plan_table(cfg: RunCfg, plan: Plan) -> Table:
+    hw, device = cfg.hardware, "device" if cfg.hardware.device == "cpu" else "GPU"
+    verdict = "[green]fits[/green]" if plan.fits else "[red]refused[/red]"
+    title = (f"Memory plan: model={cfg.model.name} precision={cfg.precision.name} hardware={hw.name} "
+             f"({plan.gpus} {device}{'s' if plan.gpus > 1 else ''}, {plan.capacity / GB:,.1f} GB usable each "
+             f"after a {hw.memory_margin:.0%} margin): {verdict}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("side")
+    table.add_column("item")
+    table.add_column(f"GB per {device}", justify="right")
+    table.add_column("how")
+    layout = plan.layout.describe(plan.train_gpus) if hw.device != "cpu" else "single process"
+    how = {"weights": f"{cfg.precision.train_dtype.value} compute copy; {layout}",
+           "gradients": "fp32 accumulation",
+           "optimizer": "AdamW moments (+ fp32 master), sharded over data parallel",
+           "activations": f"micro-batch {cfg.trainer.micro_batch_size} x "
+                          f"{cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens} tokens"
+                          + (", recomputed" if cfg.trainer.recompute else ""),
+           "logits": "fp32 logits and their gradient",
+           "reference": "frozen reference policy (algo.kl_coef > 0)",
+           "critic": "value model: weights, gradients, optimizer"}
+    for item, value in plan.train.items():
+        table.add_row("train", item, f"{value / GB:,.2f}", how.get(item, ""))
+    table.add_row("train", "[bold]total[/bold]", f"[bold]{plan.train_total / GB:,.2f}[/bold]",
+                  f"on {plan.train_gpus} {device}s" if hw.device != "cpu" else "")
+    quant = cfg.precision.rollout_quant.value
+    fmt = cfg.precision.rollout_dtype.value if quant == "none" else f"{quant} (+ scales)"
+    engines = max(1, plan.rollout_gpus // plan.gpus_per_engine)
+    table.add_row("rollout", "weights", f"{plan.rollout['weights'] / GB:,.2f}",
+                  f"{fmt}; {engines} engine(s) x {plan.gpus_per_engine} {device}(s)")
+    table.add_row("rollout", "workspace", f"{plan.rollout['workspace'] / GB:,.2f}", "decode activations, buffers")
+    kv_note = (f"holds {plan.kv_sequences:,} sequences of "
+               f"{cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens} tokens; "
+               f"{plan.sequences_per_engine:,} per engine per step")
+    if 0 < plan.kv_sequences < plan.sequences_per_engine:
+        kv_note += " (generated in waves)"
+    table.add_row("rollout", "KV cache", "rest", kv_note)
+    mode = ("colocated: the sides take turns, the idle one offloaded" if plan.colocated and hw.device != "cpu"
+            else "same RAM, both resident" if hw.device == "cpu" else
+            f"disaggregated: {plan.train_gpus} train + {plan.rollout_gpus} rollout GPUs")
+    table.caption = mode
+    if plan.host_needed:
+        table.caption += f"; host memory per node {plan.host_needed / GB:,.0f} GB"
+    for problem in plan.problems:
+        table.add_row("[red]refused[/red]", "", "", problem)
+    for suggestion in plan.suggestions:
+        table.add_row("[yellow]change[/yellow]", "", "", suggestion)
+    return table

@@ -1,0 +1,83 @@
+"""Planner figures against hand-computed values on a small case, layout choice, refusals."""
+
+import pytest
+
+from miles.config.validate import validate
+from miles.hardware.footprint import kv_bytes_per_token, param_groups
+from miles.hardware.planner import TrainLayout, make_plan, rollout_usage, train_usage
+
+# qwen3_tiny with a 100-token vocabulary: embed 100 x 128 (tied) = 12,800; per layer q 128x128,
+# k and v 128x64 each, o 128x128, q/k norms 32 each, MLP 3 x 128x384, two layer norms 128 each
+# = 196,928; 3 layers + final norm 128 -> 603,712 parameters.
+TINY = ["model.vocab_size=100", "precision=bf16", "hardware=h100"]
+TOTAL, EMBED = 603_712, 12_800
+
+
+def test_param_groups_by_hand(compose):
+    cfg = compose(TINY)
+    groups = param_groups(cfg.model.arch(100), cfg.precision)
+    assert (groups.total, groups.embed, groups.routed) == (TOTAL, EMBED, 0)
+    # quantizable: the >= 2-D weights of the decoder layers = total - embedding - norms
+    assert groups.quantizable == TOTAL - EMBED - 3 * (32 + 32 + 128 + 128) - 128
+
+
+def test_train_usage_by_hand(compose):
+    cfg = compose(TINY)
+    groups = param_groups(cfg.model.arch(100), cfg.precision)
+    usage = train_usage(cfg, groups, TrainLayout(tp=2, pp=1, ep=1), gpus=8)
+    per_gpu = EMBED / 2 + (TOTAL - EMBED) / 2  # TP=2 shards everything, PP=1
+    assert usage["weights"] == per_gpu * 2  # bf16 compute copy
+    assert usage["gradients"] == per_gpu * 4  # fp32 accumulation
+    assert usage["optimizer"] == per_gpu * 12 / 4  # fp32 master + 2 moments over DP = 8 / 2
+    tokens = 128 * (64 + 8)  # micro-batch x (max_prompt_len + max_new_tokens)
+    assert usage["activations"] == 3 * tokens * 128 * 34 / 2
+    assert usage["logits"] == tokens * 100 * 4 * 2 / 2
+
+
+def test_rollout_usage_and_kv_by_hand(compose):
+    cfg = compose(TINY)
+    arch = cfg.model.arch(100)
+    assert kv_bytes_per_token(arch) == 3 * 2 * 2 * 32 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    groups = param_groups(arch, cfg.precision)
+    usage, kv_seqs, per_seq = rollout_usage(cfg, groups, gpus_per_engine=2, capacity=10e9)
+    assert usage["weights"] == TOTAL * 2 / 2
+    assert per_seq == 768 * 72 / 2
+    assert kv_seqs == int((10e9 - TOTAL - 4e9) // per_seq)
+
+
+def test_int4_and_fp8_rollout_weights(compose):
+    cfg = compose(TINY + ["precision.rollout_quant=int4", "precision.int4_group_size=32"])
+    groups = param_groups(cfg.model.arch(100), cfg.precision)
+    usage, _, _ = rollout_usage(cfg, groups, 1, 10e9)
+    assert usage["weights"] == pytest.approx(groups.kept * 2 + groups.quantizable * (0.5 + 2 / 32))
+    cfg = compose(TINY + ["precision.rollout_quant=fp8"])
+    usage, _, _ = rollout_usage(cfg, groups, 1, 10e9)
+    assert usage["weights"] == pytest.approx(groups.kept * 2 + groups.quantizable * (1 + 4 / 128**2))
+
+
+def test_small_model_picks_pure_data_parallel(compose):
+    plan = make_plan(compose(TINY))
+    assert plan.fits and plan.layout == TrainLayout(1, 1, 1, 1, False) and plan.gpus_per_engine == 1
+
+
+def test_big_dense_model_needs_model_parallelism_on_one_node(compose):
+    plan = make_plan(compose(["model=qwen3_32b", "precision=bf16", "hardware=h100"]))
+    assert plan.fits
+    assert plan.layout.tp * plan.layout.pp > 1 or plan.layout.offload
+    assert plan.train_total <= plan.capacity and plan.kv_sequences >= 1
+
+
+def test_pinned_layout_that_cannot_fit_is_refused_with_a_fix(compose):
+    # fp32: 131 GB of rollout weights on one 80 GB GPU; unsharded training state on each GPU.
+    plan = make_plan(compose(["model=qwen3_32b", "precision=fp32", "hardware=h100", "trainer.tp=1", "trainer.pp=1",
+                              "trainer.offload_optimizer=false", "rollout.num_gpus_per_engine=1"]))
+    assert not plan.fits
+    assert any("one rollout engine's weights do not fit 1 GPU" in p for p in plan.problems)
+    assert any(p.startswith("training state does not fit") for p in plan.problems)
+    assert any(s.startswith("rollout.num_gpus_per_engine=2") for s in plan.suggestions)
+
+
+def test_unsupported_number_format_is_a_config_error(compose):
+    problems = validate(compose(["precision=bf16", "hardware=h100", "hardware.precisions=[fp32]"]))
+    assert problems == ["precision=bf16 uses bf16, which hardware=h100 does not support (it runs fp32); "
+                        "pick another precision recipe or hardware profile"]
