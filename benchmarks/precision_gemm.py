@@ -1,0 +1,295 @@
+"""FP8 blockwise GEMM and INT4 W4A16 against BF16 on real layer shapes, and CPU/GPU quantizer agreement.
+
+    python benchmarks/precision_gemm.py                       # needs a CUDA GPU (Hopper for scaled_mm)
+    python benchmarks/precision_gemm.py --tokens 4096 --json out.json
+
+Imports only torch and miles.precision (GPU machines may lack Hydra, Ray, MLflow). One run prints, side
+by side for every (projection, token count):
+- bf16: F.linear in bf16 (cuBLAS), the baseline;
+- fp8 GEMM: the bare torch._scaled_mm call with DeepSeek-style scales (activations 1x128 already
+  quantized, weight already laid out): the kernel alone;
+- fp8 act quant + GEMM: fp8_linear_prepared, what an engine holding prepared weights runs per call
+  (activation quantization in plain torch ops, then the kernel); the act quant time alone is listed;
+  fp8_linear, which also lays the weight out on every call, is in the JSON;
+- int4: int4_linear (unpack + dequantize in torch ops, then a bf16 GEMM) and its dequantization alone;
+with speed-ups = bf16 time / time, relative errors against an fp32 GEMM of the same bf16 inputs, and
+then the bitwise comparison of the quantizers' outputs (fp8 q bytes + scales, int4 packed bytes +
+scales, dequantized weights) computed on the CPU and on the GPU from the same weights.
+
+Timing: CUDA events around each call, warm-up first, the median of --iters calls. TF32 is off so the
+fp32 references are fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from miles.precision import (  # noqa: E402
+    dequantize_fp8_weight,
+    dequantize_int4,
+    fp8_backend_report,
+    fp8_linear,
+    fp8_linear_prepared,
+    int4_linear,
+    pack_int4,
+    prepare_scaled_mm_weight,
+    quantize_act_for_scaled_mm,
+    quantize_fp8_act,
+    quantize_fp8_weight,
+    quantize_int4,
+    resolve_fp8_backend,
+    scaled_mm_gemm,
+)
+
+# (model, projection, N = out features, K = in features), from the published configs.
+SHAPES = [
+    ("Qwen3-30B-A3B", "q_proj (32x128)", 4096, 2048),
+    ("Qwen3-30B-A3B", "k/v_proj (4x128)", 512, 2048),
+    ("Qwen3-30B-A3B", "o_proj", 2048, 4096),
+    ("Qwen3-30B-A3B", "expert gate/up", 768, 2048),
+    ("Qwen3-30B-A3B", "expert down", 2048, 768),
+    ("DeepSeek-V3", "q_a_proj", 1536, 7168),
+    ("DeepSeek-V3", "kv_a_proj_with_mqa", 576, 7168),
+    ("DeepSeek-V3", "o_proj (128x128)", 7168, 16384),
+    ("DeepSeek-V3", "expert gate/up", 2048, 7168),
+    ("DeepSeek-V3", "expert down", 7168, 2048),
+    ("DeepSeek-V3", "dense gate/up", 18432, 7168),
+    ("DeepSeek-V3", "dense down", 7168, 18432),
+]
+BITWISE_ROWS = 2048  # row blocks quantize independently, so the first 2048 rows are a faithful sample
+
+
+def weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 [n, k], Gaussian with per-128x128-block magnitudes spread over 2^-4..2^4 (made on the CPU,
+    so the CPU and GPU quantizers see the same bits)."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-4, 5, (-(-n // 128), -(-k // 128)), generator=g).float())
+    mag = mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return (torch.randn(n, k, generator=g) * 0.02 * mag).to(torch.bfloat16)
+
+
+def cuda_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(start, end):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref).norm() / ref.norm()).item()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def bench_gemms(args, dev) -> list[dict]:
+    rows = []
+    fp8_ok = fp8_backend_report(dev)["scaled_mm"].startswith("ok")
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        w = weight(n, k, seed=i).to(dev)
+        q_w, s_w = quantize_fp8_weight(w)
+        prepared = prepare_scaled_mm_weight(q_w, s_w) if fp8_ok else None
+        q4, s4 = quantize_int4(w, 128)
+        p4 = pack_int4(q4)
+        for m in args.tokens:
+            g = torch.Generator(device=dev).manual_seed(1000 + i)
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            flop = 2.0 * m * n * k
+            row = {"model": model, "projection": proj, "N": n, "K": k, "M": m}
+            row["bf16_ms"] = cuda_ms(lambda: F.linear(x, w), args.warmup, args.iters)
+            if fp8_ok:
+                xq, xs = quantize_act_for_scaled_mm(x, prepared.q.shape[1])
+                row["fp8_gemm_ms"] = cuda_ms(lambda: scaled_mm_gemm(xq, xs, prepared, torch.bfloat16),
+                                             args.warmup, args.iters)
+                row["fp8_engine_ms"] = cuda_ms(lambda: fp8_linear_prepared(x, prepared), args.warmup, args.iters)
+                row["fp8_linear_ms"] = cuda_ms(lambda: fp8_linear(x, q_w, s_w, backend="scaled_mm"),
+                                               args.warmup, args.iters)
+                row["act_quant_ms"] = cuda_ms(lambda: quantize_act_for_scaled_mm(x, prepared.q.shape[1]),
+                                              args.warmup, args.iters)
+            row["int4_ms"] = cuda_ms(lambda: int4_linear(x, p4, s4, 128), args.warmup, args.iters)
+            row["int4_dequant_ms"] = cuda_ms(lambda: dequantize_int4(p4, s4, 128, k=k, dtype=torch.bfloat16),
+                                             args.warmup, args.iters)
+            for key in [c for c in row if c.endswith("_ms")]:
+                row[key.replace("_ms", "_tflops")] = flop / (row[key] * 1e-3) / 1e12
+            if m == args.tokens[0]:  # accuracy once per shape: fp32 references are slow
+                ref = F.linear(x.float(), w.float())
+                row["bf16_err"] = rel(F.linear(x, w), ref)
+                emu = fp8_linear(x, q_w, s_w, backend="emulated", out_dtype=torch.float32)
+                row["fp8_quant_err"] = rel(emu, ref)
+                if fp8_ok:
+                    y8 = fp8_linear(x, q_w, s_w, backend="scaled_mm")
+                    row["fp8_kernel_vs_emulated"] = rel(y8, emu)
+                    row["fp8_err"] = rel(y8, ref)
+                row["int4_err"] = rel(int4_linear(x, p4, s4, 128), ref)
+                del ref, emu
+            rows.append(row)
+            r = row
+            print(f"  {model:14s} {proj:20s} M={m:6d} bf16 {r['bf16_ms']:8.3f} ms"
+                  + (f"  fp8 gemm {r['fp8_gemm_ms']:8.3f} ms ({r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x)"
+                     f"  fp8 act quant + GEMM {r['fp8_engine_ms']:8.3f} ms" if fp8_ok else "")
+                  + f"  int4 {r['int4_ms']:8.3f} ms", flush=True)
+            del x
+        del w, q_w, s_w, prepared, q4, s4, p4
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bitwise(args, dev) -> list[dict]:
+    rows = []
+    seen = set()
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        if (n, k) in seen:
+            continue
+        seen.add((n, k))
+        w = weight(n, k, seed=i)[:BITWISE_ROWS]  # CPU bf16
+        wd = w.to(dev)
+        row = {"shape": f"{n}x{k}", "rows_compared": w.shape[0]}
+        t = time.perf_counter()
+        qc, sc = quantize_fp8_weight(w)
+        qg, sg = quantize_fp8_weight(wd)
+        row["fp8_q"] = same(qc, qg)
+        row["fp8_scale"] = same(sc, sg)
+        row["fp8_dequant_bf16"] = same(dequantize_fp8_weight(qc, sc, torch.bfloat16),
+                                       dequantize_fp8_weight(qg, sg, torch.bfloat16))
+        for group in (128, 32):
+            q4c, s4c = quantize_int4(w, group)
+            q4g, s4g = quantize_int4(wd, group)
+            pc, pg = pack_int4(q4c), pack_int4(q4g)
+            row[f"int4_g{group}_packed"] = same(pc, pg)
+            row[f"int4_g{group}_scale"] = same(s4c, s4g)
+            row[f"int4_g{group}_dequant_bf16"] = same(dequantize_int4(pc, s4c, group, k=k, dtype=torch.bfloat16),
+                                                      dequantize_int4(pg, s4g, group, k=k, dtype=torch.bfloat16))
+        g = torch.Generator().manual_seed(7 + i)
+        x = (torch.randn(256, k, generator=g) * 3).to(torch.bfloat16)
+        xc, xsc = quantize_fp8_act(x)
+        xg, xsg = quantize_fp8_act(x.to(dev))
+        row["fp8_act_q"] = same(xc, xg)
+        row["fp8_act_scale"] = same(xsc, xsg)
+        row["seconds"] = time.perf_counter() - t
+        rows.append(row)
+        flags = {kk: v for kk, v in row.items() if isinstance(v, bool)}
+        print(f"  {row['shape']:12s} all equal: {all(flags.values())}  "
+              f"{'' if all(flags.values()) else [kk for kk, v in flags.items() if not v]}", flush=True)
+    return rows
+
+
+def quantizer_speed(args, dev) -> list[dict]:
+    """GPU time of the quantizers per weight (what weight sync adds per step)."""
+    rows = []
+    for i, (model, proj, n, k) in enumerate(SHAPES):
+        w = weight(n, k, seed=i).to(dev)
+        rows.append({"model": model, "projection": proj, "N": n, "K": k,
+                     "fp8_weight_quant_ms": cuda_ms(lambda: quantize_fp8_weight(w), 2, 5),
+                     "int4_quant_pack_ms": cuda_ms(lambda: pack_int4(quantize_int4(w, 128)[0]), 2, 5)})
+        del w
+    return rows
+
+
+def table(rows: list[dict], fp8: bool) -> str:
+    head = ["model", "projection", "N x K", "tokens", "bf16 ms (TFLOP/s)"]
+    if fp8:
+        head += ["fp8 GEMM ms (TFLOP/s)", "fp8 GEMM speed-up", "fp8 act quant + GEMM ms", "its speed-up",
+                 "act quant ms"]
+    head += ["int4 ms", "int4 speed-up", "int4 dequant ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], r["projection"], f"{r['N']}x{r['K']}", str(r["M"]),
+                 f"{r['bf16_ms']:.3f} ({r['bf16_tflops']:.0f})"]
+        if fp8:
+            cells += [f"{r['fp8_gemm_ms']:.3f} ({r['fp8_gemm_tflops']:.0f})", f"{r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x",
+                      f"{r['fp8_engine_ms']:.3f}", f"{r['bf16_ms'] / r['fp8_engine_ms']:.2f}x",
+                      f"{r['act_quant_ms']:.3f}"]
+        cells += [f"{r['int4_ms']:.3f}", f"{r['bf16_ms'] / r['int4_ms']:.2f}x", f"{r['int4_dequant_ms']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def err_table(rows: list[dict], fp8: bool) -> str:
+    head = ["model", "projection", "bf16", "fp8 (quantization, emulated fp32)"]
+    head += ["fp8 scaled_mm", "scaled_mm vs emulated"] if fp8 else []
+    head += ["int4 g128"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "bf16_err" not in r:
+            continue
+        cells = [r["model"], r["projection"], f"{r['bf16_err']:.1e}", f"{r['fp8_quant_err']:.1e}"]
+        cells += [f"{r['fp8_err']:.1e}", f"{r['fp8_kernel_vs_emulated']:.1e}"] if fp8 else []
+        cells += [f"{r['int4_err']:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--skip-bitwise", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="write every number here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("precision_gemm.py needs a CUDA GPU (the CPU path is covered by tests/unit/precision)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda", torch.cuda.current_device())
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(dev),
+           "capability": ".".join(map(str, torch.cuda.get_device_capability(dev))), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
+           "argv": sys.argv}
+    print(json.dumps(env))
+    report = fp8_backend_report(dev)
+    print("fp8 backends:", json.dumps(report, indent=1))
+    print("auto picks:", resolve_fp8_backend("auto", dev))
+    fp8 = report["scaled_mm"].startswith("ok")
+
+    out = {"env": env, "fp8_backends": report}
+    if not args.skip_bitwise:
+        print("\nCPU vs GPU quantizer outputs (bitwise):")
+        out["bitwise"] = bitwise(args, dev)
+    print("\nGEMMs:")
+    out["gemm"] = bench_gemms(args, dev)
+    print("\nquantizer speed:")
+    out["quantizer_speed"] = quantizer_speed(args, dev)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+    print("\n## GEMM time (median of %d, CUDA events), speed-up = bf16 time / time\n" % args.iters)
+    print(table(out["gemm"], fp8))
+    print("\n## Relative error ||y - y_fp32|| / ||y_fp32|| (fp32 GEMM of the same bf16 inputs)\n")
+    print(err_table(out["gemm"], fp8))
+    print("\n## Quantizer time on the GPU per weight (ms)\n")
+    print("| model | projection | N x K | fp8 128x128 quantize | int4 g128 quantize + pack |\n|---|---|---|---|---|")
+    for r in out["quantizer_speed"]:
+        print(f"| {r['model']} | {r['projection']} | {r['N']}x{r['K']} | {r['fp8_weight_quant_ms']:.3f} | "
+              f"{r['int4_quant_pack_ms']:.3f} |")
+    if "bitwise" in out:
+        flags = [v for r in out["bitwise"] for v in r.values() if isinstance(v, bool)]
+        print(f"\n## CPU vs GPU bitwise: {sum(flags)}/{len(flags)} comparisons identical over "
+              f"{len(out['bitwise'])} weight shapes (fp8 q/scale/dequant, int4 g128+g32 packed/scale/dequant, "
+              f"fp8 activation q/scale)")
+
+
+if __name__ == "__main__":
+    main()
