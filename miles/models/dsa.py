@@ -94,6 +94,9 @@ class LightningIndexer(nn.Module):
         # transformers keeps this projection in float32 even in bf16 checkpoints (it sets the
         # weight of every head's vote); forward computes it in the weight's own dtype.
         self.weights_proj = nn.Linear(cfg.hidden_size, d.index_n_heads, bias=False)
+        # The LM loss cannot reach the indexer (its output is a discrete selection, computed under
+        # no_grad): mark its weights frozen so that optimizers and trainable-parameter counts agree.
+        self.requires_grad_(False)
 
     @torch.no_grad()
     def init_weights(self, gen) -> None:
