@@ -4,7 +4,7 @@
     plan.fits, plan.problems, plan.suggestions
 
 Training is modelled as Megatron-style mixed precision with a distributed optimizer: dense weights
-sharded by TP x PP, routed experts by EP x PP, AdamW state sharded over the data-parallel replicas
+sharded by TP x PP, routed experts by EP x TP x PP (expert tensor parallel = TP, Megatron's default), AdamW state sharded over the data-parallel replicas
 (or offloaded to host memory), activations per micro-batch (Korthikanti et al. 2022: 34 bytes x
 hidden per token and layer with sequence parallelism and flash attention; only the layer inputs
 are kept with recomputation) plus fp32 logits. Rollout: each engine of `num_gpus_per_engine` GPUs
@@ -102,8 +102,9 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     tp, pp, ep, cp = layout.tp, layout.pp, layout.ep, layout.cp
     # With PP the embedding sits on the first stage and the head on the last: a stage holds one of them.
     embed = groups.embed / tp / (2 if pp > 1 and not arch.tie_word_embeddings else 1)
-    dense, routed = groups.dense / (tp * pp), groups.routed / (ep * pp)
-    dp_dense, dp_expert = gpus // (tp * pp * cp), gpus // (ep * pp)
+    # Experts are sharded by EP and, as Megatron-core does by default, by TP again inside each expert.
+    dense, routed = groups.dense / (tp * pp), groups.routed / (ep * tp * pp)
+    dp_dense, dp_expert = gpus // (tp * pp * cp), gpus // (ep * tp * pp)
     optimizer = (embed + dense) * o / dp_dense + routed * o / dp_expert
     stage_layers = math.ceil(arch.num_layers / pp)
     tokens = t.micro_batch_size * _seq_len(cfg) / cp
@@ -153,7 +154,7 @@ def _layout_candidates(cfg: RunCfg, gpus: int) -> list[TrainLayout]:
     offloads = [t.offload_optimizer] if t.offload_optimizer is not None else [False, True]
     out = []
     for tp, pp, ep, offload in itertools.product(tps, pps, eps, offloads):
-        if gpus % (tp * pp * t.cp) == 0 and gpus % (ep * pp) == 0:
+        if gpus % (tp * pp * t.cp) == 0 and gpus % (ep * tp * pp) == 0:
             out.append(TrainLayout(tp, pp, ep, t.cp, offload))
     return out
 
