@@ -203,3 +203,46 @@ def test_decode_matches_forward_when_every_index_score_ties(tmp_path):
     for layer in ours.layers:
         layer.self_attn.indexer.wq_b.weight.zero_()
     check_decode_matches_forward(ours, prompt_lens=(3, 6, 9), new_tokens=4)
+
+
+def _shipped(name: str):
+    from omegaconf import OmegaConf
+
+    from miles.config.schema import ModelCfg
+
+    conf = Path(__file__).resolve().parents[3] / "conf" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(conf)))
+    return cfg.arch(cfg.vocab_size)
+
+
+@pytest.mark.parametrize("name,hf_cls,differ", [
+    # transformers' defaults leave out V3.2's YaRN (its config.json has it)
+    ("deepseek_v3_2", transformers.DeepseekV32Config, {"rope_scaling"}),
+    # GLM-5 defaults keep DeepSeek's bos/eos ids and the default RoPE base (ours: 1e6, from memory)
+    ("glm5", transformers.GlmMoeDsaConfig, {"rope_theta", "bos_token_id", "eos_token_id"}),
+])
+def test_full_size_configs_have_the_dims_of_transformers_defaults(name, hf_cls, differ):
+    """transformers' DeepseekV32Config / GlmMoeDsaConfig defaults are the published models' dims
+    (their docstrings name deepseek-ai/DeepSeek-V3.2-Exp and zai-org/GLM-5)."""
+    import dataclasses
+
+    from miles.models import from_hf_config
+
+    theirs, ours = from_hf_config(hf_cls().to_dict()), _shipped(name)
+    mismatched = {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)}
+    assert mismatched == differ
+
+
+def test_family_problems_name_the_field():
+    from miles.models import ArchConfig
+
+    arch = _shipped("glm5_tiny")
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        ArchConfig(**{**vars(arch), "mla": MLAConfig(q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=24,
+                                                     qk_rope_head_dim=8, v_head_dim=32)})
+    with pytest.raises(ValueError, match="dsa.shared_layers"):
+        ArchConfig(**{**vars(arch), "dsa": DSAConfig(index_n_heads=8, rope_interleave=True, shared_layers=[0])})
+    with pytest.raises(ValueError, match="dsa.rope_interleave must be false"):
+        ArchConfig(**{**vars(arch), "family": "deepseek_v32", "dsa": DSAConfig(rope_interleave=True)})
+    with pytest.raises(ValueError, match="clear dsa.shared_layers"):
+        ArchConfig(**{**vars(arch), "family": "deepseek_v32", "dsa": DSAConfig(shared_layers=[2])})
