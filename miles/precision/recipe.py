@@ -1,0 +1,160 @@
+"""A precision recipe applied to a model, the same way on the training and the rollout side.
+
+    recipe = Recipe.from_cfg(cfg.precision, num_layers)
+    trainer:  logits = recipe.forward(model, tokens)          # fake-quantized weights (STE), fp8 activations
+              payload = recipe.sync_payload(model.state_dict())  # what weight sync carries
+    engine:   recipe.prepare_engine(model)                     # quantized nn.Linear -> QuantLinear
+              recipe.load_engine(model, payload, dtype)        # install the payload
+              recipe.held_checksum(model) == recipe.expected_checksum(payload, model, dtype)
+
+One quantizer serves both sides (`miles.precision`): the trainer's forward weights are
+`dequantize(quantize(w))` through the very functions the engine uses to rebuild its weights from the
+payload, so with the same compute dtype the two sides multiply the same numbers. The engine keeps
+each quantized `nn.Linear` in the payload's own format (FP8 + block scales, or packed INT4 + group
+scales) and multiplies through `fp8_linear` (emulated on CPU, `torch._scaled_mm` on Hopper) or
+`int4_linear`. Stacked MoE expert tensors are quantized alike but held dequantized by the engine:
+the fused expert kernels take dense weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.precision.fake_quant import fake_quant_fp8_act, fake_quant_fp8_weight, fake_quant_int4
+from miles.precision.fp8_gemm import fp8_linear
+from miles.precision.int4 import int4_linear
+from miles.precision.rollout_format import (FP8_SCALE_SUFFIX, from_rollout_format, high_precision_predicate,
+                                            rollout_checksum, rollout_format)
+
+NONE, FP8, INT4 = "none", "fp8", "int4"
+
+
+class QuantLinear(nn.Module):
+    """The rollout side of a quantized nn.Linear: holds the payload tensors, multiplies through them.
+
+    fp8: `weight` (e4m3 [N, K]) and `weight_scale_inv` (fp32 128x128 block scales), activations
+    quantized in 1x128 tiles; int4: `weight_packed` (uint8 [N, K/2]), `weight_scale` (fp32 per group),
+    activations in high precision (W4A16).
+    """
+
+    def __init__(self, linear: nn.Linear, quant: str, group: int):
+        super().__init__()
+        self.quant, self.group = quant, group
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias  # biases travel unquantized (1-D)
+        for name in self.buffer_names():
+            self.register_buffer(name, torch.empty(0), persistent=False)
+
+    def buffer_names(self) -> tuple[str, ...]:
+        return ("weight", "weight" + FP8_SCALE_SUFFIX) if self.quant == FP8 else ("weight_packed", "weight_scale")
+
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        if self.quant == FP8:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        return int4_linear(x, self.weight_packed, self.weight_scale, self.group, self.bias)
+
+
+@dataclass
+class Recipe:
+    train_quant: str  # fake quantization in the training forward: none, fp8, int4
+    rollout_quant: str  # what the engine holds: none (the rollout dtype), fp8, int4
+    group: int  # int4 group size
+    keep: Callable[[str], bool]  # True: never quantized (embeddings, head, norms, routers, chosen layers)
+
+    @classmethod
+    def from_cfg(cls, precision, num_layers: int) -> "Recipe":
+        keep = high_precision_predicate(precision.keep_high_precision, precision.keep_first_layers,
+                                        precision.keep_last_layers, num_layers)
+        return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep)
+
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
+        return tensor.is_floating_point() and tensor.dim() >= 2 and not self.keep(name)
+
+    # ---- training side ----
+    def forward(self, model: nn.Module, *args, **kwargs) -> torch.Tensor:
+        """model(*args, **kwargs) with the recipe's training-side quantization: selected weights
+        fake-quantized (gradients pass straight through to the fp32 master weights); with fp8, the
+        inputs of the selected nn.Linear layers fake-quantized in 1x128 tiles, as the engine does."""
+        if self.train_quant == NONE:
+            return model(*args, **kwargs)
+        fq = {name: self._fake_quant(p) for name, p in model.named_parameters() if self.quantizes(name, p)}
+        hooks = []
+        if self.train_quant == FP8:
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear) and f"{name}.weight" in fq:
+                    hooks.append(module.register_forward_pre_hook(_quantize_input))
+        try:
+            return torch.func.functional_call(model, fq, args, kwargs, strict=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _fake_quant(self, w: torch.Tensor) -> torch.Tensor:
+        return fake_quant_fp8_weight(w) if self.train_quant == FP8 else fake_quant_int4(w, self.group)
+
+    def sync_payload(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What weight sync carries: the rollout format of the trainer's (master) weights."""
+        return rollout_format(state_dict, self.rollout_quant, self.keep, self.group)
+
+    # ---- rollout side ----
+    def prepare_engine(self, model: nn.Module) -> None:
+        """Replace each quantized nn.Linear by a QuantLinear (its payload arrives with load_engine)."""
+        if self.rollout_quant == NONE:
+            return
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                full = f"{name}.{child_name}" if name else child_name
+                if isinstance(child, nn.Linear) and self.quantizes(f"{full}.weight", child.weight):
+                    setattr(module, child_name, QuantLinear(child, self.rollout_quant, self.group))
+
+    def load_engine(self, model: nn.Module, payload: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Install a sync payload: QuantLinear layers take their tensors as they are; everything
+        else (kept tensors, biases, stacked experts) is rebuilt dense in the engine's dtype."""
+        quant_linears = self._quant_linears(model)
+        held, dense = self._split(payload, quant_linears, dtype)
+        missing, unexpected = model.load_state_dict(dense, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"sync payload does not match the engine: missing {missing}, unexpected {unexpected}")
+        device = _device(model)
+        for prefix, module in quant_linears.items():
+            for buffer in module.buffer_names():
+                setattr(module, buffer, held[f"{prefix}.{buffer}"].to(device))
+
+    def held_checksum(self, model: nn.Module) -> str:
+        """Checksum of what the engine holds: QuantLinear payload tensors and its dense state."""
+        held = dict(model.state_dict())
+        for prefix, module in self._quant_linears(model).items():
+            held.update({f"{prefix}.{b}": getattr(module, b) for b in module.buffer_names()})
+        return rollout_checksum(held)
+
+    def expected_checksum(self, payload: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype) -> str:
+        """What held_checksum must give after load_engine(payload), computed from the payload alone."""
+        held, dense = self._split(payload, self._quant_linears(model), dtype)
+        return rollout_checksum({**held, **dense})
+
+    def _split(self, payload, quant_linears, dtype) -> tuple[dict, dict]:
+        """(payload tensors QuantLinear layers hold as they are, dense state of everything else)."""
+        held_keys = {f"{p}.{b}" for p, m in quant_linears.items() for b in m.buffer_names()}
+        extra = {f"{p}.weight_shape" for p in quant_linears}  # int4 metadata, implied by the module
+        held = {k: payload[k] for k in held_keys}
+        rest = {k: v for k, v in payload.items() if k not in held_keys and k not in extra}
+        dense = {k: v.to(dtype) if v.is_floating_point() else v
+                 for k, v in from_rollout_format(rest, self.rollout_quant, dtype, self.group).items()}
+        return held, dense
+
+    @staticmethod
+    def _quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
+        return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _quantize_input(module: nn.Module, args: tuple):
+    return (fake_quant_fp8_act(args[0]), *args[1:])
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

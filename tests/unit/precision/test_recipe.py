@@ -1,0 +1,73 @@
+"""A recipe applied to both sides: the trainer's quantized forward and the engine holding the sync
+payload compute the same logits (fp32: bitwise), the engine really holds the payload format, and
+the sync checksum compares what the engine holds with what the trainer sent."""
+
+import copy
+
+import pytest
+import torch
+
+from miles.config.schema import PrecisionCfg, Quant
+from miles.models import ArchConfig, CausalLM
+from miles.precision.recipe import QuantLinear, Recipe
+
+ARCH = ArchConfig(vocab_size=50, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=64, rope_theta=10000.0)  # K = 256 / 384: two and three 128-wide blocks
+
+
+def recipe(train: str, rollout: str, group: int = 128) -> Recipe:
+    cfg = PrecisionCfg(name="t", train_quant=Quant(train), rollout_quant=Quant(rollout), int4_group_size=group)
+    return Recipe.from_cfg(cfg, ARCH.num_layers)
+
+
+def engine_of(model: CausalLM, r: Recipe) -> CausalLM:
+    engine = copy.deepcopy(model).requires_grad_(False)
+    r.prepare_engine(engine)
+    payload = r.sync_payload(model.state_dict())
+    r.load_engine(engine, payload, torch.float32)
+    assert r.held_checksum(engine) == r.expected_checksum(payload, engine, torch.float32)
+    return engine
+
+
+@pytest.mark.parametrize("quant,group", [("fp8", 128), ("int4", 128), ("int4", 32)])
+def test_trainer_forward_equals_engine_forward_bitwise(quant, group):
+    model = CausalLM(ARCH, seed=0)
+    r = recipe(quant, quant, group)
+    engine = engine_of(model, r)
+    ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        train_logits, engine_logits, plain = r.forward(model, ids), engine(ids), model(ids)
+    assert torch.equal(train_logits, engine_logits)
+    assert (train_logits - plain).abs().max() > 1e-4  # the quantization is real
+
+
+def test_engine_holds_the_payload_format():
+    model = CausalLM(ARCH, seed=0)
+    engine = engine_of(model, recipe("int4", "int4"))
+    q_proj = engine.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear) and q_proj.weight_packed.dtype == torch.uint8
+    assert q_proj.weight_packed.shape == (256, 128)  # two 4-bit codes per byte
+    assert not isinstance(engine.lm_head, QuantLinear)  # kept in high precision
+    engine = engine_of(model, recipe("fp8", "fp8"))
+    assert engine.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_mismatched_recipe_differs_and_checksum_catches_tampering():
+    model = CausalLM(ARCH, seed=0)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    mixed = recipe("none", "fp8")  # bf16_train_fp8_rollout's shape: the trainer does not see the quantizer
+    engine = engine_of(model, mixed)
+    with torch.no_grad():
+        assert (mixed.forward(model, ids) - engine(ids)).abs().max() > 1e-4
+    payload = mixed.sync_payload(model.state_dict())
+    payload["layers.0.mlp.up_proj.weight_scale_inv"] = payload["layers.0.mlp.up_proj.weight_scale_inv"] * 2
+    mixed.load_engine(engine, payload, torch.float32)
+    assert mixed.held_checksum(engine) != mixed.expected_checksum(mixed.sync_payload(model.state_dict()),
+                                                                  engine, torch.float32)
+
+
+def test_straight_through_gradients_reach_the_master_weights():
+    model = CausalLM(ARCH, seed=0)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(2))
+    recipe("fp8", "fp8").forward(model, ids).logsumexp(-1).sum().backward()
+    assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
