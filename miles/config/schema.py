@@ -98,7 +98,9 @@ class PrecisionCfg:
     train_quant: Quant = Quant.none
     rollout_quant: Quant = Quant.none
     int4_group_size: int = 128
-    keep_high_precision: List[str] = field(default_factory=lambda: ["embed_tokens", "lm_head", "mlp.gate."])
+    # Regexes (re.search on parameter names) of tensors never quantized; miles.precision's defaults.
+    keep_high_precision: List[str] = field(
+        default_factory=lambda: ["embed_tokens", "lm_head", "norm", r"(^|\.)gate\.weight$", "shared_expert_gate"])
     keep_first_layers: int = 0
     keep_last_layers: int = 0
 

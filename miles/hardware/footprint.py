@@ -11,7 +11,6 @@ recipe's exceptions) and kept (the rest, in the rollout dtype).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +38,6 @@ class ParamGroups:
         return self.dense + self.routed
 
 
-def _layer_index(name: str) -> int | None:
-    match = re.match(r"layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else None
-
-
 _GROUPS_CACHE: dict[tuple, ParamGroups] = {}
 
 
@@ -62,21 +56,20 @@ def _count_groups(arch: ArchConfig, precision: PrecisionCfg) -> ParamGroups:
     with torch.device("meta"):
         model = CausalLM(arch)
     total, active = param_count(arch)
+    from miles.precision.rollout_format import high_precision_predicate
+
+    keep = high_precision_predicate(precision.keep_high_precision, precision.keep_first_layers,
+                                    precision.keep_last_layers, arch.num_layers)
     embed = routed = quantizable = 0
-    last = arch.num_layers - 1 - precision.keep_last_layers
     for name, p in model.named_parameters():
         if name.startswith("mtp"):
             continue
-        n = p.numel()
         if name.startswith(("embed_tokens.", "lm_head.")):
-            embed += n
+            embed += p.numel()
         elif ".experts." in name:
-            routed += n
-        layer = _layer_index(name)
-        keep = (layer is None or p.ndim < 2 or layer < precision.keep_first_layers or layer > last
-                or any(pattern in name for pattern in precision.keep_high_precision))
-        if not keep:
-            quantizable += n
+            routed += p.numel()
+        if p.ndim >= 2 and not keep(name):  # the rule weight sync applies (miles.precision.rollout_format)
+            quantizable += p.numel()
     return ParamGroups(total, active, embed, routed, total - embed - routed, quantizable, total - quantizable)
 
 
