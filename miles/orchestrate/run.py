@@ -107,7 +107,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path):
     if use_ray:
         start_ray(cfg.ray.address, cfg.ray.num_cpus)
     engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-                   hw.device, hw.cpu_threads, cfg.seed)
+                   hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
     trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
                     cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
                     max_response_len=cfg.rollout.max_new_tokens)

@@ -51,12 +51,17 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     def buffer_names(self) -> tuple[str, ...]:
-        return ("weight", "weight" + FP8_SCALE_SUFFIX) if self.quant == FP8 else ("weight_packed", "weight_scale")
+        return payload_names(self.quant)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         if self.quant == FP8:
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
         return int4_linear(x, self.weight_packed, self.weight_scale, self.group, self.bias)
+
+
+def payload_names(quant: str) -> tuple[str, ...]:
+    """The tensors a quantized Linear weight travels as (rollout_format's names, minus metadata)."""
+    return ("weight", "weight" + FP8_SCALE_SUFFIX) if quant == FP8 else ("weight_packed", "weight_scale")
 
 
 @dataclass
@@ -116,7 +121,7 @@ class Recipe:
         """Install a sync payload: QuantLinear layers take their tensors as they are; everything
         else (kept tensors, biases, stacked experts) is rebuilt dense in the engine's dtype."""
         quant_linears = self._quant_linears(model)
-        held, dense = self._split(payload, quant_linears, dtype)
+        held, dense = self._split(payload, list(quant_linears), dtype)
         missing, unexpected = model.load_state_dict(dense, strict=False)
         if missing or unexpected:
             raise ValueError(f"sync payload does not match the engine: missing {missing}, unexpected {unexpected}")
@@ -133,19 +138,29 @@ class Recipe:
         return rollout_checksum(held)
 
     def expected_checksum(self, payload: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype) -> str:
-        """What held_checksum must give after load_engine(payload), computed from the payload alone."""
-        held, dense = self._split(payload, self._quant_linears(model), dtype)
+        """What held_checksum must give after load_engine(payload), computed by either side from the
+        payload (`model`: the trainer's or the engine's, to tell which Linear layers the engine holds
+        quantized)."""
+        held, dense = self._split(payload, self.linear_prefixes(model), dtype)
         return rollout_checksum({**held, **dense})
 
-    def _split(self, payload, quant_linears, dtype) -> tuple[dict, dict]:
-        """(payload tensors QuantLinear layers hold as they are, dense state of everything else)."""
-        held_keys = {f"{p}.{b}" for p, m in quant_linears.items() for b in m.buffer_names()}
-        extra = {f"{p}.weight_shape" for p in quant_linears}  # int4 metadata, implied by the module
+    def _split(self, payload, prefixes, dtype) -> tuple[dict, dict]:
+        """(payload tensors the quantized Linear layers hold as they are, dense state of the rest)."""
+        held_keys = {f"{p}.{b}" for p in prefixes for b in payload_names(self.rollout_quant)}
+        extra = {f"{p}.weight_shape" for p in prefixes}  # int4 metadata, implied by the module
         held = {k: payload[k] for k in held_keys}
         rest = {k: v for k, v in payload.items() if k not in held_keys and k not in extra}
         dense = {k: v.to(dtype) if v.is_floating_point() else v
                  for k, v in from_rollout_format(rest, self.rollout_quant, dtype, self.group).items()}
         return held, dense
+
+    def linear_prefixes(self, model: nn.Module) -> list[str]:
+        """Linear layers the engine holds in the payload format: its QuantLinear modules, or on the
+        trainer's model the nn.Linear layers prepare_engine would replace."""
+        if self.rollout_quant == NONE:
+            return []
+        return [name for name, m in model.named_modules() if isinstance(m, QuantLinear)
+                or isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)]
 
     @staticmethod
     def _quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
@@ -153,7 +168,12 @@ class Recipe:
 
 
 def _quantize_input(module: nn.Module, args: tuple):
-    return (fake_quant_fp8_act(args[0]), *args[1:])
+    x = args[0]
+    if torch.is_autocast_enabled(x.device.type):
+        # Quantize what the matmul will see (the autocast dtype), as the engine quantizes its bf16
+        # activations, rather than the fp32 values autocast would round again afterwards.
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return (fake_quant_fp8_act(x), *args[1:])
 
 
 def _device(model: nn.Module) -> torch.device:

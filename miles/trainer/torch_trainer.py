@@ -20,7 +20,8 @@ from miles.algo.losses import entropy_from_logits, loss_normalizer, masked_sum, 
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
 from miles.models import from_pretrained, save_pretrained
-from miles.orchestrate.weight_sync import checksum, to_dtype
+from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
+from miles.precision.recipe import Recipe
 from miles.types import TrainBatch
 
 
@@ -47,6 +48,9 @@ class TorchTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
         self.model.train()
+        # The precision recipe: the forward sees the rollout's quantization (fp8 / int4_qat) and
+        # weight sync carries the rollout format.
+        self.recipe = Recipe.from_cfg(precision, self.model.config.num_layers)
         self.ref_model = None
         if algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -66,7 +70,7 @@ class TorchTrainer:
     def _forward_logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
         tokens = mb.tokens.to(self.device)
         with self._autocast():
-            logits = model(tokens[:, :-1])
+            logits = self.recipe.forward(model, tokens[:, :-1])
         logp = token_logprobs(logits, tokens[:, 1:], self.temperature)
         entropy = entropy_from_logits(logits / self.temperature) if with_entropy else None
         return logp, entropy
@@ -179,9 +183,14 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------------------- weights
     def get_weights(self) -> tuple[dict[str, torch.Tensor], str]:
-        """Weights in the rollout engine's dtype, on CPU, with their checksum."""
-        weights = to_dtype(self.model.state_dict(), self.precision.rollout_dtype)
-        return weights, checksum(weights)
+        """What weight sync carries, on CPU, with the checksum of what the engine must then hold:
+        weights in the engine's dtype, or the recipe's rollout format (quantized from the fp32
+        master weights) when the engine holds FP8 / INT4."""
+        if self.recipe.rollout_quant == "none":
+            weights = to_dtype(self.model.state_dict(), self.precision.rollout_dtype)
+            return weights, checksum(weights)
+        payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        return payload, self.recipe.expected_checksum(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
 
     def save(self, path: str) -> None:
         save_pretrained(self.model, path)

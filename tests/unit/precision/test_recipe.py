@@ -71,3 +71,30 @@ def test_straight_through_gradients_reach_the_master_weights():
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(2))
     recipe("fp8", "fp8").forward(model, ids).logsumexp(-1).sum().backward()
     assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
+    """The real components: NativeEngine holds the int4 payload, TorchTrainer's get_weights sends it
+    with the checksum of what the engine must hold; a tampered payload is refused."""
+    from miles.config.schema import AlgoCfg, AlgoName, DType, RolloutCfg, TrainerCfg
+    from miles.models import save_pretrained
+    from miles.orchestrate.weight_sync import WeightSyncError
+    from miles.rollout.native import NativeEngine
+    from miles.trainer.torch_trainer import TorchTrainer
+    from miles.data.tokenizer import build_char_tokenizer, save_tokenizer
+
+    tok = build_char_tokenizer("0123456789+=")
+    save_pretrained(CausalLM(ArchConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
+                                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, eos_token_id=2,
+                                        pad_token_id=0, bos_token_id=1), seed=0), tmp_path)
+    save_tokenizer(tok, tmp_path)
+    precision = PrecisionCfg(name="int4_qat", train_dtype=DType.fp32, rollout_dtype=DType.fp32,
+                             train_quant=Quant.int4, rollout_quant=Quant.int4)
+    engine = NativeEngine(str(tmp_path), RolloutCfg(), DType.fp32, precision=precision)
+    assert isinstance(engine.model.layers[0].mlp.up_proj, QuantLinear)
+    trainer = TorchTrainer(str(tmp_path), AlgoCfg(name=AlgoName.grpo), TrainerCfg(), precision)
+    payload, digest = trainer.get_weights()
+    assert engine.update_weights(payload, digest) == digest
+    payload["layers.1.mlp.down_proj.weight_scale"] = payload["layers.1.mlp.down_proj.weight_scale"] * 1.5
+    with pytest.raises(WeightSyncError):
+        engine.update_weights(payload, digest)
