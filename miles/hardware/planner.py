@@ -277,7 +277,7 @@ def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
                 groups = param_groups(model_arch(lighter), lighter.precision)
                 if rollout_usage(lighter, groups, plan.gpus_per_engine, plan.capacity)[1] >= 1:
                     out.append(f"precision={recipe} (its rollout weights fit the same engine)")
-    if any(p.startswith("training state") for p in plan.problems):
+    if any(p.startswith(("training state", "host memory")) for p in plan.problems):
         if hw.device == "cpu":
             out.append("a *_tiny model config (docs/models.md) or a GPU hardware profile")
         else:
