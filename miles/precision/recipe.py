@@ -130,19 +130,26 @@ class Recipe:
             for buffer in module.buffer_names():
                 setattr(module, buffer, held[f"{prefix}.{buffer}"].to(device))
 
-    def held_checksum(self, model: nn.Module) -> str:
-        """Checksum of what the engine holds: QuantLinear payload tensors and its dense state."""
+    def held_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What the engine holds: QuantLinear payload tensors and its dense state."""
         held = dict(model.state_dict())
         for prefix, module in self._quant_linears(model).items():
             held.update({f"{prefix}.{b}": getattr(module, b) for b in module.buffer_names()})
-        return rollout_checksum(held)
+        return held
 
-    def expected_checksum(self, payload: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype) -> str:
-        """What held_checksum must give after load_engine(payload), computed by either side from the
+    def held_checksum(self, model: nn.Module) -> str:
+        return rollout_checksum(self.held_tensors(model))
+
+    def expected_tensors(self, payload: dict[str, torch.Tensor], model: nn.Module,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What held_tensors must give after load_engine(payload), computed by either side from the
         payload (`model`: the trainer's or the engine's, to tell which Linear layers the engine holds
         quantized)."""
         held, dense = self._split(payload, self.linear_prefixes(model), dtype)
-        return rollout_checksum({**held, **dense})
+        return {**held, **dense}
+
+    def expected_checksum(self, payload: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype) -> str:
+        return rollout_checksum(self.expected_tensors(payload, model, dtype))
 
     def _split(self, payload, prefixes, dtype) -> tuple[dict, dict]:
         """(payload tensors the quantized Linear layers hold as they are, dense state of the rest)."""
