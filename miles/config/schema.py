@@ -222,4 +222,5 @@ class RunCfg:
     steps: int = 200
     seed: int = 0
     dry_run: bool = False
+    deterministic: bool = False  # deterministic kernels + seeded RNGs in every process (miles.orchestrate.determinism)
     output_dir: Optional[str] = None  # filled by launch.py from Hydra's run dir

@@ -43,8 +43,9 @@ class RayHandle:
         return self.get(self.submit(method, *args, **kwargs))
 
 
-def start_ray(address: str | None, num_cpus: int | None) -> None:
-    """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs."""
+def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | None = None) -> None:
+    """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs.
+    `runtime_env` applies to every worker process of this job (e.g. deterministic mode)."""
     import logging
     import os
 
@@ -53,6 +54,8 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     if address:
         kwargs["address"] = address
     else:

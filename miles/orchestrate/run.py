@@ -14,6 +14,7 @@ from miles.config.schema import AlgoName, RunCfg
 from miles.data.rewards import get_reward_fn
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
+from miles.orchestrate import determinism
 from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint
 from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop, sync_weights
@@ -38,6 +39,8 @@ def _samples_logger(tracker: MlflowLogger, limit: int):
 def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: str) -> float:
     """Returns the final held-out accuracy (the objective sweeps maximize)."""
     run_dir = Path(run_dir)
+    if cfg.deterministic:
+        determinism.enable(cfg.seed)  # before the warm start draws anything
     console.print(batch_table(cfg))
     record, git = write_run_record(run_dir, resolved_yaml, overrides)
     source = PromptSource(cfg.task, cfg.seed)
@@ -105,7 +108,8 @@ def _spawn_components(cfg: RunCfg, init_dir: Path):
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     if use_ray:
-        start_ray(cfg.ray.address, cfg.ray.num_cpus)
+        start_ray(cfg.ray.address, cfg.ray.num_cpus,
+                  runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None)
     engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
                    hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
     trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
