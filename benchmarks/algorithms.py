@@ -4,12 +4,16 @@
     .venv/bin/python benchmarks/algorithms.py --presets grpo dapo  # a subset
 
 Each preset runs `launch.py algo=<preset>` in-process (no Ray) from the same cached warm start, so the
-only difference between rows is the algorithm. Prints a Markdown table for docs/algorithms.md.
+only difference between rows is the algorithm. `opd` is the exception in kind, not in setup: it
+learns from a teacher (on the built-in task a longer-trained SFT checkpoint, built once and cached)
+instead of the reward, so the table's footnote gives the teacher's own held-out accuracy.
+Prints a Markdown table for docs/algorithms.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -18,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = re.compile(r"step\s+(\d+)/\d+ .*eval \S+ ([0-9.]+)")
+TEACHER = re.compile(r"distilling from the teacher in (\S+)")
 
 
 def rl_presets() -> list[str]:
@@ -34,7 +39,9 @@ def run_preset(preset: str, steps: int, seed: int) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"algo={preset} failed:\n{proc.stderr[-2000:]}")
     evals = {int(step): float(acc) for step, acc in EVAL.findall(proc.stdout)}
-    return {"preset": preset, "evals": evals, "seconds": time.perf_counter() - start}
+    teacher = TEACHER.search(proc.stdout)
+    return {"preset": preset, "evals": evals, "seconds": time.perf_counter() - start,
+            "teacher": teacher.group(1) if teacher else None}
 
 
 def main() -> None:
@@ -52,6 +59,11 @@ def main() -> None:
         gain = ev[checkpoints[-1]] - ev[checkpoints[0]]
         cells = " | ".join(f"{ev[s]:.3f}" for s in checkpoints)
         print(f"| {row['preset']} | {cells} | {gain:+.3f} | {row['seconds']:.0f} |")
+    for row in (r for r in rows if r["teacher"]):
+        record = ROOT / row["teacher"] / "warm_start.json"  # the built-in teacher's build record
+        if record.is_file():
+            accuracy = json.loads(record.read_text())["eval_accuracy"]
+            print(f"\n{row['preset']}'s teacher ({row['teacher']}): held-out accuracy {accuracy:.3f}")
 
 
 if __name__ == "__main__":

@@ -40,17 +40,25 @@ class TrainBatch:
     advantages: torch.Tensor  # [N, T-1] float, per-sequence advantage on its response tokens
     rollout_logprobs: torch.Tensor  # [N, T-1] float, engine log-probs on response tokens (0 elsewhere)
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [N]
+    # PPO only (empty otherwise): the critic's values at rollout time and its GAE targets, [N, T-1].
+    values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    returns: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, end: int) -> "TrainBatch":
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t[start:end] if len(t) else t  # optional fields stay empty
+
         return TrainBatch(
             tokens=self.tokens[start:end],
             loss_mask=self.loss_mask[start:end],
             advantages=self.advantages[start:end],
             rollout_logprobs=self.rollout_logprobs[start:end],
-            rewards=self.rewards[start:end] if len(self.rewards) else self.rewards,
+            rewards=rows(self.rewards),
+            values=rows(self.values),
+            returns=rows(self.returns),
         )
 
 

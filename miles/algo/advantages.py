@@ -106,6 +106,13 @@ def reinforce_pp_baseline_advantages(
     return _batch_whiten(centred, eps)
 
 
+@register_advantage("none")
+def no_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_: object) -> torch.Tensor:
+    """No reward signal: all zeros. On-policy distillation (`algo=opd`) learns from the teacher's
+    per-token reverse KL alone, which the trainer adds to these advantages."""
+    return torch.zeros_like(rewards, dtype=torch.float32)
+
+
 @register_token_advantage("gae")
 @torch.no_grad()  # advantages and returns are regression / policy-gradient targets, never differentiated
 def gae_advantages(
@@ -131,6 +138,33 @@ def gae_advantages(
         next_value = torch.where(keep, values[:, t], next_value)
         next_adv = torch.where(keep, adv, next_adv)
     return advantages, (advantages + values) * mask
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards [N] placed on the last unmasked token of each row of `mask` [N, T] -> [N, T].
+
+    The reward of a response arrives when it ends, which is where GAE expects it; a row without
+    loss tokens gets nothing.
+    """
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(-1).values  # [N]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has_tokens = last >= 0
+    out[has_tokens, last[has_tokens]] = rewards.to(torch.float32)[has_tokens]
+    return out
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the unmasked tokens of the whole batch, 0 outside the mask: [N, T] -> [N, T].
+
+    PPO whitens GAE advantages per batch (as verl and OpenRLHF do) so the step size does not depend
+    on the reward scale or on how well the critic fits.
+    """
+    mask = mask.to(x.dtype)
+    count = mask.sum().clamp(min=1)
+    mean = (x * mask).sum() / count
+    var = (((x - mean) * mask) ** 2).sum() / count
+    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def clip_rewards(rewards: torch.Tensor, low: float, high: float) -> torch.Tensor:

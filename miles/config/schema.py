@@ -24,7 +24,7 @@ class DType(str, Enum):
 
 
 class AlgoName(str, Enum):
-    """The preset's name; every name but sft runs the RL loop (ppo and opd: not yet implemented)."""
+    """The preset's name; every name but sft runs the RL loop."""
 
     grpo = "grpo"
     dr_grpo = "dr_grpo"
@@ -34,6 +34,8 @@ class AlgoName(str, Enum):
     reinforce_pp_baseline = "reinforce_pp_baseline"
     rloo = "rloo"
     cispo = "cispo"
+    ppo = "ppo"
+    opd = "opd"
     sft = "sft"
 
 
@@ -88,6 +90,22 @@ class AlgoCfg:
     dynamic_sampling: bool = False
     max_draws: int = 4
     overlong_buffer: int = 0
+    reward_clip: Optional[float] = None
+    kl_in_reward: bool = False
+    gamma: float = 1.0
+    lam: float = 0.95
+    opd_kl_coef: float = 0.0
+    teacher_checkpoint: Optional[str] = None
+
+
+@dataclass
+class CriticCfg:
+    """The PPO value model; used when `algo.advantage` needs one (gae)."""
+
+    lr: float = 1e-3
+    value_clip: Optional[float] = 0.2
+    warmup_steps: int = 0
+    updates_per_step: int = 1
 
 
 @dataclass
@@ -216,6 +234,7 @@ class RunCfg:
     rollout: RolloutCfg = MISSING
     trainer: TrainerCfg = MISSING
     tracking: TrackingCfg = MISSING
+    critic: CriticCfg = field(default_factory=CriticCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
     ray: RayCfg = field(default_factory=RayCfg)

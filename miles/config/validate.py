@@ -25,10 +25,47 @@ def _positive(problems: list[str], **values: float) -> None:
             problems.append(f"{key} must be > 0 (got {value})")
 
 
+def _missing_hf_files(path: str) -> list[str]:
+    return [f for f in ("config.json", "tokenizer.json") if not (Path(path) / f).is_file()]
+
+
+def _algo_rl(problems: list[str], cfg: RunCfg) -> None:
+    """Rules of the RL knobs added with PPO and OPD: critic, KL in the reward, reward clip, teacher."""
+    from miles.algo.registry import TOKEN_ADVANTAGES
+
+    a, c = cfg.algo, cfg.critic
+    if a.advantage in TOKEN_ADVANTAGES:
+        if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1):
+            problems.append(f"algo.gamma and algo.lam must be in [0, 1] (got {a.gamma}, {a.lam})")
+        if c.lr <= 0 or (c.value_clip is not None and c.value_clip <= 0):
+            problems.append("critic.lr must be > 0 and critic.value_clip > 0 (or null: off)")
+        if c.updates_per_step < 1:
+            problems.append(f"critic.updates_per_step must be >= 1 (got {c.updates_per_step})")
+        if cfg.ray.enabled and cfg.ray.num_cpus is not None and cfg.ray.num_cpus < 3:
+            problems.append(f"ray.num_cpus must be >= 3 with a critic: one each for engine, trainer, critic "
+                            f"(got {cfg.ray.num_cpus})")
+        if not 0 <= c.warmup_steps < cfg.steps:
+            problems.append(f"critic.warmup_steps must be in [0, steps) (got {c.warmup_steps}, steps={cfg.steps})")
+    if a.kl_in_reward and a.kl_coef <= 0:
+        problems.append("algo.kl_in_reward needs algo.kl_coef > 0")
+    if a.reward_clip is not None and a.reward_clip <= 0:
+        problems.append(f"algo.reward_clip must be > 0 or null (got {a.reward_clip})")
+    if a.opd_kl_coef < 0 or (a.name == AlgoName.opd and a.opd_kl_coef == 0):
+        problems.append(f"algo.opd_kl_coef must be >= 0, and > 0 for algo=opd (got {a.opd_kl_coef})")
+    if a.opd_kl_coef > 0:
+        if a.teacher_checkpoint is None and cfg.task.kind != TaskKind.arithmetic:
+            problems.append("algo.teacher_checkpoint must be set for on-policy distillation on task.kind=file")
+        elif a.teacher_checkpoint is not None and (missing := _missing_hf_files(a.teacher_checkpoint)):
+            problems.append(
+                f"algo.teacher_checkpoint={a.teacher_checkpoint} must be an HF checkpoint directory; "
+                f"missing: {', '.join(missing)}"
+            )
+
+
 def validate(cfg: RunCfg) -> list[str]:
     from miles.algo.corrections import LEVELS
     from miles.algo.losses import AGG_MODES
-    from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+    from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, TOKEN_ADVANTAGES
     from miles.data.rewards import REWARDS
 
     problems: list[str] = []
@@ -82,7 +119,7 @@ def validate(cfg: RunCfg) -> list[str]:
         if a.norm_adv_by_std and r.n_samples_per_prompt == 1:
             problems.append("rollout.n_samples_per_prompt must be >= 2 for group-normalized advantages")
         for key, name, registry in (
-            ("algo.advantage", a.advantage, ADVANTAGES),
+            ("algo.advantage", a.advantage, {**ADVANTAGES, **TOKEN_ADVANTAGES}),
             ("algo.policy_loss", a.policy_loss, POLICY_LOSSES),
             ("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS),
         ):
@@ -103,6 +140,7 @@ def validate(cfg: RunCfg) -> list[str]:
             problems.append("algo.max_draws must be >= 1 and 0 <= algo.overlong_buffer < rollout.max_new_tokens")
         if a.kl_coef < 0:
             problems.append(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
+        _algo_rl(problems, cfg)
     elif a.policy_loss != "nll":
         problems.append(f"algo.policy_loss must be 'nll' for algo=sft (got {a.policy_loss!r})")
 
@@ -116,8 +154,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append(f"task.eval_fraction must be in (0, 1) (got {cfg.task.eval_fraction})")
 
     if m.hf_checkpoint is not None:
-        missing = [f for f in ("config.json", "tokenizer.json") if not (Path(m.hf_checkpoint) / f).is_file()]
-        if missing:
+        if missing := _missing_hf_files(m.hf_checkpoint):
             problems.append(
                 f"model.hf_checkpoint={m.hf_checkpoint} must be an HF checkpoint directory; missing: {', '.join(missing)}"
             )

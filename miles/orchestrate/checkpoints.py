@@ -22,6 +22,9 @@ from miles.models import CausalLM, save_pretrained
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Bump when the warm-start recipe changes, so stale cached checkpoints are rebuilt.
 WARM_START_VERSION = 1
+# The built-in OPD teacher: the warm-start recipe continued until it solves this share of training problems.
+TEACHER_TARGET_ACCURACY = 0.9
+TEACHER_STEPS = 3000
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
@@ -98,3 +101,28 @@ def initial_checkpoint(cfg: RunCfg, source: PromptSource, run_dir: Path, log=pri
     if cfg.algo.name == AlgoName.sft or not cfg.warm_start.enabled:
         return random_checkpoint(cfg.model, source.alphabet(), cfg.seed, run_dir / "init")
     return warm_start_checkpoint(cfg, log)
+
+
+def teacher_checkpoint(cfg: RunCfg, student_dir: Path, log=print) -> Path | None:
+    """The on-policy distillation teacher (None without distillation): `algo.teacher_checkpoint`, or
+    on the built-in task the warm-start SFT recipe trained further, until it solves
+    TEACHER_TARGET_ACCURACY of the training problems (at most TEACHER_STEPS steps); built once and
+    cached like the warm start, so the student (the warm start) learns from a better policy.
+    Raises ConfigError if its vocabulary differs from the student's: OPD compares the two models'
+    log-probs of the same token ids."""
+    from tokenizers import Tokenizer
+
+    from miles.config.validate import ConfigError
+
+    a = cfg.algo
+    if a.opd_kl_coef <= 0:
+        return None
+    if a.teacher_checkpoint is None:
+        ws = replace(cfg.warm_start, target_accuracy=TEACHER_TARGET_ACCURACY, steps=TEACHER_STEPS)
+        return warm_start_checkpoint(replace(cfg, warm_start=ws), log)
+    teacher = Path(a.teacher_checkpoint)  # validate() checked that it holds a checkpoint
+    vocab = [Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab() for d in (teacher, student_dir)]
+    if vocab[0] != vocab[1]:
+        raise ConfigError([f"algo.teacher_checkpoint={teacher} has another vocabulary than the student "
+                           f"({student_dir}); the teacher must share the student's tokenizer"])
+    return teacher

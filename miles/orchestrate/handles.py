@@ -43,7 +43,8 @@ class RayHandle:
         return self.get(self.submit(method, *args, **kwargs))
 
 
-def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | None = None) -> None:
+def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | None = None,
+              num_actors: int = 2) -> None:
     """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs.
     `runtime_env` applies to every worker process of this job (e.g. deterministic mode)."""
     import logging
@@ -59,8 +60,8 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     if address:
         kwargs["address"] = address
     else:
-        # Two one-CPU actors (engine, trainer) must fit even where Ray counts a single core.
-        kwargs["num_cpus"] = num_cpus or max(2, os.cpu_count() or 1)
+        # The one-CPU actors (engine, trainer, PPO's critic) must fit even where Ray counts fewer cores.
+        kwargs["num_cpus"] = num_cpus or max(num_actors, os.cpu_count() or 1)
     ray.init(**kwargs)
 
 

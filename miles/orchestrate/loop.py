@@ -1,7 +1,8 @@
-"""The training loops: GRPO-style RL (rollout -> reward -> advantages -> train -> sync) and SFT.
+"""The training loops: RL (rollout -> reward -> advantages -> train -> sync) and SFT.
 
-Both talk to the engine and the trainer only through handles (miles.orchestrate.handles), so the
-same loop drives Ray actors and in-process objects. Metric names follow DESIGN.md.
+Both talk to the engine, the trainer and (PPO) the critic only through handles
+(miles.orchestrate.handles), so the same loop drives Ray actors and in-process objects. Metric names
+follow DESIGN.md.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Callable
 import torch
 
 from miles.algo.advantages import overlong_penalty
-from miles.algo.registry import ADVANTAGES, get
 from miles.data.arithmetic import Example
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
+from miles.orchestrate.returns import make_train_batch
 from miles.types import Sample, build_train_batch
 
 
@@ -31,6 +32,7 @@ class LoopContext:
     on_samples: Callable[[list[Sample], int], None] = lambda samples, step: None
     task_name: str = "task"
     eval_max_new_tokens: int = 8
+    critic: object = None  # handle to a TorchCritic (algo.advantage=gae), else None
 
 
 def sync_weights(ctx: LoopContext, check: bool) -> float:
@@ -105,26 +107,29 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
 
 def rl_loop(ctx: LoopContext, cfg) -> float:
     """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps)."""
-    a = cfg.algo
-    advantage_fn = get(ADVANTAGES, "advantage estimator", a.advantage)
     last = evaluate(ctx, 0)
     ctx.log(last, 0)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         samples, rollout_metrics = collect_rollout(ctx, cfg)
         t1 = time.perf_counter()
-        rewards = torch.tensor([s.reward for s in samples])
-        groups = torch.tensor([s.group for s in samples])
-        advantages = advantage_fn(rewards, groups, norm_by_std=a.norm_adv_by_std)
-        batch = build_train_batch(samples, advantages, ctx.tokenizer.pad_id or 0)
-        metrics = ctx.trainer.call("train_rl", batch)
+        batch, metrics = make_train_batch(ctx, cfg, samples)
+        # The critic trains on the same batch, one after the other with the policy: run concurrently
+        # on CPU, the two updates fight over the same cores and both slow down several-fold. During
+        # the critic's warm-up the policy waits (and its weights need no sync).
+        if ctx.critic is not None:
+            metrics.update(ctx.critic.call("train", batch))
+        policy_update = ctx.critic is None or step > cfg.critic.warmup_steps
+        if policy_update:
+            metrics.update(ctx.trainer.call("train_rl", batch))
         t2 = time.perf_counter()
-        metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
+        if policy_update:
+            metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
         response_tokens = sum(len(s.response_ids) for s in samples)
         metrics.update(
             {
                 **rollout_metrics,
-                "rollout/reward_mean": float(rewards.mean()),
+                "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
                 "rollout/response_len_mean": response_tokens / len(samples),
                 "rollout/tokens_per_s": response_tokens / (t1 - t0),
                 "perf/rollout_time_s": t1 - t0,

@@ -1,7 +1,7 @@
 """One experiment, end to end: record -> initial weights -> components -> loop -> final checkpoint.
 
 `launch.py` calls `run` with the validated RunCfg; so can a test or the GPU machine (with
-`cfg.ray.enabled=False` the engine and the trainer run in-process).
+`cfg.ray.enabled=False` the engine, the trainer and the critic run in-process).
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from miles.algo.registry import TOKEN_ADVANTAGES
 from miles.config.schema import AlgoName, RunCfg
 from miles.data.rewards import get_reward_fn
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
-from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint
+from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint, teacher_checkpoint
 from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop, sync_weights
 from miles.tracking.console import batch_table, console, step_line
@@ -45,6 +46,9 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     record, git = write_run_record(run_dir, resolved_yaml, overrides)
     source = PromptSource(cfg.task, cfg.seed)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
+    teacher_dir = teacher_checkpoint(cfg, init_dir, log=console.print)
+    if teacher_dir is not None:
+        console.print(f"distilling from the teacher in {teacher_dir}")
 
     run_name = cfg.tracking.run_name or f"{cfg.algo.name.value}-{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     tracker = MlflowLogger(
@@ -68,9 +72,9 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 
     use_ray = cfg.ray.enabled
     try:
-        engine, trainer = _spawn_components(cfg, init_dir)
+        engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir)
         ctx = LoopContext(
-            engine=engine, trainer=trainer, source=source, tokenizer=TokenizerInfo.load(init_dir),
+            engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=TokenizerInfo.load(init_dir),
             reward_fn=get_reward_fn(cfg.task.reward), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens,
@@ -101,18 +105,27 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
             ray.shutdown()
 
 
-def _spawn_components(cfg: RunCfg, init_dir: Path):
-    """The rollout engine and the trainer, as Ray actors (ray.enabled) or in-process objects."""
+def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
+    """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
+    or in-process objects; the critic is None when the advantages need none."""
     from miles.rollout.native import NativeEngine
+    from miles.trainer.critic import TorchCritic
     from miles.trainer.torch_trainer import TorchTrainer
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
+    with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
     if use_ray:
         start_ray(cfg.ray.address, cfg.ray.num_cpus,
-                  runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None)
+                  runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
+                  num_actors=3 if with_critic else 2)
     engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
                    hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
     trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
                     cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
-                    max_response_len=cfg.rollout.max_new_tokens)
-    return engine, trainer
+                    max_response_len=cfg.rollout.max_new_tokens,
+                    teacher_dir=str(teacher_dir) if teacher_dir else None)
+    critic = None
+    if with_critic:
+        critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
+                       cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed)
+    return engine, trainer, critic

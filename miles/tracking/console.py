@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from miles.algo.registry import TOKEN_ADVANTAGES
 from miles.config.schema import AlgoName, RunCfg
 
 console = Console(highlight=False, soft_wrap=True)
@@ -34,6 +35,11 @@ def batch_table(cfg: RunCfg) -> Table:
             ("gradient accumulation steps", "global / micro", t.global_batch_size // t.micro_batch_size),
             ("RL steps", "steps", cfg.steps),
         ]
+        if a.advantage in TOKEN_ADVANTAGES:
+            rows += [
+                ("critic passes per rollout", "critic.updates_per_step", cfg.critic.updates_per_step),
+                ("critic-only warm-up steps", "critic.warmup_steps", cfg.critic.warmup_steps),
+            ]
     for name, key, value in rows:
         table.add_row(name, key, str(value))
     return table
@@ -44,6 +50,8 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     for key, label, fmt in (
         ("rollout/reward_mean", "reward", "{:.3f}"),
         ("train/loss", "loss", "{:+.4f}"),
+        ("critic/value_loss", "value loss", "{:.4f}"),
+        ("train/reverse_kl", "reverse kl", "{:+.4f}"),
         ("mismatch/logprob_abs_diff", "mismatch", "{:.1e}"),
         ("perf/step_time_s", "time", "{:.2f}s"),
     ):

@@ -1,8 +1,11 @@
 """Native torch trainer: AdamW, micro-batches with gradient accumulation, gradient clipping.
 
 `train_rl` runs `algo.num_steps_per_rollout` optimizer steps of the configured policy loss on one
-rollout batch; `train_sft` runs one NLL step. The old log-probs are recomputed here, with the same
-micro-batches the update uses, so the first step of every rollout has ppo_kl == 0 bit for bit.
+rollout batch; `train_sft` runs one NLL step; `kl_to_ref` gives the per-token KL that
+`algo.kl_in_reward` subtracts from the reward. With a teacher (on-policy distillation) `train_rl`
+adds the teacher's per-token reverse-KL advantages before the update. The old log-probs are
+recomputed here, with the same micro-batches the update uses, so the first step of every rollout
+has ppo_kl == 0 bit for bit.
 Plain class: `miles.orchestrate` wraps it in a Ray actor, tests and the GPU machine call it directly.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from miles.algo.corrections import mis_mask, tis_weights
+from miles.algo.distill import reverse_kl_advantages
 from miles.algo.losses import entropy_from_logits, loss_normalizer, masked_sum, token_logprobs
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
@@ -37,6 +41,7 @@ class TorchTrainer:
         threads: int | None = None,
         seed: int = 0,
         max_response_len: int | None = None,
+        teacher_dir: str | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -54,6 +59,11 @@ class TorchTrainer:
         self.ref_model = None
         if algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # The teacher may differ from the student in size, never in vocabulary (checked by the caller).
+        self.teacher = None
+        if teacher_dir is not None:
+            teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
+            self.teacher = teacher.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -83,6 +93,17 @@ class TorchTrainer:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of tokens[:, 1:] under the current policy, computed micro-batch by micro-batch."""
         return torch.cat([self._forward_logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+
+    @torch.no_grad()
+    def kl_to_ref(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token KL estimate (`algo.kl_estimator`) of the current policy to the reference on the
+        batch's tokens, [N, T-1], 0 outside the loss mask: what `algo.kl_in_reward` puts in the reward."""
+        kl_fn = get(KL_ESTIMATORS, "KL estimator", self.algo.kl_estimator)
+        kl = [
+            kl_fn(self._forward_logprobs(self.model, mb)[0], self._forward_logprobs(self.ref_model, mb)[0])
+            for mb in self._micro_batches(batch)
+        ]
+        return (torch.cat(kl) * batch.loss_mask.to(self.device)).cpu()
 
     # ----------------------------------------------------------------------------- optimizer steps
     def _step(self, micro_batches: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]], loss_fn):
@@ -145,17 +166,31 @@ class TorchTrainer:
             metrics.update({f"mismatch/{k}": float(v) for k, v in m.items()})
         return replace(batch, advantages=adv, loss_mask=mask), metrics
 
+    def _distill(self, batch: TrainBatch, student_logp: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
+        """On-policy distillation: add -opd_kl_coef * (logp_student - logp_teacher) per token to the
+        advantages; `student_logp` is the old policy, the one that sampled the tokens."""
+        with torch.no_grad():
+            teacher_logp = [self._forward_logprobs(self.teacher, mb)[0] for mb in self._micro_batches(batch)]
+        adv, m = reverse_kl_advantages(student_logp, torch.cat(teacher_logp), batch.loss_mask.to(self.device),
+                                       self.algo.opd_kl_coef)
+        return replace(batch, advantages=batch.advantages + adv.cpu()), {"train/reverse_kl": float(m["reverse_kl"])}
+
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
         mbs = self._micro_batches(batch)
+        # With the KL in the reward the loop has already charged it; the loss must not charge it again.
+        kl_loss = self.ref_model is not None and not self.algo.kl_in_reward
         with torch.no_grad():
             old = [self._forward_logprobs(self.model, mb)[0] for mb in mbs]
-            ref = [self._forward_logprobs(self.ref_model, mb)[0] if self.ref_model else None for mb in mbs]
+            ref = [self._forward_logprobs(self.ref_model, mb)[0] if kl_loss else None for mb in mbs]
         mask = batch.loss_mask.to(self.device)
         old_all = torch.cat(old)
         mismatch = masked_sum((old_all - batch.rollout_logprobs.to(self.device)).abs(), mask) / mask.sum().clamp(min=1)
         if self.algo.use_rollout_logprobs:  # the engine's numbers define the old policy
             old = [mb.rollout_logprobs.to(self.device) for mb in mbs]
+        distill_metrics = {}
+        if self.teacher is not None:
+            batch, distill_metrics = self._distill(batch, torch.cat(old))
         batch, correction_metrics = self._correct(batch, old_all)
         mbs = self._micro_batches(batch)
 
@@ -168,7 +203,7 @@ class TorchTrainer:
                 totals[k] += v / self.algo.num_steps_per_rollout
         metrics = {f"train/{k}": v for k, v in totals.items()}
         metrics["mismatch/logprob_abs_diff"] = float(mismatch)
-        return {**metrics, **correction_metrics}
+        return {**metrics, **correction_metrics, **distill_metrics}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""

@@ -19,12 +19,14 @@ def store(tmp_path_factory):
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "sft"])
-def test_preset_runs_two_steps(tmp_path, monkeypatch, compose, store, preset):
+def test_preset_runs_two_steps(tmp_path, monkeypatch, compose, store, preset, request):
     monkeypatch.chdir(tmp_path)
+    # opd's default teacher is built by a minutes-long SFT; a short one stands in for it here.
+    teacher = [f"algo.teacher_checkpoint={request.getfixturevalue('teacher')}"] if preset == "opd" else []
     cfg = compose([f"algo={preset}", "ray.enabled=false", "steps=2", "eval.interval=2", "task.eval_size=8",
                    "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
-                   f"tracking.uri={store}", f"tracking.experiment={preset}"])
+                   f"tracking.uri={store}", f"tracking.experiment={preset}", *teacher])
     assert validate(cfg) == []
     accuracy = run(cfg, tmp_path / "run", [f"algo={preset}"], "")
     assert 0.0 <= accuracy <= 1.0

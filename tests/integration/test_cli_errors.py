@@ -10,7 +10,7 @@ CASES = {
     "rollout.n_samples_per_prompt=0": "rollout.n_samples_per_prompt must be > 0",
     "trainer.global_batch_size=128": "batch invariant broken",
     "trainer.foo=1": "unknown key 'trainer.foo'; valid keys of trainer: backend, lr",
-    "algo.name=nope": "expected one of [grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, cispo, sft]",
+    "algo.name=nope": "expected one of [grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, cispo, ppo, opd, sft]",
     "task.kind=file": "task.train_file must be set when task.kind=file",
 }
 

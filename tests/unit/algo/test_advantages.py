@@ -8,7 +8,9 @@ from miles.algo.advantages import (
     gae_advantages,
     grpo_advantages,
     keep_groups_with_variance,
+    masked_whiten,
     overlong_penalty,
+    terminal_rewards,
 )
 from miles.algo.registry import ADVANTAGES, TOKEN_ADVANTAGES, get
 
@@ -39,7 +41,7 @@ def test_grpo_interleaved_groups_and_zero_mean():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid: dr_grpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
+    with pytest.raises(ValueError, match="valid: dr_grpo, grpo, none, reinforce_pp, reinforce_pp_baseline, rloo"):
         get(ADVANTAGES, "advantage estimator", "nope")
 
 
@@ -125,6 +127,36 @@ def test_gae_skips_masked_tokens():
     torch.testing.assert_close(adv[:, [0, 2, 3]], ref_adv)
     torch.testing.assert_close(ret[:, [0, 2, 3]], ref_ret)
     assert adv[0, 1] == adv[0, 4] == ret[0, 1] == ret[0, 4] == 0.0
+
+
+def test_terminal_rewards_land_on_the_last_response_token():
+    # row 0: response tokens at 1..3 (then padding); row 1: a masked token inside; row 2: no tokens
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    out = terminal_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
+    expected = torch.zeros(3, 5)
+    expected[0, 3], expected[1, 4] = 2.0, -1.0
+    assert torch.equal(out, expected)
+
+
+def test_gae_with_terminal_reward_and_gamma_lambda_1_is_reward_minus_value():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    values = torch.tensor([[0.2, 0.5, 0.9, 7.0]])
+    adv, ret = gae_advantages(terminal_rewards(torch.tensor([1.0]), mask), values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.8, 0.5, 0.1, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+
+
+def test_masked_whiten_hand_computed():
+    # unmasked 1, 2, 3, 6: mean 3, biased variance (4 + 1 + 0 + 9) / 4 = 3.5; masked entries -> 0
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 6.0, -100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    expected = torch.tensor([[-2.0, -1.0, 0.0], [0.0, 3.0, 0.0]]) / math.sqrt(3.5)
+    torch.testing.assert_close(masked_whiten(x, mask, eps=0.0), expected)
+
+
+def test_none_gives_no_reward_signal():
+    adv = get(ADVANTAGES, "a", "none")(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 1]), norm_by_std=True)
+    assert torch.equal(adv, torch.zeros(3))
 
 
 def test_clip_rewards():

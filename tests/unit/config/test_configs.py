@@ -94,3 +94,26 @@ def test_cli_contract_keys_exist():
             hints = typing.get_type_hints(node)
             assert part in hints, key
             node = hints[part]
+
+
+def test_ppo_and_opd_rules(compose, tmp_path):
+    joined = "\n".join(validate(compose(["algo=ppo", "critic.updates_per_step=0", "critic.warmup_steps=200",
+                                         "ray.num_cpus=2", "algo.lam=1.5", "algo.kl_in_reward=true",
+                                         "algo.reward_clip=0"])))
+    for expected in ("critic.updates_per_step must be >= 1", "critic.warmup_steps must be in [0, steps)",
+                     "ray.num_cpus must be >= 3", "algo.gamma and algo.lam must be in [0, 1]",
+                     "algo.kl_in_reward needs algo.kl_coef > 0", "algo.reward_clip must be > 0"):
+        assert expected in joined
+    file_task = ["algo=opd", "task.kind=file", f"task.train_file={tmp_path / 'train.jsonl'}"]
+    assert any("algo.teacher_checkpoint must be set" in p for p in validate(compose(file_task)))
+    problems = validate(compose(["algo=opd", f"algo.teacher_checkpoint={tmp_path}"]))
+    assert problems == [f"algo.teacher_checkpoint={tmp_path} must be an HF checkpoint directory; "
+                        "missing: config.json, tokenizer.json"]
+    assert any("algo.opd_kl_coef must be >= 0, and > 0 for algo=opd" in p
+               for p in validate(compose(["algo=opd", "algo.opd_kl_coef=0"])))
+
+
+def test_unknown_advantage_lists_sequence_and_token_estimators(compose):
+    (problem,) = validate(compose(["algo.advantage=ppo"]))
+    assert problem == ("algo.advantage='ppo' is unknown; valid: dr_grpo, gae, grpo, none, reinforce_pp, "
+                       "reinforce_pp_baseline, rloo")

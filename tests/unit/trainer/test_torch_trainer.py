@@ -103,3 +103,42 @@ def test_sft_learns_a_fixed_batch(ckpt):
                            TrainerCfg(lr=3e-3, global_batch_size=16, micro_batch_size=8), FP32)
     losses = [trainer.train_sft(batch)["train/loss"] for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_kl_in_reward_is_not_charged_again_in_the_loss(ckpt, rollout_batch):
+    trainer = TorchTrainer(ckpt, grpo(kl_coef=0.1, kl_in_reward=True),
+                           TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=8), FP32)
+    assert torch.equal(trainer.kl_to_ref(rollout_batch), torch.zeros_like(rollout_batch.loss_mask))
+    trainer.train_rl(rollout_batch)
+    kl = trainer.kl_to_ref(rollout_batch)  # the policy moved: positive (k3) on response tokens only
+    assert (kl[rollout_batch.loss_mask > 0] > 0).all() and (kl[rollout_batch.loss_mask == 0] == 0).all()
+    assert "train/kl_ref" not in trainer.train_rl(rollout_batch)
+
+
+def test_teacher_equal_to_the_student_adds_nothing(ckpt, rollout_batch):
+    cfg = TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=8)
+    plain = TorchTrainer(ckpt, grpo(), cfg, FP32)
+    distilled = TorchTrainer(ckpt, grpo(opd_kl_coef=1.0), cfg, FP32, teacher_dir=ckpt)
+    m_plain, m_distilled = plain.train_rl(rollout_batch), distilled.train_rl(rollout_batch)
+    assert m_distilled.pop("train/reverse_kl") == 0.0
+    assert m_distilled == m_plain
+
+
+def test_distillation_pulls_the_student_to_the_teacher(ckpt, rollout_batch, tmp_path):
+    # A teacher = the student after a few SFT steps; pure OPD (no reward advantage) lowers the reverse KL.
+    from miles.data.tokenizer import TokenizerInfo
+    from miles.orchestrate.checkpoints import copy_tokenizer
+
+    sft = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.sft, policy_loss="nll"),
+                       TrainerCfg(lr=3e-3, global_batch_size=16, micro_batch_size=16), FP32)
+    examples = ArithmeticTask(seed=0).sample_train(16, np.random.default_rng(0))
+    for _ in range(10):
+        sft.train_sft(sft_batch(examples, TokenizerInfo.load(ckpt)))
+    sft.save(str(tmp_path))
+    copy_tokenizer(ckpt, tmp_path)
+    batch = rollout_batch.slice(0, 16)
+    batch.advantages = torch.zeros_like(batch.advantages)
+    cfg = TrainerCfg(lr=3e-3, global_batch_size=16, micro_batch_size=8)
+    student = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.opd, opd_kl_coef=1.0), cfg, FP32, teacher_dir=str(tmp_path))
+    kls = [student.train_rl(batch)["train/reverse_kl"] for _ in range(10)]
+    assert kls[0] > 0 and kls[-1] < 0.5 * kls[0]
