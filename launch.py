@@ -5,9 +5,13 @@
     python launch.py -m trainer.lr=1e-4,3e-4 steps=2   # a sweep: one MLflow parent run, a child per job
     python launch.py --cfg job                         # print the composed config
     python launch.py model=kimi_k2 hardware=h200 dry_run=true  # memory plan only: exit 0 fits, 3 refused
+    python launch.py +experiment=cpu_moe                # a preset (conf/experiment/)
+    python launch.py -m +sweep=tpe_lr_clip              # an Optuna TPE sweep (conf/sweep/)
+    python launch.py +reproduce=outputs/2026-01-01/12-00-00   # run a recorded run again (or an MLflow run id)
 """
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from miles.config.errors import exit_on_user_error
 from miles.config.store import register_configs
+from miles.tracking.reproduce import expand_argv
 
 register_configs()
 
@@ -43,4 +48,5 @@ if __name__ == "__main__":
     # Let composition errors reach us: user mistakes exit 2 with one message, bugs keep their traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     with exit_on_user_error():
+        sys.argv = expand_argv(sys.argv)  # +reproduce=<run>: that run's recorded overrides, before composing
         main()

@@ -46,6 +46,8 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
 def user_error_message(ex: BaseException) -> str | None:
     if isinstance(ex, ConfigError):
         return "invalid config:\n" + str(ex)
+    if isinstance(ex, UserError):
+        return str(ex)
     if isinstance(ex, DataError):
         return str(ex)
     if isinstance(ex, MissingConfigException) and ex.missing_cfg_file and ex.options is not None:
@@ -64,6 +66,10 @@ def user_error_message(ex: BaseException) -> str | None:
     if isinstance(ex, (HydraException, OmegaConfBaseException)):
         return _first_line(str(ex))
     return None
+
+
+class UserError(Exception):
+    """A mistake the user can fix, whose message says how (e.g. a +reproduce source that is not a run)."""
 
 
 class PlanRefused(Exception):

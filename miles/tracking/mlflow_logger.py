@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from miles.config.schema import TrackingCfg
+from miles.tracking.run_record import REPRODUCE_OF_ENV
 
 PARENT_RUN_ENV = "MILES_MLFLOW_PARENT_RUN_ID"
 SWEEP_DIR_ENV = "MILES_SWEEP_DIR"
@@ -59,6 +60,8 @@ class MlflowLogger:
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
         if os.environ.get(SWEEP_DIR_ENV):
             tags["miles.sweep_dir"] = os.environ[SWEEP_DIR_ENV]
+        if os.environ.get(REPRODUCE_OF_ENV):
+            tags["miles.reproduce_of"] = os.environ[REPRODUCE_OF_ENV]
         run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         self.experiment_id = experiment_id

@@ -1,8 +1,9 @@
 """The run record: everything needed to reproduce a run, written to its output dir.
 
-Files: resolved.yaml (the fully resolved config), overrides.yaml (the command-line overrides),
-git.json (SHA, branch, dirty flag) + git.diff (uncommitted changes), env.json (package versions,
-Python, platform, CPU count). Hydra's own .hydra/ folder sits beside them.
+Files: resolved.yaml (the fully resolved config), overrides.yaml (the command-line overrides,
+what `+reproduce` replays), git.json (SHA, branch, dirty flag) + git.diff (uncommitted changes),
+env.json (package versions, Python, platform, the driver's hardware), run.json (seed, deterministic
+mode, the command line, the run it reproduces). Hydra's own .hydra/ folder sits beside them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import yaml
+
 # The code's own checkout, whatever the working directory of the run is.
 CODE_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("miles", "torch", "ray", "mlflow", "hydra-core", "omegaconf", "safetensors", "tokenizers", "numpy")
+PACKAGES = ("miles", "torch", "ray", "mlflow", "hydra-core", "omegaconf", "hydra-optuna-sweeper", "optuna",
+            "safetensors", "tokenizers", "numpy")
+REPRODUCE_OF_ENV = "MILES_REPRODUCE_OF"  # set by miles.tracking.reproduce for the run it starts
 
 
 def _git(*args: str) -> str | None:
@@ -30,12 +35,16 @@ def _git(*args: str) -> str | None:
     return out.stdout
 
 
+def git_sha() -> str | None:
+    return (_git("rev-parse", "HEAD") or "").strip() or None
+
+
 def git_info() -> tuple[dict, str]:
-    sha = _git("rev-parse", "HEAD")
+    sha = git_sha()
     diff = _git("diff", "HEAD") or ""
     status = _git("status", "--porcelain") or ""
     info = {
-        "sha": sha.strip() if sha else None,
+        "sha": sha,
         "branch": (_git("rev-parse", "--abbrev-ref", "HEAD") or "").strip() or None,
         "dirty": bool(status.strip()),
     }
@@ -54,7 +63,40 @@ def env_info() -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "packages": versions,
+        "hardware": hardware_info(),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info() -> dict:
+    """The driver's machine: CPU, RAM and the GPUs torch sees (actors on other nodes may differ)."""
+    import torch
+
+    info: dict = {
+        "cpu": _cpu_model(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            info["gpus"].append({
+                "name": props.name, "memory_gb": round(props.total_memory / 1e9, 1),
+                "capability": f"{props.major}.{props.minor}",
+            })
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
 
 
 def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str]) -> tuple[dict[str, Path], dict]:
@@ -62,12 +104,20 @@ def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[st
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     git, diff = git_info()
+    resolved = yaml.safe_load(resolved_yaml)
+    run = {
+        "seed": resolved.get("seed"),
+        "deterministic": resolved.get("deterministic"),
+        "argv": sys.argv,
+        "reproduce_of": os.environ.get(REPRODUCE_OF_ENV),
+    }
     files = {
         "resolved.yaml": resolved_yaml,
-        "overrides.yaml": "".join(f"- {o}\n" for o in overrides) or "[]\n",
+        "overrides.yaml": yaml.safe_dump(list(overrides), default_flow_style=False),
         "git.json": json.dumps(git, indent=2) + "\n",
         "git.diff": diff,
         "env.json": json.dumps(env_info(), indent=2) + "\n",
+        "run.json": json.dumps(run, indent=2) + "\n",
     }
     paths = {}
     for name, text in files.items():
