@@ -11,6 +11,7 @@ params. "Best" follows the Optuna sweeper's `direction` when one is set, else th
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,13 +79,20 @@ class MlflowSweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.parent_run_id:
             return
-        if self.results:
-            pick = min if _minimize(config) else max
-            self._record_best(pick(self.results, key=lambda r: r.objective), _swept_keys(config))
-        self.client.set_tag(self.parent_run_id, "miles.num_jobs", str(len(self.results)))
-        self.client.set_terminated(self.parent_run_id)
         os.environ.pop(PARENT_RUN_ENV, None)
         os.environ.pop(SWEEP_DIR_ENV, None)
+        best = None
+        if self.results:
+            best = (min if _minimize(config) else max)(self.results, key=lambda r: r.objective)
+            print(f"sweep: best of {len(self.results)} jobs is job {best.num} (objective {best.objective:.4f}): "
+                  f"{' '.join(best.overrides)}")
+        try:
+            if best:
+                self._record_best(best, _swept_keys(config))
+            self.client.set_tag(self.parent_run_id, "miles.num_jobs", str(len(self.results)))
+            self.client.set_terminated(self.parent_run_id)
+        except Exception as ex:  # noqa: BLE001  the jobs are done and logged; only the summary is lost
+            print(f"warning: the sweep's parent run {self.parent_run_id} was not updated: {ex}", file=sys.stderr)
 
     def _record_best(self, best: JobResult, swept: set[str]) -> None:
         from mlflow.entities import Param
