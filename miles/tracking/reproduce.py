@@ -62,11 +62,11 @@ def _from_mlflow(run_id: str, uri: str | None) -> Record:
             local = None  # an unreachable artifact store: fall back to the run dir the run recorded
         if local is not None and (local / "overrides.yaml").is_file():
             return _from_dir(local)
-    run_dir = Path(run.data.tags.get("miles.run_dir", ""))
-    if run.data.tags.get("miles.run_dir") and run_dir.is_dir():
-        return _from_dir(run_dir)
+    recorded = run.data.tags.get("miles.run_dir")
+    if recorded and Path(recorded).is_dir():
+        return _from_dir(Path(recorded))
     raise UserError(f"+reproduce={run_id}: the MLflow run has no run_record/overrides.yaml artifact and its "
-                    f"run dir {run_dir or '?'} is not here")
+                    f"run dir {recorded or '?'} is not here")
 
 
 def load(source: str, tracking_uri: str | None) -> Record:

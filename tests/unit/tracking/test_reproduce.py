@@ -72,6 +72,21 @@ def test_an_mlflow_run_id_is_looked_up_in_the_local_store(run_dir, tmp_path, mon
         "launch.py", "+experiment=cpu_smoke", "trainer.lr=1e-4", "task.ops=+-*", "seed=3"]
 
 
+def test_an_mlflow_run_without_artifacts_falls_back_to_its_run_dir(run_dir, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from miles.tracking.mlflow_logger import get_or_create_experiment, resolve_uri
+
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(tracking_uri=resolve_uri(None))
+    experiment = get_or_create_experiment(client, "repro", None)
+    run_id = client.create_run(experiment, tags={"miles.run_dir": str(run_dir)}).info.run_id
+    assert reproduce.expand_argv(["launch.py", f"+reproduce={run_id}"])[1] == "+experiment=cpu_smoke"
+    lost = client.create_run(experiment, tags={"miles.run_dir": str(tmp_path / "gone")}).info.run_id
+    with pytest.raises(UserError, match="is not here"):
+        reproduce.expand_argv(["launch.py", f"+reproduce={lost}"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["launch.py", "+reproduce="], "needs a run dir"),
     (["launch.py", "+reproduce=nope", "+reproduce=again"], "more than once"),
