@@ -92,3 +92,9 @@ def test_reproduce_of_a_deterministic_run_gives_identical_metrics(tmp_path, mlfl
     for run in runs[1:]:
         assert run.data.params == original.data.params | {"output_dir": run.data.params["output_dir"]}
         assert _metrics(client, run.info.run_id) == reference  # bit for bit
+
+
+def test_reproduce_of_something_that_is_not_a_run_is_a_user_error(tmp_path):
+    proc = run_launch(["+reproduce=no-such-run"], cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: +reproduce=no-such-run: no such run dir" in proc.stderr
