@@ -1,8 +1,10 @@
 """Native torch rollout engine: batched KV-cache generation with the trainer's own model modules.
 
-Prompts are left-padded into one batch, prefilled once, then decoded a token at a time with a
-preallocated KV cache; n samples per prompt are n rows of the batch. Plain class: `miles.orchestrate`
-wraps it in a Ray actor, tests and the GPU machine call it directly.
+Prompts are left-padded into one batch and prefilled once per distinct prompt; the KV cache, the
+last logits, the attention mask and the positions are then expanded n times, so the n samples of a
+prompt are n rows of the batch that share one prefill. Decoding goes a token at a time with a
+preallocated KV cache, sampling each row on its own. Plain class: `miles.orchestrate` wraps it in a
+Ray actor, tests and the GPU machine call it directly.
 
     engine = NativeEngine("ckpt_dir", RolloutCfg(), DType.fp32)
     samples = engine.generate(["12+30="], ["42"], n=4)
@@ -12,12 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from miles.config.schema import DType, RolloutCfg
+from miles.config.schema import DType, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import from_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
+from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
 from miles.types import FinishReason, Sample
+
+# Finished rows are dropped from the decode batch once they are at least this fraction of it:
+# fewer rows to compute per step, against one copy of the KV cache per compaction.
+COMPACT_AT = 0.25
 
 
 class NativeEngine:
@@ -29,14 +36,23 @@ class NativeEngine:
         device: str = "cpu",
         threads: int | None = None,
         seed: int = 0,
+        precision: PrecisionCfg | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[DType(dtype)]
-        self.model = from_pretrained(checkpoint_dir, dtype=self.dtype).to(self.device).eval()
+        self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device).eval()
         self.model.requires_grad_(False)
+        # FP8 / INT4 recipes: quantized Linear layers hold the rollout format, built from the
+        # checkpoint by the quantizer the trainer uses (later syncs replace it).
+        self.recipe = Recipe.from_cfg(precision or PrecisionCfg(name="none"), self.model.config.num_layers)
+        payload = self.recipe.sync_payload(self.model.state_dict()) if self.recipe.rollout_quant != "none" else None
+        self.model.to(self.dtype)
+        if payload is not None:
+            self.recipe.prepare_engine(self.model)
+            self.recipe.load_engine(self.model, payload, self.dtype)
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = {self.tok.eos_id} if self.tok.eos_id is not None else set()
         for text in cfg.stop_tokens:
@@ -47,6 +63,8 @@ class NativeEngine:
         self.stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         self.pad_id = self.tok.pad_id if self.tok.pad_id is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Compact the decode batch once this fraction of its rows has finished (> 1: never).
+        self.compact_at = COMPACT_AT
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.tokenizer.decode(ids, skip_special_tokens=True)
@@ -64,39 +82,61 @@ class NativeEngine:
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or cfg.max_new_tokens
-        prompt_ids = [encode_prompt(self.tok, p) for p in prompts for _ in range(n)]
-        batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+        distinct = [encode_prompt(self.tok, p) for p in prompts]
+        prompt_ids = [ids for ids in distinct for _ in range(n)]  # row i*n+j samples prompts[i]
+        batch, width = len(prompt_ids), max(len(p) for p in distinct)
         limit = self.model.config.max_position_embeddings
         if width + max_new > limit:
             raise ValueError(
                 f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"max_position_embeddings ({limit}); lower rollout.max_new_tokens"
             )
-        tokens = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(batch, width, dtype=torch.long)
-        for i, ids in enumerate(prompt_ids):
+        # Prefill each distinct prompt once (P rows), then expand everything that is per row to
+        # P*n rows: the n samples of a prompt start from the same cache and the same logits.
+        tokens = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(distinct), width, dtype=torch.long)
+        for i, ids in enumerate(distinct):
             tokens[i, width - len(ids):] = torch.tensor(ids)
             mask[i, width - len(ids):] = 1
         tokens, mask = tokens.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
-        cache = self.model.new_cache(batch, width + max_new, dtype=self.dtype, device=self.device)
+        cache = self.model.new_cache(len(distinct), width + max_new, dtype=self.dtype, device=self.device)
         logits = self.model(tokens, attention_mask=mask, position_ids=positions, cache=cache)[:, -1]
+        if n > 1:
+            expand = torch.arange(len(distinct), device=self.device).repeat_interleave(n)
+            cache = _select(cache, expand)
+            logits, mask, positions = logits[expand], mask[expand], positions[expand]
         out = torch.full((batch, max_new), self.pad_id, dtype=torch.long, device=self.device)
         out_lp = torch.zeros(batch, max_new, device=self.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.full((batch,), max_new, dtype=torch.long, device=self.device)
+        # The batch shrinks as rows finish: `rows` maps each batch row to its sample, `done` marks
+        # batch rows that finished since the last compaction (they still ride along until then).
+        rows = torch.arange(batch, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         position = positions[:, -1:]
         for t in range(max_new):
-            next_tok, next_lp = sample_next(logits, temperature, cfg.top_p, cfg.top_k, self.generator)
-            next_tok = next_tok.masked_fill(finished, self.pad_id)
-            out[:, t], out_lp[:, t] = next_tok, next_lp
-            stopped = torch.isin(next_tok, self.stop_ids) & ~finished
-            lengths[stopped] = t + 1
-            finished |= stopped
-            if bool(finished.all()) or t == max_new - 1:
+            noise = None
+            if temperature > 0:  # noise for every sample, live or not: the draws do not depend on compaction
+                noise = torch.empty(batch, logits.shape[-1], device=self.device).exponential_(generator=self.generator)
+                noise = noise if len(rows) == batch else noise[rows]
+            next_tok, next_lp = sample_next(logits, temperature, cfg.top_p, cfg.top_k, noise=noise)
+            next_tok = next_tok.masked_fill(done, self.pad_id)
+            out[rows, t], out_lp[rows, t] = next_tok, next_lp
+            stopped = torch.isin(next_tok, self.stop_ids) & ~done
+            lengths[rows[stopped]] = t + 1
+            finished[rows[stopped]] = True
+            done |= stopped
+            num_done = int(done.sum())
+            if num_done == len(rows) or t == max_new - 1:
                 break
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            if num_done >= self.compact_at * len(rows):  # drop finished rows; amortizes the cache copy
+                keep = (~done).nonzero().squeeze(1)
+                cache = _select(cache, keep)
+                rows, done, next_tok = rows[keep], done[keep], next_tok[keep]
+                mask, position = mask[keep], position[keep]
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=self.device)], dim=1)
             position = position + 1
             logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache)[:, -1]
 
@@ -119,11 +159,22 @@ class NativeEngine:
         return samples
 
     def update_weights(self, weights: dict[str, torch.Tensor], expected_checksum: str | None = None) -> str:
-        """Load trainer weights (already in this engine's dtype); verify them when a checksum is given."""
-        self.model.load_state_dict(weights, strict=True)
+        """Load what the trainer sent (weights in this engine's dtype, or the recipe's rollout format);
+        verify what the engine then holds when a checksum is given."""
+        if self.recipe.rollout_quant == "none":
+            self.model.load_state_dict(weights, strict=True)
+        else:
+            self.recipe.load_engine(self.model, weights, self.dtype)
         if expected_checksum is None:
             return ""
-        held = checksum(self.model.state_dict())
+        held = checksum(self.model.state_dict()) if self.recipe.rollout_quant == "none" else \
+            self.recipe.held_checksum(self.model)
         if held != expected_checksum:
             raise WeightSyncError(f"engine weights checksum {held[:12]} != trainer's {expected_checksum[:12]}")
         return held
+
+
+def _select(cache, index: torch.Tensor):
+    """cache.select(index) keeps / reorders batch rows; use its return value when it gives one."""
+    selected = cache.select(index)
+    return cache if selected is None else selected

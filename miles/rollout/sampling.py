@@ -15,8 +15,14 @@ def sample_next(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, V] logits -> (token ids [B], log-probs [B])."""
+    """[B, V] logits -> (token ids [B], log-probs [B]).
+
+    Sampling is the exponential race token = argmax(p / noise) with noise ~ Exp(1) [B, V], which is
+    how torch.multinomial draws one sample (same draws from the same generator). `noise` lets the
+    caller supply the draws, e.g. drawn for a larger batch and indexed; else they come from `generator`.
+    """
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
@@ -37,5 +43,7 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     probs = torch.softmax(filtered, -1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    tokens = (probs / noise).argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
