@@ -1,7 +1,5 @@
 """Shared fixtures. Tests run on CPU with tiny models the code builds; nothing is downloaded."""
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +25,3 @@ def compose():
         return OmegaConf.to_object(dcfg)
 
     return _compose
-
-
-def run_launch(args, cwd, env_extra=None, timeout=600):
-    """Run `python launch.py ARGS` in `cwd` (outputs and mlruns land there); returns CompletedProcess."""
-    import subprocess
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-    )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_launch
+from launch_cli import run_launch
 
 CASES = {
     "model=nope": "unknown model 'nope'; valid choices: qwen3_tiny",

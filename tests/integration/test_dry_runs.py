@@ -3,7 +3,7 @@ run fits, exit 3 with what to change when it does not (issue contract; sizes in 
 
 import pytest
 
-from conftest import run_launch
+from launch_cli import run_launch
 
 pytestmark = pytest.mark.slow
 KIMI = ["model=kimi_k2", "hardware=h200", "hardware.num_nodes=32", "rollout.num_gpus_per_engine=8", "dry_run=true"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_launch
+from launch_cli import run_launch
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from launch_cli import ROOT
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).parent / "ray")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_launch
+from launch_cli import run_launch
 
 pytestmark = pytest.mark.slow
 

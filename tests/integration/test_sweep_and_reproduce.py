@@ -2,15 +2,10 @@
 one parent run with two child runs and its best trial; a deterministic CPU run reproduced from its
 run dir and from its MLflow run id gives identical metrics."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from launch_cli import run_launch
 
 pytestmark = pytest.mark.slow
-LAUNCH = Path(__file__).resolve().parents[2] / "launch.py"
 
 TINY = [
     "ray.enabled=false", "steps=2", "eval.interval=1", "task.eval_size=16",
@@ -18,12 +13,6 @@ TINY = [
     "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
 ]
 TIMING = ("perf/", "rollout/tokens_per_s")  # wall-clock measurements differ run to run by nature
-
-
-def run_launch(args, cwd, env_extra=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
 
 
 def test_optuna_sweep_is_one_parent_run_with_a_child_per_trial_and_the_best_trial(tmp_path, mlflow_server):
