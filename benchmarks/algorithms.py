@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/algorithms.py --steps 100          # all presets, ~1 min each on 2 cores
     .venv/bin/python benchmarks/algorithms.py --presets grpo dapo  # a subset
+    .venv/bin/python benchmarks/algorithms.py --overrides hardware.cpu_threads=1  # extra launch.py overrides
 
 Each preset runs `launch.py algo=<preset>` in-process (no Ray) from the same cached warm start, so the
 only difference between rows is the algorithm. `opd` is the exception in kind, not in setup: it
@@ -29,11 +30,12 @@ def rl_presets() -> list[str]:
     return sorted(p.stem for p in (ROOT / "conf" / "algo").glob("*.yaml") if p.stem != "sft")
 
 
-def run_preset(preset: str, steps: int, seed: int) -> dict:
+def run_preset(preset: str, steps: int, seed: int, overrides: list[str]) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), f"algo={preset}", f"steps={steps}", f"seed={seed}",
-         "ray.enabled=false", f"eval.interval={max(steps // 4, 1)}", "tracking.experiment=algo-benchmark"],
+         "ray.enabled=false", f"eval.interval={max(steps // 4, 1)}", "tracking.experiment=algo-benchmark",
+         *overrides],
         cwd=ROOT, capture_output=True, text=True,
     )
     if proc.returncode != 0:
@@ -49,8 +51,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--presets", nargs="*", default=None)
+    # e.g. hardware.cpu_threads=1 on a machine shared with other jobs: two threads per run then
+    # oversubscribe the cores, and the wall clock balloons (results depend on the thread count)
+    parser.add_argument("--overrides", nargs="*", default=[], help="launch.py overrides for every preset")
     args = parser.parse_args()
-    rows = [run_preset(p, args.steps, args.seed) for p in (args.presets or rl_presets())]
+    rows = [run_preset(p, args.steps, args.seed, args.overrides) for p in (args.presets or rl_presets())]
     checkpoints = sorted(rows[0]["evals"])
     print(f"| preset | {' | '.join(f'step {s}' for s in checkpoints)} | gain | wall s |")
     print(f"|---|{'---|' * len(checkpoints)}---|---|")
