@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from miles.config.validate import validate
 from miles.orchestrate.run import run
@@ -28,7 +29,7 @@ def test_preset_runs_two_steps(tmp_path, monkeypatch, compose, store, preset, re
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
                    f"tracking.uri={store}", f"tracking.experiment={preset}", *teacher])
     assert validate(cfg) == []
-    accuracy = run(cfg, tmp_path / "run", [f"algo={preset}"], "")
+    accuracy = run(cfg, tmp_path / "run", [f"algo={preset}"], OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     assert 0.0 <= accuracy <= 1.0
 
     from mlflow.tracking import MlflowClient

@@ -4,6 +4,7 @@ built-in arithmetic task through `miles.orchestrate.run`, read back from a real 
 from statistics import mean
 
 import pytest
+from omegaconf import OmegaConf
 
 from miles.config.validate import validate
 from miles.orchestrate.run import run
@@ -18,7 +19,7 @@ def _run(compose, tmp_path, overrides):
     store = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = compose([*SMALL, *overrides, f"tracking.uri={store}"])
     assert validate(cfg) == []
-    run(cfg, tmp_path / "run", overrides, "")
+    run(cfg, tmp_path / "run", overrides, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=store)
