@@ -2,14 +2,17 @@
 
 `user_error_message(ex)` returns None for anything that is not a user mistake, so real bugs keep
 their traceback. Covered: an unknown group option, an unknown key, a value of the wrong type or
-outside an enum, bad override syntax, `validate()` problems, and malformed data files.
+outside an enum, bad override syntax, `validate()` problems, malformed data files, and an output
+directory Hydra cannot create.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
+import traceback
 import typing
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -43,6 +46,20 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
     return f"unknown key '{full_key}'{hint}"
 
 
+def _output_dir_error(ex: BaseException) -> str | None:
+    """Hydra creates the run / sweep dir before any Miles code runs: an OSError raised there (the
+    first frame outside pathlib / os is Hydra's) is a path the user chose."""
+    if not isinstance(ex, OSError) or ex.filename is None:
+        return None
+    for frame in reversed(traceback.extract_tb(ex.__traceback__)):
+        if os.path.basename(frame.filename) in ("pathlib.py", "os.py"):
+            continue
+        if f"{os.sep}hydra{os.sep}" in frame.filename:
+            return f"cannot write the run's output directory: {ex.filename}: {ex.strerror} (see hydra.run.dir / hydra.sweep.dir)"
+        return None
+    return None
+
+
 def user_error_message(ex: BaseException) -> str | None:
     if isinstance(ex, ConfigError):
         return "invalid config:\n" + str(ex)
@@ -50,6 +67,8 @@ def user_error_message(ex: BaseException) -> str | None:
         return str(ex)
     if isinstance(ex, DataError):
         return str(ex)
+    if (message := _output_dir_error(ex)) is not None:
+        return message
     if isinstance(ex, MissingConfigException) and ex.missing_cfg_file and ex.options is not None:
         group, _, name = ex.missing_cfg_file.rpartition("/")
         return f"unknown {group or 'config'} '{name}'; valid choices: {', '.join(sorted(ex.options))}"

@@ -215,6 +215,32 @@ class TrackingCfg:
     experiment: str = "miles"
     run_name: Optional[str] = None
     log_samples: int = 16
+    flush_timeout_s: float = 60.0  # at the end, how long to wait for an unreachable server (miles.tracking.journal)
+
+
+@dataclass
+class CheckpointCfg:
+    """Resume checkpoints (miles.orchestrate.resume); the final HF checkpoint is written regardless."""
+
+    dir: Optional[str] = None  # None: <run dir>/checkpoints
+    interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGINT / SIGTERM
+    keep_last: int = 2
+
+
+@dataclass
+class DebugCfg:
+    """Debug modes (miles.orchestrate.debug)."""
+
+    rollout_only: bool = False
+    train_only: bool = False
+    save_rollouts: Optional[str] = None
+    load_rollouts: Optional[str] = None
+    check_weight_sync: bool = False
+
+
+@dataclass
+class FaultCfg:
+    max_retries: int = 3  # component failures one run survives (miles.orchestrate.supervise)
 
 
 @dataclass
@@ -238,6 +264,9 @@ class RunCfg:
     eval: EvalCfg = field(default_factory=EvalCfg)
     warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
     ray: RayCfg = field(default_factory=RayCfg)
+    checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
+    debug: DebugCfg = field(default_factory=DebugCfg)
+    fault: FaultCfg = field(default_factory=FaultCfg)
     steps: int = 200
     seed: int = 0
     dry_run: bool = False

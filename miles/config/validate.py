@@ -176,6 +176,15 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += precision_problems(cfg.precision, cfg.hardware)
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
+    for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
+                              ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
+                              ("fault.max_retries", cfg.fault.max_retries, 0),
+                              ("tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, 0)):
+        if value < least:
+            problems.append(f"{key} must be >= {least} (got {value})")
+    from miles.orchestrate.debug import problems as debug_problems
+
+    problems += debug_problems(cfg)
     return problems
 
 

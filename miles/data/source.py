@@ -45,6 +45,18 @@ class PromptSource:
             self._pos += 1
         return batch
 
+    def state(self) -> dict:
+        """The data position, JSON-serializable: what a resumed run needs to draw the same next prompts."""
+        state = {"rng": self.rng.bit_generator.state}
+        if self.task is None:
+            state.update(order=self._order.tolist(), pos=self._pos)
+        return state
+
+    def load_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        if self.task is None:
+            self._order, self._pos = np.array(state["order"], dtype=np.int64), state["pos"]
+
     def alphabet(self) -> str:
         """Characters a char-level tokenizer built for this task must cover."""
         if self.task is not None:

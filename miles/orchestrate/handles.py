@@ -3,6 +3,8 @@
 `handle.submit(method, *args)` returns a future (a Ray ObjectRef, or the value itself in-process);
 futures can be passed as arguments to another handle's submit, so weights move trainer -> engine
 through Ray's object store without a copy through the driver. `handle.call` submits and waits.
+`handle.apply(fn, *args)` runs `fn(component, *args)` where the component lives (checkpoint state,
+debug checks), so such code needs no method on the component classes.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ class LocalHandle:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.submit(method, *args, **kwargs)
 
+    def apply(self, fn: Any, *args: Any) -> Any:
+        return fn(self.obj, *args)
+
 
 class RayHandle:
-    def __init__(self, actor: Any):
+    def __init__(self, actor: Any, respawn: Any = None):
         self.actor = actor
+        self._respawn = respawn  # () -> a new actor built like this one (miles.orchestrate.supervise restarts)
 
     def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
         remote_method = getattr(self.actor, method)
@@ -41,6 +47,16 @@ class RayHandle:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.get(self.submit(method, *args, **kwargs))
+
+    def apply(self, fn: Any, *args: Any) -> Any:
+        return self.get(self.actor.__ray_call__.remote(fn, *args))
+
+    def restart(self) -> None:
+        """Replace the actor by a fresh one built from the same constructor arguments."""
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+        self.actor = self._respawn()
 
 
 def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | None = None,
@@ -71,4 +87,5 @@ def spawn(cls: type, use_ray: bool, *args: Any, **kwargs: Any) -> LocalHandle | 
         return LocalHandle(cls(*args, **kwargs))
     import ray
 
-    return RayHandle(ray.remote(num_cpus=1)(cls).remote(*args, **kwargs))
+    actor_cls = ray.remote(num_cpus=1)(cls)
+    return RayHandle(actor_cls.remote(*args, **kwargs), respawn=lambda: actor_cls.remote(*args, **kwargs))

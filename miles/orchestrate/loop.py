@@ -33,14 +33,23 @@ class LoopContext:
     task_name: str = "task"
     eval_max_new_tokens: int = 8
     critic: object = None  # handle to a TorchCritic (algo.advantage=gae), else None
+    # Set by miles.orchestrate.supervise (resume, checkpoints, signals) and miles.orchestrate.debug.
+    start_step: int = 0  # the step a resumed run continues after (0: a fresh run, evaluated at step 0)
+    after_step: Callable[[int], None] = lambda step: None  # after each step is logged
+    after_sync: Callable[["LoopContext"], None] = lambda ctx: None  # after each weight sync
+    collect: Callable | None = None  # (ctx, cfg, step) -> (samples, metrics); None: collect_rollout
 
 
 def sync_weights(ctx: LoopContext, check: bool) -> float:
     """Push the trainer's weights to the engine; with `check`, the engine verifies the checksum."""
+    if ctx.engine is None or ctx.trainer is None:  # debug.rollout_only / debug.train_only
+        return 0.0
     start = time.perf_counter()
     weights, digest = ctx.trainer.submit("get_weights", num_returns=2)
     ctx.engine.get(ctx.engine.submit("update_weights", weights, digest if check else None))
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    ctx.after_sync(ctx)
+    return elapsed
 
 
 def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample]]:
@@ -54,7 +63,7 @@ def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, l
 
 def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
     """Greedy accuracy on the held-out split: eval/<task>/accuracy."""
-    if not ctx.source.eval:
+    if not ctx.source.eval or ctx.engine is None:
         return {}
     accuracy, samples = greedy_accuracy(ctx, ctx.source.eval)
     ctx.on_samples(samples, step)
@@ -107,11 +116,13 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
 
 def rl_loop(ctx: LoopContext, cfg) -> float:
     """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps)."""
-    last = evaluate(ctx, 0)
-    ctx.log(last, 0)
-    for step in range(1, cfg.steps + 1):
+    last = {}
+    if ctx.start_step == 0:
+        last = evaluate(ctx, 0)
+        ctx.log(last, 0)
+    for step in range(ctx.start_step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        samples, rollout_metrics = collect_rollout(ctx, cfg)
+        samples, rollout_metrics = ctx.collect(ctx, cfg, step) if ctx.collect else collect_rollout(ctx, cfg)
         t1 = time.perf_counter()
         batch, metrics = make_train_batch(ctx, cfg, samples)
         # The critic trains on the same batch, one after the other with the policy: run concurrently
@@ -120,7 +131,7 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
         if ctx.critic is not None:
             metrics.update(ctx.critic.call("train", batch))
         policy_update = ctx.critic is None or step > cfg.critic.warmup_steps
-        if policy_update:
+        if policy_update and ctx.trainer is not None:
             metrics.update(ctx.trainer.call("train_rl", batch))
         t2 = time.perf_counter()
         if policy_update:
@@ -141,6 +152,7 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
             metrics.update(last)
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(metrics, step)
+        ctx.after_step(step)
     return next(iter(last.values()), 0.0)
 
 
@@ -173,9 +185,11 @@ def sft_loop(
     `stop_when=(probe, target)` ends training at the first eval where the greedy accuracy on the
     probe examples (training-distribution problems, never the held-out split) reaches `target`.
     """
-    last = evaluate(ctx, 0)
-    ctx.log(last, 0)
-    for step in range(1, steps + 1):
+    last = {}
+    if ctx.start_step == 0:
+        last = evaluate(ctx, 0)
+        ctx.log(last, 0)
+    for step in range(ctx.start_step + 1, steps + 1):
         t0 = time.perf_counter()
         metrics = ctx.trainer.call("train_sft", sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer))
         done = step == steps
@@ -189,6 +203,7 @@ def sft_loop(
                 metrics.update(last)
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(metrics, step)
+        ctx.after_step(step)
         if done:
             break
     return next(iter(last.values()), 0.0)

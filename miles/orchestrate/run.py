@@ -1,7 +1,8 @@
 """One experiment, end to end: record -> initial weights -> components -> loop -> final checkpoint.
 
 `launch.py` calls `run` with the validated RunCfg; so can a test or the GPU machine (with
-`cfg.ray.enabled=False` the engine, the trainer and the critic run in-process).
+`cfg.ray.enabled=False` the engine, the trainer and the critic run in-process). The loop runs under
+`miles.orchestrate.supervise`: resume, checkpoints, signals, restarts of failed components.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
 from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint, teacher_checkpoint
+from miles.orchestrate.debug import check_sync_tensors, rollout_hook
 from miles.orchestrate.handles import spawn, start_ray
-from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop, sync_weights
+from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
+from miles.orchestrate.resume import CheckpointStore
+from miles.orchestrate.supervise import Stopped, supervise
 from miles.tracking.console import batch_table, console, step_line
-from miles.tracking.mlflow_logger import MlflowLogger
+from miles.tracking.journal import JournaledTracker
 from miles.tracking.run_record import write_run_record
 from miles.types import Sample
 
 
-def _samples_logger(tracker: MlflowLogger, limit: int):
+def _samples_logger(tracker: JournaledTracker, limit: int):
     def log_samples(samples: list[Sample], step: int) -> None:
         rows = [
             {"step": step, "prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward}
@@ -40,6 +44,8 @@ def _samples_logger(tracker: MlflowLogger, limit: int):
 def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: str) -> float:
     """Returns the final held-out accuracy (the objective sweeps maximize)."""
     run_dir = Path(run_dir)
+    # Before anything is written: writable dirs, and a checkpoint to resume that fits this config.
+    store = CheckpointStore.prepare(cfg, run_dir)
     if cfg.deterministic:
         determinism.enable(cfg.seed)  # before the warm start draws anything
     console.print(batch_table(cfg))
@@ -51,16 +57,15 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         console.print(f"distilling from the teacher in {teacher_dir}")
 
     run_name = cfg.tracking.run_name or f"{cfg.algo.name.value}-{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    tracker = MlflowLogger(
-        cfg.tracking,
-        run_name,
-        tags={
-            "mlflow.source.git.commit": git["sha"] or "",
-            "miles.run_dir": str(run_dir.absolute()),
-            "miles.algo": cfg.algo.name.value,
-            "miles.model": cfg.model.name,
-        },
-    )
+    tags = {
+        "mlflow.source.git.commit": git["sha"] or "",
+        "miles.run_dir": str(run_dir.absolute()),
+        "miles.algo": cfg.algo.name.value,
+        "miles.model": cfg.model.name,
+    }
+    if (resume_from := store.latest()) is not None:
+        tags["miles.resumed_from"] = str(resume_from.absolute())
+    tracker = JournaledTracker(cfg.tracking, run_name, tags, run_dir, log=console.print)
     tracker.log_params(asdict(cfg))
     for path in record.values():
         tracker.log_artifact(path, "run_record")
@@ -70,29 +75,46 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         tracker.log_metrics(metrics, step)
         console.print(step_line(step, cfg.steps, metrics))
 
-    use_ray = cfg.ray.enabled
-    try:
+    collect = rollout_hook(cfg)
+
+    def build() -> LoopContext:
         engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir)
         ctx = LoopContext(
             engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=TokenizerInfo.load(init_dir),
             reward_fn=get_reward_fn(cfg.task.reward), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
-            task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens,
+            task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
         )
-        # The engine starts from the same files as the trainer; one checked sync proves the path works.
-        sync_weights(ctx, check=cfg.rollout.check_weight_sync)
-        if cfg.algo.name == AlgoName.sft:
-            objective = sft_loop(ctx, cfg.steps, cfg.trainer.global_batch_size, cfg.eval.interval)
-        else:
-            objective = rl_loop(ctx, cfg)
+        if cfg.debug.check_weight_sync:
+            ctx.after_sync = check_sync_tensors
+        return ctx
+
+    if cfg.algo.name == AlgoName.sft:
+        def loop(ctx):
+            return sft_loop(ctx, cfg.steps, cfg.trainer.global_batch_size, cfg.eval.interval)
+    else:
+        def loop(ctx):
+            return rl_loop(ctx, cfg)
+
+    use_ray = cfg.ray.enabled
+    try:
+        objective, ctx = supervise(cfg, store, build, loop, init_dir, {"mlflow_run_id": tracker.run_id},
+                                   log=console.print)
         final = run_dir / "checkpoint"
-        trainer.call("save", str(final))
-        copy_tokenizer(init_dir, final)
+        if ctx.trainer is not None:  # debug.rollout_only trains nothing
+            ctx.trainer.call("save", str(final))
+            copy_tokenizer(init_dir, final)
         tracker.log_metrics({"final/objective": objective}, cfg.steps)
-        console.print(f"done: final held-out accuracy {objective:.3f}; checkpoint in {final}")
+        console.print(f"done: final held-out accuracy {objective:.3f}"
+                      + (f"; checkpoint in {final}" if ctx.trainer is not None else ""))
         tracker.finish("FINISHED")
         return objective
-    except KeyboardInterrupt:
+    except Stopped as stop:
+        tracker.finish("KILLED")
+        console.print(f"{stop}; " + (f"checkpoint in {stop.checkpoint}: run the same command to resume"
+                                     if stop.checkpoint else "nothing saved (debug mode)"))
+        raise SystemExit(128 + stop.signum) from None
+    except (KeyboardInterrupt, SystemExit):  # e.g. a second signal: no checkpoint, the run still closes
         tracker.finish("KILLED")
         raise
     except Exception:
@@ -118,12 +140,14 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         start_ray(cfg.ray.address, cfg.ray.num_cpus,
                   runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
                   num_actors=3 if with_critic else 2)
-    engine = spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-                   hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
-    trainer = spawn(TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
-                    cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
-                    max_response_len=cfg.rollout.max_new_tokens,
-                    teacher_dir=str(teacher_dir) if teacher_dir else None)
+    # debug.train_only runs without an engine, debug.rollout_only without a trainer.
+    engine = None if cfg.debug.train_only else spawn(
+        NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
+        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
+    trainer = None if cfg.debug.rollout_only else spawn(
+        TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
+        cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
+        max_response_len=cfg.rollout.max_new_tokens, teacher_dir=str(teacher_dir) if teacher_dir else None)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,

@@ -49,11 +49,17 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 class MlflowLogger:
-    def __init__(self, cfg: TrackingCfg, run_name: str, tags: dict[str, str] | None = None):
+    def __init__(self, cfg: TrackingCfg, run_name: str, tags: dict[str, str] | None = None,
+                 run_id: str | None = None):
+        """Creates the run, or with `run_id` logs to that existing one (miles.tracking.journal uploads)."""
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(cfg.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
+        if run_id is not None:
+            self.run_id = run_id
+            self.experiment_id = self.client.get_run(run_id).info.experiment_id
+            return
         experiment_id = get_or_create_experiment(self.client, cfg.experiment, cfg.uri)
         tags = dict(tags or {})
         if os.environ.get(PARENT_RUN_ENV):
@@ -73,10 +79,11 @@ class MlflowLogger:
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """`timestamp_ms`: when the values were measured (a delayed upload keeps it); default now."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms or int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])

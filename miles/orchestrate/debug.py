@@ -1,0 +1,143 @@
+"""Debug modes (`debug.*`): rollout and training apart, recorded rollouts, a tensor-level sync check.
+
+    python launch.py debug.rollout_only=true debug.save_rollouts=rollouts/   # generate + reward only
+    python launch.py debug.train_only=true debug.load_rollouts=rollouts/     # train on them, no engine
+    python launch.py debug.load_rollouts=rollouts/                           # replay them, engine for eval
+    python launch.py debug.check_weight_sync=true                            # name tensors a sync got wrong
+
+A saved rollout batch is one JSON file per step, `step_000001.json`: the scored samples exactly as
+the trainer received them (token ids, engine log-probs, rewards, groups) and the rollout metrics.
+`rollouts.json` beside them records the config they came from; replay refuses another model, task
+or batch shape. Replaying the batches of a run reproduces its training bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from miles.config.schema import AlgoName, RunCfg
+from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError
+from miles.types import FinishReason, Sample
+
+META = "rollouts.json"
+# A replayed batch must fit the model (token ids), the task (rewards) and the batch invariant.
+REPLAY_KEYS = ("model.", "task.", "rollout.batch_size", "rollout.n_samples_per_prompt", "seed")
+
+
+def _step_file(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}.json"
+
+
+def _replay_config(cfg: RunCfg) -> dict[str, str]:
+    from miles.orchestrate.resume import flat_config
+
+    return {k: v for k, v in flat_config(cfg).items() if k.startswith(REPLAY_KEYS) and k != "model.hf_checkpoint"}
+
+
+def problems(cfg: RunCfg) -> list[str]:
+    """Config problems of the debug modes (called by validate())."""
+    d, out = cfg.debug, []
+    if d.rollout_only and d.train_only:
+        out.append("debug.rollout_only and debug.train_only exclude each other")
+    if d.train_only and not d.load_rollouts:
+        out.append("debug.train_only needs debug.load_rollouts=<dir> (batches saved by debug.save_rollouts)")
+    if d.rollout_only and d.load_rollouts:
+        out.append("debug.rollout_only generates its rollouts; drop debug.load_rollouts")
+    if d.save_rollouts and d.load_rollouts:
+        out.append("debug.save_rollouts and debug.load_rollouts exclude each other")
+    if cfg.algo.name == AlgoName.sft and (d.rollout_only or d.train_only or d.save_rollouts or d.load_rollouts):
+        out.append("debug.rollout_only / train_only / save_rollouts / load_rollouts apply to RL, not algo=sft")
+    if d.load_rollouts:
+        root = Path(d.load_rollouts)
+        if not (root / META).is_file():
+            out.append(f"debug.load_rollouts={root} holds no saved rollouts ({META} missing)")
+        else:
+            saved = json.loads((root / META).read_text())
+            diff = [f"{k}: {saved.get(k)} -> {v}" for k, v in _replay_config(cfg).items() if saved.get(k) != v]
+            if diff:
+                out.append(f"debug.load_rollouts={root} was saved with another config (saved -> now): " + "; ".join(diff))
+            missing = [s for s in range(1, cfg.steps + 1) if not _step_file(root, s).is_file()]
+            if missing:
+                out.append(f"debug.load_rollouts={root} has no batch for steps {missing[0]}..{missing[-1]} "
+                           f"(steps={cfg.steps}); lower steps")
+    return out
+
+
+def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
+    data = {"step": step, "metrics": metrics,
+            "samples": [{**asdict(s), "finish_reason": s.finish_reason.value} for s in samples]}
+    tmp = _step_file(root, step).with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, _step_file(root, step))  # a replay never reads a half-written batch
+
+
+def load_batch(root: Path, step: int) -> tuple[list[Sample], dict[str, float]]:
+    data = json.loads(_step_file(root, step).read_text())
+    samples = [Sample(**{**s, "finish_reason": FinishReason(s["finish_reason"])}) for s in data["samples"]]
+    return samples, data["metrics"]
+
+
+def rollout_hook(cfg: RunCfg):
+    """The loop's `collect` hook for debug.save_rollouts / debug.load_rollouts (None: generate as usual)."""
+    from miles.orchestrate.loop import collect_rollout
+
+    d = cfg.debug
+    if d.load_rollouts:
+        root = Path(d.load_rollouts)
+        return lambda ctx, cfg, step: load_batch(root, step)
+    if d.save_rollouts:
+        root = Path(d.save_rollouts)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / META).write_text(json.dumps(_replay_config(cfg), indent=1))
+
+        def collect_and_save(ctx, cfg, step):
+            samples, metrics = collect_rollout(ctx, cfg)
+            save_batch(root, step, samples, metrics)
+            return samples, metrics
+
+        return collect_and_save
+    return None
+
+
+# ------------------------------------------------------------------------------ debug.check_weight_sync
+
+def _digests(tensors: dict) -> dict[str, str]:
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out[name] = f"{t.dtype}|{tuple(t.shape)}|{hashlib.sha256(raw).hexdigest()[:16]}"
+    return out
+
+
+def engine_held_digests(engine) -> dict[str, str]:
+    """Per tensor: what the engine holds (runs in the engine's process)."""
+    if engine.recipe.rollout_quant == "none":
+        return _digests(engine.model.state_dict())
+    return _digests(engine.recipe.held_tensors(engine.model))
+
+
+def trainer_expected_digests(trainer) -> dict[str, str]:
+    """Per tensor: what the engine must hold after a sync of the trainer's current weights."""
+    payload, _ = trainer.get_weights()
+    if trainer.recipe.rollout_quant == "none":
+        return _digests(payload)
+    dtype = TORCH_DTYPES[trainer.precision.rollout_dtype]
+    return _digests(trainer.recipe.expected_tensors(payload, trainer.model, dtype))
+
+
+def check_sync_tensors(ctx) -> None:
+    """The `after_sync` hook of debug.check_weight_sync: raise WeightSyncError naming every tensor
+    whose dtype, shape or bytes differ between the engine and the trainer."""
+    held = ctx.engine.apply(engine_held_digests)
+    expected = ctx.trainer.apply(trainer_expected_digests)
+    bad = [f"{name} (engine {held.get(name, 'missing')} vs trainer {expected.get(name, 'missing')})"
+           for name in sorted(set(held) | set(expected)) if held.get(name) != expected.get(name)]
+    if bad:
+        raise WeightSyncError(f"{len(bad)} of {len(expected)} tensors differ after weight sync: " + "; ".join(bad[:8]))

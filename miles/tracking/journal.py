@@ -1,0 +1,219 @@
+"""MLflow tracking that never stops training: every call goes to a local journal first, to MLflow
+when it answers.
+
+Each tracking call (params, metrics, artifacts, tables, the final status) is appended to
+`<run dir>/mlflow/journal.jsonl` and then sent by one background thread, in order. When the server
+does not answer, the thread keeps the entry and retries with backoff while training goes on; when
+it answers again the backlog goes up with the metrics' original timestamps. `finish` waits up to
+`tracking.flush_timeout_s` for the backlog; what is still not uploaded then is reported, with the
+command that uploads it later (the journal's `state.json` says how far uploads got):
+
+    python -m miles.tracking.journal <run dir>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from miles.config.schema import TrackingCfg
+from miles.tracking.mlflow_logger import MlflowLogger, flatten, resolve_uri
+
+JOURNAL, STATE = "journal.jsonl", "state.json"
+# Fail fast inside MLflow's client (its default retries for minutes per call); the thread retries.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+MAX_BACKOFF_S = 10.0
+
+
+def transient(error: Exception) -> bool:
+    """Worth retrying: the server is unreachable or failing (5xx), not refusing the entry (4xx)."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        return error.get_http_status_code() >= 500
+    return isinstance(error, (ConnectionError, TimeoutError))
+
+
+class Journal:
+    """The on-disk record: entries in order, and the run id / last uploaded entry in state.json."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / JOURNAL
+
+    def append(self, entry: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def entries(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+    def state(self) -> dict:
+        return json.loads((self.dir / STATE).read_text())
+
+    def save_state(self, state: dict) -> None:
+        tmp = self.dir / f"{STATE}.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, self.dir / STATE)
+
+
+class Uploader:
+    """Sends journal entries to MLflow, creating the run on first contact."""
+
+    def __init__(self, journal: Journal, state: dict, connect: Callable = MlflowLogger, uri_key: str = "uri"):
+        self.journal, self.state, self.connect, self.uri_key = journal, state, connect, uri_key
+        self.logger = None
+
+    def ensure_run(self) -> None:
+        if self.logger is None:
+            cfg = TrackingCfg(uri=self.state[self.uri_key], experiment=self.state["experiment"])
+            self.logger = self.connect(cfg, self.state["run_name"], self.state["tags"], run_id=self.state["run_id"])
+            self.state["run_id"] = self.logger.run_id
+            self.journal.save_state(self.state)
+
+    def send(self, entry: dict) -> None:
+        self.ensure_run()
+        op, lg = entry["op"], self.logger
+        if op == "params":
+            lg.log_params(entry["params"])
+        elif op == "metrics":
+            lg.log_metrics(entry["metrics"], entry["step"], entry["time_ms"])
+        elif op == "artifact":
+            lg.log_artifact(entry["path"], entry["artifact_path"])
+        elif op == "table":
+            lg.log_table(entry["rows"], entry["artifact_file"])
+        elif op == "finish":
+            lg.finish(entry["status"])
+        self.state["uploaded"] = entry["seq"]
+        self.journal.save_state(self.state)
+
+
+class JournaledTracker:
+    """MlflowLogger's interface; calls return at once (after the journal write), uploads run behind."""
+
+    def __init__(self, cfg: TrackingCfg, run_name: str, tags: dict[str, str], run_dir: str | Path,
+                 log: Callable[[str], None] = print, connect: Callable = MlflowLogger):
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        self.cfg, self.log = cfg, log
+        self.journal = Journal(Path(run_dir) / "mlflow")
+        # `store`, the resolved URI, lets `python -m miles.tracking.journal` run from another directory.
+        state = {"uri": cfg.uri, "store": resolve_uri(cfg.uri), "experiment": cfg.experiment, "run_name": run_name, "tags": tags,
+                 "run_id": None, "uploaded": 0}
+        self.journal.save_state(state)
+        self.uploader = Uploader(self.journal, state, connect)
+        self._seq = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._give_up = threading.Event()
+        self.offline_since: float | None = None
+        try:  # the usual case: the run exists (and has an id to print) before training starts
+            self.uploader.ensure_run()
+        except Exception as error:
+            self._went_offline(error)
+        self._thread = threading.Thread(target=self._work, name="mlflow-journal", daemon=True)
+        self._thread.start()
+
+    @property
+    def run_id(self) -> str | None:
+        return self.uploader.state["run_id"]
+
+    @property
+    def uri(self) -> str:
+        return self.uploader.state["store"]
+
+    # ---------------------------------------------------------------- the MlflowLogger interface
+    def _put(self, op: str, **fields) -> None:
+        self._seq += 1
+        entry = {"op": op, "seq": self._seq, **fields}
+        self.journal.append(entry)
+        self._queue.put(entry)
+
+    def log_params(self, params: dict) -> None:
+        self._put("params", params=flatten(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._put("metrics", metrics={k: float(v) for k, v in metrics.items()}, step=step,
+                  time_ms=int(time.time() * 1000))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._put("artifact", path=str(Path(path).absolute()), artifact_path=artifact_path)
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        self._put("table", rows=rows, artifact_file=artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Queue the final status and wait for the uploads: as long as they go on, and at most
+        tracking.flush_timeout_s while the server does not answer."""
+        self._put("finish", status=status)
+        start = time.time()
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            offline = self.offline_since
+            if offline is not None and time.time() - max(start, offline) > self.cfg.flush_timeout_s:
+                self._give_up.set()
+                self._report_backlog()
+                return
+
+    # ---------------------------------------------------------------- the upload thread
+    def _went_offline(self, error: Exception) -> None:
+        if self.offline_since is None:
+            self.offline_since = time.time()
+            first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            self.log(f"MLflow unreachable ({first}); training goes on, metrics are kept in "
+                     f"{self.journal.path} and uploaded when it answers")
+
+    def _work(self) -> None:
+        while not self._give_up.is_set():
+            entry = self._queue.get()
+            backoff = 0.5
+            while not self._give_up.is_set():
+                try:
+                    self.uploader.send(entry)
+                    break
+                except Exception as error:
+                    if not transient(error):
+                        self.log(f"MLflow refused a {entry['op']} entry ({error}); skipped, it stays in the journal")
+                        break
+                    self._went_offline(error)
+                    self._give_up.wait(backoff)
+                    backoff = min(2 * backoff, MAX_BACKOFF_S)
+            if self.offline_since is not None and not self._give_up.is_set():
+                self.log(f"MLflow reachable again after {time.time() - self.offline_since:.0f}s; "
+                         "uploading the backlog")
+                self.offline_since = None
+            if entry["op"] == "finish":
+                return
+
+    def _report_backlog(self) -> None:
+        uploaded = self.uploader.state["uploaded"]
+        pending = [e for e in self.journal.entries() if e["seq"] > uploaded]
+        steps = sorted({e["step"] for e in pending if e["op"] == "metrics"})
+        span = f", metrics of steps {steps[0]}..{steps[-1]}" if steps else ""
+        self.log(f"MLflow still unreachable after {self.cfg.flush_timeout_s:.0f}s: {len(pending)} entries not "
+                 f"uploaded{span}; they are in {self.journal.path}. Upload them later with:\n"
+                 f"  python -m miles.tracking.journal {self.journal.dir.parent}")
+
+
+def upload(run_dir: str | Path, connect: Callable = MlflowLogger) -> int:
+    """Send what a run's journal holds beyond its last upload; returns the number of entries sent."""
+    journal = Journal(Path(run_dir) / "mlflow")
+    state = journal.state()
+    uploader = Uploader(journal, state, connect, uri_key="store")
+    pending = [e for e in journal.entries() if e["seq"] > state["uploaded"]]
+    for entry in pending:
+        uploader.send(entry)
+    return len(pending)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m miles.tracking.journal <run dir>")
+    sent = upload(sys.argv[1])
+    print(f"uploaded {sent} journal entries of {sys.argv[1]}")

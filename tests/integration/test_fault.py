@@ -1,0 +1,110 @@
+"""Fault tolerance on real parts: SIGTERM mid-run, a rollout engine actor killed, a trainer that
+fails, on local Ray actors started by the run; the MLflow server case is in test_mlflow_outage.py."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from launch_cli import run_launch
+from runs import TINY, LiveRun, actor_pid, file_digest, journal_metrics, run_inprocess, without_timing
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_saves_a_checkpoint_and_resuming_continues(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    live = LiveRun([*TINY, "steps=40", f"checkpoint.dir={ckpt}"], cwd=tmp_path)
+    live.wait_for("step    2/40")
+    live.proc.send_signal(signal.SIGTERM)
+    assert live.finish() == 128 + signal.SIGTERM, live.output[-3000:]
+    out = live.output
+    assert "Traceback" not in out
+    (saved,) = ckpt.glob("step_*")  # interval 0: only the checkpoint the signal asked for
+    step = json.loads((saved / "meta.json").read_text())["step"]
+    assert 2 <= step < 40 and f"stopped by SIGTERM after step {step}; checkpoint in {saved}" in out
+
+    from miles.models import from_pretrained
+
+    assert from_pretrained(saved / "model").config.num_layers == 3  # an HF checkpoint that loads
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    journal = [json.loads(line) for line in (run_dir / "mlflow" / "journal.jsonl").read_text().splitlines()]
+    assert journal[-1] == {**journal[-1], "op": "finish", "status": "KILLED"}
+
+    proc = run_launch([*TINY, f"steps={step + 2}", f"checkpoint.dir={ckpt}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resuming from {saved} (step {step} of {step + 2})" in proc.stdout
+    resumed_dir = max((tmp_path / "outputs").glob("*/*"), key=lambda p: p.stat().st_mtime)
+    assert sorted(journal_metrics(resumed_dir)) == [step + 1, step + 2]
+
+
+def test_killed_engine_actor_is_restarted_and_every_step_logged_once(tmp_path):
+    live = LiveRun([*TINY, "steps=8"], cwd=tmp_path)
+    live.wait_for("step    2/8")
+    os.kill(actor_pid(live.proc.pid, "NativeEngine"), signal.SIGKILL)
+    assert live.finish() == 0, live.output[-3000:]
+    assert "the rollout engine actor died (ActorDiedError" in live.output and "restarting it, retry 1/3" in live.output
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)  # raises if a step was logged twice
+    assert sorted(metrics) == list(range(9))
+    for step in range(1, 9):
+        assert {"rollout/reward_mean", "train/loss", "eval/arithmetic/accuracy"} <= set(metrics[step]), step
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("miles").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, 9))
+
+
+def test_killed_trainer_actor_resumes_from_the_last_checkpoint(tmp_path):
+    live = LiveRun([*TINY, "steps=6", "checkpoint.interval=1"], cwd=tmp_path)
+    live.wait_for("step    3/6")
+    os.kill(actor_pid(live.proc.pid, "TorchTrainer"), signal.SIGKILL)
+    assert live.finish() == 0, live.output[-3000:]
+    assert "the run failed" in live.output and "resuming from" in live.output
+    assert "done: final held-out accuracy" in live.output
+
+
+def test_trainer_failure_resumes_with_no_trace_in_the_results(tmp_path, monkeypatch, compose, capsys):
+    """In-process: the trainer raises once in step 3; with a checkpoint every step the run resumes
+    from step 2 and ends with the weights and metrics of a run that never failed."""
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    monkeypatch.chdir(tmp_path)
+    run_inprocess(compose, [*TINY, "steps=4"], tmp_path / "straight")
+
+    calls = {"n": 0}
+    train_rl = TorchTrainer.train_rl
+
+    def failing_once(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected trainer failure")
+        return train_rl(self, batch)
+
+    monkeypatch.setattr(TorchTrainer, "train_rl", failing_once)
+    run_inprocess(compose, [*TINY, "steps=4", "checkpoint.interval=1"], tmp_path / "failed")
+    out = capsys.readouterr().out
+    assert "the run failed (RuntimeError: injected trainer failure); resuming from the last checkpoint, retry 1/3" in out
+    assert "(step 2 of 4)" in out
+    assert without_timing(journal_metrics(tmp_path / "failed")) == without_timing(journal_metrics(tmp_path / "straight"))
+    assert file_digest(tmp_path / "failed/checkpoint/model.safetensors") == \
+        file_digest(tmp_path / "straight/checkpoint/model.safetensors")
+
+
+def test_retries_are_bounded(tmp_path, monkeypatch, compose):
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    monkeypatch.chdir(tmp_path)
+
+    def always_failing(self, batch):
+        raise RuntimeError("broken trainer")
+
+    monkeypatch.setattr(TorchTrainer, "train_rl", always_failing)
+    with pytest.raises(RuntimeError, match="broken trainer"):
+        run_inprocess(compose, [*TINY, "steps=2", "fault.max_retries=1"], tmp_path / "run")
+    journal = (tmp_path / "run" / "mlflow" / "journal.jsonl").read_text().splitlines()
+    assert json.loads(journal[-1])["status"] == "FAILED"
