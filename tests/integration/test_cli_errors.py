@@ -5,7 +5,7 @@ import pytest
 from launch_cli import run_launch
 
 CASES = {
-    "model=nope": "unknown model 'nope'; valid choices: qwen3_tiny",
+    "model=nope": "unknown model 'nope'; valid choices: deepseek_r1, deepseek_v3, deepseek_v3_2,",
     "trainer.lr=abc": "bad value for 'trainer.lr'",
     "rollout.n_samples_per_prompt=0": "rollout.n_samples_per_prompt must be > 0",
     "trainer.global_batch_size=128": "batch invariant broken",
