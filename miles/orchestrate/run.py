@@ -49,7 +49,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     if cfg.deterministic:
         determinism.enable(cfg.seed)  # before the warm start draws anything
     console.print(batch_table(cfg))
-    record, git = write_run_record(run_dir, resolved_yaml, overrides)
+    record, git = write_run_record(run_dir, resolved_yaml, overrides, cfg.seed, cfg.deterministic)
     source = PromptSource(cfg.task, cfg.seed)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
     teacher_dir = teacher_checkpoint(cfg, init_dir, log=console.print)

@@ -99,15 +99,15 @@ def hardware_info() -> dict:
     return info
 
 
-def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str]) -> tuple[dict[str, Path], dict]:
+def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str], seed: int,
+                     deterministic: bool) -> tuple[dict[str, Path], dict]:
     """Write the record files; returns (name -> path, for the MLflow artifacts; the git info)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     git, diff = git_info()
-    resolved = yaml.safe_load(resolved_yaml)
     run = {
-        "seed": resolved.get("seed"),
-        "deterministic": resolved.get("deterministic"),
+        "seed": seed,
+        "deterministic": deterministic,
         "argv": sys.argv,
         "reproduce_of": os.environ.get(REPRODUCE_OF_ENV),
     }

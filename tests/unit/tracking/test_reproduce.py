@@ -51,7 +51,7 @@ def test_a_run_record_round_trips(tmp_path, monkeypatch):
     """What write_run_record stores is what +reproduce replays, quoting included."""
     monkeypatch.setenv(REPRODUCE_OF_ENV, "")  # restored (unset) after the test
     overrides = ["task.ops=+-*", "tracking.run_name='a: b'", "rollout.stop_tokens=[x,y]", "+experiment=cpu_moe"]
-    write_run_record(tmp_path, "seed: 7\ndeterministic: true\n", overrides)
+    write_run_record(tmp_path, "seed: 7\ndeterministic: true\n", overrides, seed=7, deterministic=True)
     assert reproduce.expand_argv(["launch.py", f"+reproduce={tmp_path}"]) == ["launch.py", *overrides]
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["seed"] == 7 and run["deterministic"] is True
