@@ -1,14 +1,22 @@
 """Rollout speed: miles' NativeEngine vs `transformers` generate on the same weights and batch.
 
-    .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick]
+    .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick] [--checkpoint DIR]
 
-Both sides load one random checkpoint written by `random_checkpoint`, get the same left-padded
-arithmetic prompts (each repeated n times, as the engine groups samples), generate exactly the
-same number of new tokens per row at temperature 1.0 with no top-k / top-p, and run on the same
-`torch.set_num_threads`. Calls are interleaved (native, hf, native, hf, ...) so that load from
-other jobs on the machine hits both sides alike; the ratio hf / native is the figure to trust.
+Both sides load one random checkpoint written by `random_checkpoint`, get the same arithmetic
+prompts and n samples per prompt, generate exactly the same number of new tokens per row at
+temperature 1.0 with no top-k / top-p, and run on the same `torch.set_num_threads`. HF gets each
+prompt left-padded and repeated n times as rows (what `num_return_sequences=n` does as well); the
+engine gets the prompt strings and n, prefills each prompt once and expands its KV cache n times.
+Calls are interleaved (native, hf, native, hf, ...) so that load from other jobs on the machine
+hits both sides alike; the ratio hf / native is the figure to trust.
 Each timed call goes from prompt strings to response ids on both sides (tokenize, pad, prefill,
-decode loop). A greedy run per case checks that both produce the same tokens.
+decode loop). A greedy run per case checks that both produce the same tokens. A second table
+splits one engine call into its prefill forward, its decode forwards and the rest.
+
+`--checkpoint DIR` (e.g. the default experiment's warm start, `.cache/miles/sft-qwen3_tiny-*`)
+adds a third table: the engine with and without dropping finished rows from the decode batch, on
+the default rollout with real stopping at eos. Both engines get the same seed and must return
+identical samples, so they generate the same tokens; there is no HF side in that table.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ CASES = [  # the first is the default experiment's rollout (conf/rollout/native.
 
 
 def left_padded(info: TokenizerInfo, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's batch layout: row i*n+j is prompt i, <bos> + chars, padded on the left."""
+    """The engine's sample order as rows: row i*n+j is prompt i, <bos> + chars, padded on the left."""
     ids = [encode_prompt(info, p) for p in prompts for _ in range(n)]
     width = max(map(len, ids))
     tokens = torch.full((len(ids), width), info.pad_id, dtype=torch.long)
@@ -104,6 +112,25 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def native_split(engine: NativeEngine, call, calls: int = 3) -> tuple[float, float, float]:
+    """Seconds of one engine call spent in the prefill forward, in the decode forwards, and in the
+    rest (tokenizing, sampling, bookkeeping); medians over `calls` extra calls, outside the timing."""
+    spans, forward = [], engine.model.forward
+    def timed_forward(ids, **kw):
+        start = time.perf_counter()
+        out = forward(ids, **kw)
+        spans.append(time.perf_counter() - start)
+        return out
+    engine.model.forward = timed_forward
+    parts = []
+    for _ in range(calls):
+        spans.clear()
+        total = timed(call)
+        parts.append((spans[0], sum(spans[1:]), total - sum(spans)))
+    del engine.model.forward  # back to the model's own forward
+    return tuple(statistics.median(p[i] for p in parts) for i in range(3))
+
+
 def run_case(case: Case, threads: int, repeats: int, workdir: str) -> dict:
     ckpt = str(random_checkpoint(case.model, DEFAULT_ALPHABET, seed=0, out=f"{workdir}/{case.model.name}"))
     rows = case.prompts * case.n
@@ -127,9 +154,45 @@ def run_case(case: Case, threads: int, repeats: int, workdir: str) -> dict:
         times["native"].append(timed(native))
         times["hf"].append(timed(hf_call))
     native_s, hf_s = statistics.median(times["native"]), statistics.median(times["hf"])
+    prefill_s, decode_s, rest_s = native_split(engine, native)
     return dict(case=case.name, rows=rows, new=case.new_tokens, native_s=native_s, hf_s=hf_s,
                 native_tps=rows * case.new_tokens / native_s, hf_tps=rows * case.new_tokens / hf_s,
-                speedup=hf_s / native_s, agreement=agreement)
+                speedup=hf_s / native_s, agreement=agreement, prefill_s=prefill_s, decode_s=decode_s, rest_s=rest_s)
+
+
+def compaction_case(ckpt: str, threads: int, repeats: int, batches: int = 5) -> dict:
+    """Default rollout (64 prompts x 8, stop at eos) on a trained checkpoint: the engine dropping
+    finished rows vs the same engine keeping them. Same seed, so the same samples: checked."""
+    rng = np.random.default_rng(0)
+    work = [ArithmeticTask(num_digits=2).sample_train(64, rng) for _ in range(batches)]
+    engines = {name: NativeEngine(ckpt, RolloutCfg(max_new_tokens=8, temperature=1.0), seed=0, threads=threads)
+               for name in ("drop", "keep")}
+    engines["keep"].compact_at = float("inf")  # never compact
+    decode_rows = {name: 0 for name in engines}
+    for name, engine in engines.items():  # count the rows of each decode step during the warm-up round
+        forward = engine.model.forward
+        def counting(ids, _name=name, _forward=forward, **kw):
+            decode_rows[_name] += ids.shape[0] if ids.shape[1] == 1 else 0
+            return _forward(ids, **kw)
+        engine.model.forward = counting
+    times, tokens = {name: [] for name in engines}, 0
+    for r in range(repeats + 1):  # round 0 is the warm-up
+        for batch in work:
+            prompts, labels = [e.prompt for e in batch], [e.label for e in batch]
+            out = {}
+            for name, engine in engines.items():  # interleaved
+                start = time.perf_counter()
+                out[name] = engine.generate(prompts, labels, n=8)
+                times[name].append(time.perf_counter() - start)
+            assert [s.response_ids for s in out["drop"]] == [s.response_ids for s in out["keep"]]
+            tokens += sum(len(s.response_ids) for s in out["drop"]) if r == 0 else 0
+        if r == 0:  # warm-up done: forget its times, stop counting
+            times = {name: [] for name in engines}
+            for engine in engines.values():
+                del engine.model.forward  # back to the model's own forward
+    drop_s, keep_s = statistics.median(times["drop"]), statistics.median(times["keep"])
+    return dict(calls=len(times["drop"]), tokens=tokens / batches, rows_drop=decode_rows["drop"] / batches,
+                rows_keep=decode_rows["keep"] / batches, drop_s=drop_s, keep_s=keep_s, speedup=keep_s / drop_s)
 
 
 def markdown(results: list[dict]) -> str:
@@ -141,6 +204,23 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_markdown(results: list[dict]) -> str:
+    lines = ["| case | native prefill ms | native decode steps ms | native rest ms |", "|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['case']} | {r['prefill_s'] * 1e3:.1f} | {r['decode_s'] * 1e3:.1f} "
+                     f"| {r['rest_s'] * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def compaction_markdown(r: dict) -> str:
+    return "\n".join([
+        "| case | timed calls | tokens per call | decode rows per call (keep / drop) | keep s | drop s "
+        "| speed-up (keep/drop) |", "|---|---:|---:|---:|---:|---:|---:|",
+        f"| warm start, default rollout (64 prompts x 8, stop at eos) | {r['calls']} | {r['tokens']:,.0f} "
+        f"| {r['rows_keep']:,.0f} / {r['rows_drop']:,.0f} | {r['keep_s']:.3f} | {r['drop_s']:.3f} "
+        f"| {r['speedup']:.2f}x |"])
+
+
 def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -150,6 +230,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both sides")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per side (median reported)")
     parser.add_argument("--quick", action="store_true", help="only the default-rollout case, 2 repeats")
+    parser.add_argument("--checkpoint", help="a trained checkpoint (e.g. .cache/miles/sft-qwen3_tiny-*): "
+                        "also time the engine dropping finished rows vs keeping them")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
     cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
@@ -157,10 +239,14 @@ def main() -> None:
           f"repeats {repeats} (interleaved, median), {os.cpu_count()} CPUs, load average before {load()}")
     with tempfile.TemporaryDirectory() as workdir:
         results = [run_case(case, args.threads, repeats, workdir) for case in cases]
+    compaction = compaction_case(args.checkpoint, args.threads, repeats) if args.checkpoint else None
     # Other jobs on the machine slow both sides alike (calls are interleaved) but make absolute
     # times noisy; the load average says how busy the machine was.
     print(f"load average after {load()}\n")
     print(markdown(results))
+    print("\n" + split_markdown(results))
+    if compaction:
+        print("\n" + compaction_markdown(compaction))
 
 
 if __name__ == "__main__":
