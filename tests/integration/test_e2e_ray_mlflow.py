@@ -2,13 +2,6 @@
 from scratch, and a 2-step GRPO run; then the MLflow record is checked metric by metric.
 """
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
 
 from launch_cli import run_launch
@@ -26,34 +19,6 @@ STEP_METRICS = [
     "train/ppo_kl", "train/pg_clipfrac", "train/entropy", "train/grad_norm", "mismatch/logprob_abs_diff",
     "perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_s",
 ]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mlflow_bin = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen(
-        [str(mlflow_bin), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("the MLflow server did not start")
-            time.sleep(0.5)
-    yield uri
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def test_two_step_grpo_on_ray_logs_everything_to_mlflow(tmp_path, mlflow_server):
