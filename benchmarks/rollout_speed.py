@@ -1,6 +1,7 @@
 """Rollout speed: miles' NativeEngine vs `transformers` generate on the same weights and batch.
 
     .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick] [--checkpoint DIR]
+    python benchmarks/rollout_speed.py --device cuda --dtype bf16     # the GPU cases: benchmarks/rollout_gpu.py
 
 Both sides load one random checkpoint written by `random_checkpoint`, get the same arithmetic
 prompts and n samples per prompt, generate exactly the same number of new tokens per row at
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 import transformers
 
-from miles.config.schema import ModelCfg, RolloutCfg
+from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.arithmetic import ArithmeticTask
 from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
 from miles.orchestrate.checkpoints import random_checkpoint
@@ -232,8 +233,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the default-rollout case, 2 repeats")
     parser.add_argument("--checkpoint", help="a trained checkpoint (e.g. .cache/miles/sft-qwen3_tiny-*): "
                         "also time the engine dropping finished rows vs keeping them")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: Qwen3-0.6B-shaped cases")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="cuda cases: engine and HF dtype")
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="cuda cases: rows (prompts x 8)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="cuda cases: prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=256, help="cuda cases: new tokens per row")
+    parser.add_argument("--skip-hf", action="store_true", help="cuda cases: engine sides only")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
+    if args.device == "cuda":
+        from rollout_gpu import markdown as gpu_markdown, run_gpu
+
+        print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+        print(gpu_markdown(run_gpu(args.rows, args.prompt_len, args.new_tokens, args.repeats,
+                                   DType(args.dtype), args.skip_hf)))
+        return
     cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}, "
           f"repeats {repeats} (interleaved, median), {os.cpu_count()} CPUs, load average before {load()}")

@@ -171,6 +171,10 @@ class RolloutCfg:
     num_gpus_per_engine: int = 0
     colocate: bool = True
     num_gpus: int = 0
+    slot_decode: Optional[bool] = None  # continuous batching over a static slot cache (null: on CUDA)
+    cuda_graphs: bool = True  # slot decode: replay the decode step from CUDA graphs (dense GQA families)
+    max_running: int = 512  # slot decode: sequences decoded at once (capped by the planner's KV budget)
+    sync_every: int = 8  # slot decode: decode steps between host checks (finished rows, refills)
 
 
 @dataclass
@@ -189,6 +193,8 @@ class TrainerCfg:
     cp: int = 1
     recompute: bool = False
     offload_optimizer: Optional[bool] = None
+    pack_sequences: bool = True  # several samples per row, no padding computed (families that support it)
+    max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
 
 
 @dataclass

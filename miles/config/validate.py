@@ -176,6 +176,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += precision_problems(cfg.precision, cfg.hardware)
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
+    problems += device_problems(cfg)
     for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
                               ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
                               ("fault.max_retries", cfg.fault.max_retries, 0),
@@ -186,6 +187,33 @@ def validate(cfg: RunCfg) -> list[str]:
 
     problems += debug_problems(cfg)
     return problems
+
+
+def device_problems(cfg: RunCfg) -> list[str]:
+    """A GPU profile needs a GPU here, unless the run only plans (dry_run); one process drives one GPU."""
+    hw = cfg.hardware
+    if hw.device == "cpu":
+        return []
+    if not hw.device.startswith("cuda"):
+        return [f"hardware.device must be cpu or cuda (got {hw.device!r})"]
+    if hw.gpus_per_node < 1:
+        return [f"hardware.device={hw.device} needs hardware.gpus_per_node >= 1: for one GPU use hardware=gpu"]
+    import torch
+
+    if cfg.dry_run:
+        if hw.memory_gb == 0 and not torch.cuda.is_available():
+            return [f"hardware={hw.name} reads GPU memory from the visible device (hardware.memory_gb=0) and "
+                    "none is visible: set hardware.memory_gb to plan for it"]
+        return []
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return [f"hardware.device={hw.device} but no CUDA device is visible (torch {torch.__version__}, {build}): "
+                "use hardware=cpu, or plan only with dry_run=true"]
+    gpus = hw.num_nodes * hw.gpus_per_node
+    if gpus > 1:
+        return [f"hardware={hw.name} plans {gpus} GPUs, but a run drives one GPU today: "
+                "set hardware.gpus_per_node=1 (or use hardware=gpu), or dry_run=true to plan the cluster"]
+    return []
 
 
 def check(cfg: RunCfg) -> None:

@@ -79,7 +79,16 @@ def _machine_ram() -> float:
 
 
 def _device_memory(hw: HardwareCfg) -> float:
-    return hw.memory_gb * GB if hw.device != "cpu" else (hw.memory_gb * GB or _machine_ram())
+    if hw.device == "cpu":
+        return hw.memory_gb * GB or _machine_ram()
+    return hw.memory_gb * GB or visible_gpu_memory()
+
+
+def visible_gpu_memory() -> float:
+    """Bytes of the first visible GPU (hardware.memory_gb: 0 on a GPU profile); 0 without one."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else 0.0
 
 
 def model_arch(cfg: RunCfg):

@@ -66,7 +66,34 @@ class Attention(nn.Module):
             k, v = cache.update(ctx.past, k, v)
             # The cache may be stored in another dtype than the compute (e.g. under autocast).
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=ctx.mask(), enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        out = attend(q, k, v, ctx, self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, gqa: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over what ctx lets each query see. q: [B, H, T, D], k / v:
+    [B, Hkv, S, D] -> [B, H, T, D]. The kernel follows the layout: slot decode reads each KV head
+    once for its whole query group; packed rows go to miles.models.packed; unpadded, uncached rows
+    on a GPU take SDPA's is_causal (flash kernels); everything else an explicit boolean mask."""
+    if ctx.slot_decode:
+        return grouped_decode_attention(q, k, v, ctx.mask())
+    if ctx.segment_ids is not None:
+        from miles.models.packed import packed_attention
+
+        return packed_attention(q, k, v, ctx, gqa)
+    if ctx.plain_causal and q.is_cuda:  # on the CPU the masked kernel stays: unchanged numerics there
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
+
+
+def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One new query per row: q [B, H, 1, D], k / v [B, Hkv, S, D], mask [B, 1, 1, S].
+
+    The H / Hkv query heads that share a KV head become that head's query rows, so the keys and
+    values are read once, without expanding them to H heads (HF's repeat_kv order: query head h
+    uses KV head h // (H / Hkv))."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    grouped = q.reshape(b, hkv, h // hkv, d)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # [B, Hkv, H/Hkv, D]
+    return out.reshape(b, h, 1, d)

@@ -5,6 +5,11 @@ device)`: GQA keeps keys and values (`KVBuffer`), MLA keeps the compressed laten
 attention keeps a recurrent state. All rows of a batch share `length` (the rollout engine
 left-pads prompts so that they end at the same column). `CausalLM.forward` lets every layer write
 its new entries, then calls `advance` once after the last layer.
+
+`SlotCache` is the GPU engine's static variant: a fixed number of slots (rows), each with its own
+length (`lengths`, a device tensor the engine advances), so finished rows can be refilled with new
+samples and the decode step keeps one shape for CUDA-graph capture. Only GQA layers (`KVBuffer`)
+have slots.
 """
 
 from __future__ import annotations
@@ -26,9 +31,15 @@ class KVBuffer:
         self.keys = torch.zeros(batch, heads, max_len, k_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, max_len, v_dim, dtype=dtype, device=device)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v: [B, Hkv, T, D] at [start, start + T); return all keys / values so far
-        ([B, Hkv, start + T, D], views into the buffer)."""
+        ([B, Hkv, start + T, D], views into the buffer). Slot decode: start [B] is each row's
+        column, T = 1, and the whole buffer comes back (the slot mask hides unwritten columns)."""
+        if isinstance(start, torch.Tensor):
+            rows = torch.arange(k.shape[0], device=k.device)
+            self.keys[rows, :, start] = k[:, :, 0]
+            self.values[rows, :, start] = v[:, :, 0]
+            return self.keys, self.values
         end = start + k.shape[2]
         if end > self.keys.shape[2]:
             raise ValueError(f"KV cache overflow: {end} positions needed, max_len is {self.keys.shape[2]}")
@@ -38,6 +49,17 @@ class KVBuffer:
 
     def select(self, index: torch.Tensor) -> None:
         self.keys, self.values = self.keys[index], self.values[index]
+
+    def first_rows(self, b: int) -> "KVBuffer":
+        """A view of rows [0, b): same storage, so a graph captured on it sees later writes."""
+        view = KVBuffer.__new__(KVBuffer)
+        view.keys, view.values = self.keys[:b], self.values[:b]
+        return view
+
+    def copy_rows(self, dst: torch.Tensor, src: "KVBuffer", src_rows: torch.Tensor, width: int) -> None:
+        """Rows dst of this buffer take columns [0, width) of src's rows src_rows (prefill -> slots)."""
+        self.keys[dst, :, :width] = src.keys[src_rows, :, :width]
+        self.values[dst, :, :width] = src.values[src_rows, :, :width]
 
 
 class ModelCache:
@@ -59,3 +81,37 @@ class ModelCache:
             layer.select(index)
         self.batch_size = len(index)
         return self
+
+
+class SlotCache(ModelCache):
+    """GQA decode state of `slots` rows of `max_len` columns; row r holds lengths[r] positions.
+
+    `length` is the per-row tensor, so `CausalLM.forward` runs in slot-decode mode (one token per
+    row, written at its own column); `advance` does nothing, since only the engine knows which rows
+    are still live (it adds 1 to theirs).
+    """
+
+    def __init__(self, layers: list, max_len: int, slots: int, lengths: torch.Tensor | None = None):
+        super().__init__(layers, max_len, slots)
+        self.length = torch.zeros(slots, dtype=torch.long, device=layers[0].keys.device) if lengths is None else lengths
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.length
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def first_rows(self, b: int) -> "SlotCache":
+        return SlotCache([layer.first_rows(b) for layer in self.layers], self.max_len, b, self.length[:b])
+
+    def load_prefill(self, dst: torch.Tensor, prefill: ModelCache, src_rows: torch.Tensor, width: int) -> None:
+        """Slots dst start from rows src_rows of a right-padded prefill cache (columns [0, width))."""
+        for mine, theirs in zip(self.layers, prefill.layers):
+            mine.copy_rows(dst, theirs, src_rows, width)
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Slots dst take over slots src (compaction into the rows a smaller graph covers)."""
+        for layer in self.layers:
+            layer.keys[dst], layer.values[dst] = layer.keys[src], layer.values[src]
+        self.length[dst] = self.length[src]

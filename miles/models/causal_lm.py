@@ -105,8 +105,11 @@ class CausalLM(nn.Module):
         cache: Optional[ModelCache] = None,
         routing_record: Optional[dict] = None,
         routing_replay: Optional[dict] = None,
+        segment_ids: Optional[torch.Tensor] = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
-        """Logits [B, T, V] for input_ids [B, T].
+        """Logits [B, T, V] for input_ids [B, T] (with return_hidden, the final-norm hidden states
+        [B, T, hidden] instead: the caller applies `output_weight` chunk by chunk).
 
         attention_mask: [B, S] with S = T without cache, cache.length + T with one
             (1 = real token, 0 = pad); pad keys are never attended to. None = all real.
@@ -114,26 +117,60 @@ class CausalLM(nn.Module):
             without padding: left-padded batches must pass their own positions.
         cache: if given, the new tokens' state is appended at cache.length, they attend to
             all cached keys plus causally to each other, and cache.length advances by T.
+            A SlotCache (per-row lengths) decodes one token per row at each row's own column.
         routing_record / routing_replay: MoE routing, layer -> experts [B, T, k] (see context.py).
+        segment_ids: [B, T] packed rows, several sequences per row (0 = padding; no cache): each
+            token attends only within its sequence; pass position_ids that restart per sequence.
         """
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
-        if attention_mask is not None and attention_mask.shape != (b, past + t):
+        if isinstance(past, torch.Tensor):  # slot decode (SlotCache): the engine keeps rows in bounds
+            if position_ids is None:
+                position_ids = past[:, None]
+        elif segment_ids is not None and (cache is not None or attention_mask is not None):
+            raise ValueError("segment_ids (packed rows) take neither a cache nor an attention_mask")
+        elif attention_mask is not None and attention_mask.shape != (b, past + t):
             raise ValueError(
                 f"attention_mask must have shape {(b, past + t)} (batch, cached + new tokens), "
                 f"got {tuple(attention_mask.shape)}"
             )
-        if cache is not None and past + t > cache.max_len:
+        elif cache is not None and past + t > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + t} positions needed, max_len is {cache.max_len}")
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
-        ctx = ForwardContext(position_ids, attention_mask, past, cache, routing_record, routing_replay)
+        ctx = ForwardContext(position_ids, attention_mask, past, cache, routing_record, routing_replay,
+                             segment_ids=segment_ids)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, ctx)
         if cache is not None:
             cache.advance(t)
         h = self.norm(h)
+        return h if return_hidden else self.logits_from_hidden(h)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [..., hidden] -> logits [..., V] (through lm_head's own module,
+        which a precision recipe may have replaced)."""
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The [V, hidden] matrix that turns final hidden states into logits (tied: the embedding)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def supports_packing(self) -> bool:
+        """Whether segment_ids (packed rows) are honoured by every layer: the attention kinds that
+        take the context's mask. Linear attention (recurrent state), DSA's indexer and Llama 4's
+        chunks follow other rules and train on padded rows."""
+        c = self.config
+        return c.linear_attn is None and c.dsa is None and c.llama4 is None
+
+    @property
+    def supports_slot_decode(self) -> bool:
+        """Whether the GPU engine's slot cache applies: GQA attention layers only."""
+        from miles.models.attention import Attention
+
+        return all(type(layer.attn) is Attention for layer in self.layers)

@@ -2,6 +2,13 @@
 
 Built once per `CausalLM.forward`; RoPE tables and attention masks are computed on first use and
 memoized, so layers with the same rotary width or the same mask kind share one tensor.
+
+Three layouts reach the attention layers:
+- padded rows (training, prefill, the CPU engine's decode): `attention_mask` [B, S], `past` an int;
+- packed rows (training): `segment_ids` [B, T], several sequences per row, attention stays inside
+  each one (0 marks padding);
+- slot decode (the GPU engine): `past` a LongTensor [B], each row's own cache length; the row
+  attends to cache columns [0, past[row]] (its new token is written at column past[row]).
 """
 
 from __future__ import annotations
@@ -15,14 +22,15 @@ from miles.models.cache import ModelCache
 
 
 def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, device: torch.device,
-                chunk: Optional[int] = None) -> torch.Tensor:
+                chunk: Optional[int] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Boolean mask for T queries at columns [past, past + T) over S = past + T keys.
 
     attention_mask: [B, S] (1 = real token, 0 = pad) or None (all real). chunk: attend only within
     blocks of `chunk` token positions (Llama 4 chunked attention). Blocks follow each row's token
     positions (cumsum of its mask - 1), not columns: left padding must not move chunk boundaries,
     or a padded prefill + decode would differ from the unpadded forward (transformers likewise
-    offsets chunks by the left padding). Returns [B or 1, 1, T, S], True = may attend.
+    offsets chunks by the left padding). segment_ids: [B, T] packed rows (no cache): a query sees
+    only keys of its own sequence. Returns [B or 1, 1, T, S], True = may attend.
     """
     s = past + t
     key_pos = torch.arange(s, device=device)
@@ -35,9 +43,13 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
         allowed = allowed[None] & (block[:, None, :] == block[:, past:, None])  # [B or 1, T, S]
     else:
         allowed = allowed[None]
-    if attention_mask is None:
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+        allowed = allowed & same & (segment_ids[:, None, :] > 0)
+    elif attention_mask is None:
         return allowed[:, None]
-    allowed = allowed & attention_mask.bool()[:, None, :]  # [B, T, S]
+    else:
+        allowed = allowed & attention_mask.bool()[:, None, :]  # [B, T, S]
     # A pad query (e.g. a left-pad column) can have no visible real key; an all-False row
     # makes SDPA return NaN, which would poison sums over masked losses. Letting every query
     # see its own key keeps such rows finite and changes nothing for real tokens, whose own
@@ -46,16 +58,22 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
     return allowed[:, None]
 
 
+def slot_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Slot decode: row b's one new query sees cache columns [0, lengths[b]] -> [B, 1, 1, max_len]."""
+    return (torch.arange(max_len, device=lengths.device)[None, :] <= lengths[:, None])[:, None, None, :]
+
+
 @dataclass
 class ForwardContext:
     position_ids: torch.Tensor  # [B, T] absolute positions of the new tokens
     attention_mask: Optional[torch.Tensor]  # [B, S] 1 = real token, S = past + T; None = all real
-    past: int  # positions already in the cache
+    past: int | torch.Tensor  # positions already in the cache: an int, or per row [B] (slot decode)
     cache: Optional[ModelCache] = None
     # MoE layers write the experts they chose here (layer -> LongTensor [B, T, k]) when it is a
     # dict, and route by `routing_replay[layer]` instead of their router when that is given (R3).
     routing_record: Optional[dict] = None
     routing_replay: Optional[dict] = None
+    segment_ids: Optional[torch.Tensor] = None  # [B, T] packed sequences (0 = padding); no cache
     _memo: dict = field(default_factory=dict)
 
     @property
@@ -72,9 +90,20 @@ class ForwardContext:
             self._memo[key] = build()
         return self._memo[key]
 
+    @property
+    def slot_decode(self) -> bool:
+        return isinstance(self.past, torch.Tensor)
+
+    @property
+    def plain_causal(self) -> bool:
+        """No padding, no packing, nothing cached: SDPA's own is_causal (flash kernels) applies."""
+        return self.attention_mask is None and self.segment_ids is None and not self.slot_decode and self.past == 0
+
     def mask(self, chunk: Optional[int] = None) -> torch.Tensor:
+        if self.slot_decode:
+            return self.memo(("slot_mask",), lambda: slot_mask(self.past, self.cache.max_len))
         return self.memo(("mask", chunk), lambda: causal_mask(self.attention_mask, self.past, self.t,
-                                                              self.device, chunk))
+                                                              self.device, chunk, self.segment_ids))
 
     def layer_cache(self, layer: int):
         return None if self.cache is None else self.cache.layers[layer]

@@ -90,10 +90,24 @@ def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
                  scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for the given positions, float32. position_ids: [B, T] (absolute, so left padding
     and decode steps need no special casing). Returns (cos, sin), each [B, T, dim]."""
-    freq, factor = inv_freq(dim, theta, scaling)
-    angles = position_ids[..., None].float() * freq.to(position_ids.device)  # [B, T, dim/2]
+    freq, factor = _device_inv_freq(dim, theta, repr(scaling), position_ids.device, scaling)
+    angles = position_ids[..., None].float() * freq  # [B, T, dim/2]
     angles = torch.cat((angles, angles), dim=-1)  # both halves of a pair share a frequency
     return angles.cos() * factor, angles.sin() * factor
+
+
+_INV_FREQ: dict = {}
+
+
+def _device_inv_freq(dim: int, theta: float, scaling_key: str, device: torch.device,
+                     scaling: RopeScalingConfig | None) -> tuple[torch.Tensor, float]:
+    """inv_freq on `device`, computed once per (dim, theta, scaling, device): no host-to-device copy
+    per forward, which CUDA-graph capture forbids and every decode step would pay for."""
+    key = (dim, theta, scaling_key, str(device))
+    if key not in _INV_FREQ:
+        freq, factor = inv_freq(dim, theta, scaling)
+        _INV_FREQ[key] = freq.to(device), factor
+    return _INV_FREQ[key]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,8 @@ def _warm_start_key(cfg: RunCfg) -> str:
     ws = asdict(cfg.warm_start)
     ws.pop("cache_dir")
     recipe = {"v": WARM_START_VERSION, "model": asdict(cfg.model), "task": asdict(cfg.task), "ws": ws, "seed": cfg.seed}
+    if cfg.hardware.device != "cpu":  # built on a GPU: other kernels, other weights (CPU keys unchanged)
+        recipe["device"] = cfg.hardware.device
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -73,10 +75,11 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     init = random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init")
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
     trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size)
+    device = cfg.hardware.device
     trainer = TorchTrainer(str(init), AlgoCfg(name=AlgoName.sft, policy_loss="nll"), trainer_cfg, fp32,
-                           threads=cfg.hardware.cpu_threads, seed=cfg.seed)
+                           device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed)
     engine = NativeEngine(str(init), replace(cfg.rollout, stop_tokens=[]), DType.fp32,
-                          threads=cfg.hardware.cpu_threads, seed=cfg.seed)
+                          device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed)
     history: list[dict] = []
     ctx = LoopContext(
         engine=LocalHandle(engine), trainer=LocalHandle(trainer), source=source,

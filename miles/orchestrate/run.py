@@ -143,7 +143,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine = None if cfg.debug.train_only else spawn(
         NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision)
+        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg))
     trainer = None if cfg.debug.rollout_only else spawn(
         TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
         cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
@@ -153,3 +153,12 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed)
     return engine, trainer, critic
+
+
+def _kv_slots(cfg: RunCfg) -> int | None:
+    """Sequences the planner's KV budget gives one engine (GPU slot decode sizes its cache by it)."""
+    if cfg.hardware.device == "cpu":
+        return None
+    from miles.hardware.planner import make_plan
+
+    return make_plan(cfg, suggest=False).kv_sequences or None

@@ -1,6 +1,11 @@
 """Native torch rollout engine: batched KV-cache generation with the trainer's own model modules.
 
-Prompts are left-padded into one batch and prefilled once per distinct prompt; the KV cache, the
+Two decode paths, the same samples contract:
+- slots (the default on CUDA for GQA families, `rollout.slot_decode`): continuous batching over a
+  static slot cache with CUDA-graph decode steps (miles/rollout/slots.py);
+- padded (the CPU default, and every family): described below.
+
+Padded path: prompts are left-padded into one batch and prefilled once per distinct prompt; the KV cache, the
 last logits, the attention mask and the positions are then expanded n times, so the n samples of a
 prompt are n rows of the batch that share one prefill. Decoding goes a token at a time with a
 preallocated KV cache, sampling each row on its own. Plain class: `miles.orchestrate` wraps it in a
@@ -20,6 +25,7 @@ from miles.models import from_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
+from miles.rollout.slots import Sampling, SlotDecoder
 from miles.types import FinishReason, Sample
 
 # Finished rows are dropped from the decode batch once they are at least this fraction of it:
@@ -37,7 +43,9 @@ class NativeEngine:
         threads: int | None = None,
         seed: int = 0,
         precision: PrecisionCfg | None = None,
+        max_slots: int | None = None,
     ):
+        """max_slots: sequences the planner's KV budget holds (caps rollout.max_running)."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
@@ -65,6 +73,24 @@ class NativeEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Compact the decode batch once this fraction of its rows has finished (> 1: never).
         self.compact_at = COMPACT_AT
+        self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
+
+    def _use_slots(self) -> bool:
+        wanted = self.cfg.slot_decode if self.cfg.slot_decode is not None else self.device.type == "cuda"
+        if wanted and not self.model.supports_slot_decode:
+            if self.cfg.slot_decode:
+                raise ValueError(f"rollout.slot_decode=true needs GQA attention in every layer; "
+                                 f"{self.model.config.family} has other kinds: set rollout.slot_decode=null")
+            return False
+        return wanted
+
+    def _slot_decoder(self, max_slots: int | None) -> SlotDecoder:
+        cfg = self.cfg
+        slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
+        columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
+        # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
+        graphs = cfg.cuda_graphs and self.model.config.moe is None
+        return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.tokenizer.decode(ids, skip_special_tokens=True)
@@ -84,13 +110,39 @@ class NativeEngine:
         max_new = max_new_tokens or cfg.max_new_tokens
         distinct = [encode_prompt(self.tok, p) for p in prompts]
         prompt_ids = [ids for ids in distinct for _ in range(n)]  # row i*n+j samples prompts[i]
-        batch, width = len(prompt_ids), max(len(p) for p in distinct)
+        width = max(len(p) for p in distinct)
         limit = self.model.config.max_position_embeddings
         if width + max_new > limit:
             raise ValueError(
                 f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"max_position_embeddings ({limit}); lower rollout.max_new_tokens"
             )
+        if self.slots is not None and width + max_new <= self.slots.max_len:
+            sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
+            decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator)
+        else:
+            decoded = self._generate_padded(distinct, n, temperature, max_new)
+        samples = []
+        for i, (ids, (resp, logprobs, stopped)) in enumerate(zip(prompt_ids, decoded)):
+            samples.append(
+                Sample(
+                    prompt=prompts[i // n],
+                    label=labels[i // n],
+                    prompt_ids=ids,
+                    response_ids=resp,
+                    rollout_logprobs=logprobs,
+                    response=self.decode(resp),
+                    finish_reason=FinishReason.stop if stopped else FinishReason.length,
+                    group=i // n,
+                )
+            )
+        return samples
+
+    def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float,
+                         max_new: int) -> list[tuple[list[int], list[float], bool]]:
+        """(response ids, log-probs, ended on a stop token) per sample: left-padded batch decode."""
+        cfg = self.cfg
+        batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
         # P*n rows: the n samples of a prompt start from the same cache and the same logits.
         tokens = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
@@ -141,22 +193,7 @@ class NativeEngine:
             logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache)[:, -1]
 
         out, out_lp, lengths, finished = out.cpu().tolist(), out_lp.cpu().tolist(), lengths.tolist(), finished.tolist()
-        samples = []
-        for i, ids in enumerate(prompt_ids):
-            resp = out[i][: lengths[i]]
-            samples.append(
-                Sample(
-                    prompt=prompts[i // n],
-                    label=labels[i // n],
-                    prompt_ids=ids,
-                    response_ids=resp,
-                    rollout_logprobs=out_lp[i][: lengths[i]],
-                    response=self.decode(resp),
-                    finish_reason=FinishReason.stop if finished[i] else FinishReason.length,
-                    group=i // n,
-                )
-            )
-        return samples
+        return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i]) for i in range(batch)]
 
     def update_weights(self, weights: dict[str, torch.Tensor], expected_checksum: str | None = None) -> str:
         """Load what the trainer sent (weights in this engine's dtype, or the recipe's rollout format);

@@ -20,8 +20,9 @@ import yaml
 
 # The code's own checkout, whatever the working directory of the run is.
 CODE_ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("miles", "torch", "ray", "mlflow", "hydra-core", "omegaconf", "hydra-optuna-sweeper", "optuna",
-            "safetensors", "tokenizers", "numpy")
+PACKAGES = ("miles", "torch", "ray", "mlflow", "mlflow-skinny", "hydra-core", "omegaconf", "hydra-optuna-sweeper",
+            "optuna", "safetensors", "tokenizers", "numpy", "transformers", "triton", "flash-attn", "vllm", "sglang",
+            "megatron-core")
 REPRODUCE_OF_ENV = "MILES_REPRODUCE_OF"  # set by miles.tracking.reproduce for the run it starts
 
 
@@ -96,7 +97,20 @@ def hardware_info() -> dict:
                 "capability": f"{props.major}.{props.minor}",
             })
         info["cudnn"] = torch.backends.cudnn.version()
+        info["driver"] = _nvidia_driver()
     return info
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version (torch reports only the CUDA runtime it was built with)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 def write_run_record(run_dir: str | Path, resolved_yaml: str, overrides: list[str], seed: int,

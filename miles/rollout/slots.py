@@ -1,0 +1,218 @@
+"""Continuous batching over a static slot cache, the decode step replayed from CUDA graphs.
+
+The GPU path of `NativeEngine` (GQA families). A fixed number of slots (rows of a `SlotCache`,
+allocated once) hold the samples being decoded, each at its own length:
+
+- admission: whole prompt groups enter as soon as n slots are free (the lowest free ones); each
+  distinct prompt is prefilled once (right-padded, causal, no mask) and its KV copied to its n slots;
+- decode: one step for the rows [0, bucket) with bucket the smallest captured batch size that
+  covers every slot in use; the forward is a CUDA-graph replay (`DecodeGraphs`), sampling and the
+  bookkeeping are a few device kernels, with no host synchronisation inside `sync_every` steps;
+- every `sync_every` steps the host reads which slots finished, collects their responses, refills
+  freed slots with waiting groups, and in the tail (nothing waiting) moves the last live rows down
+  so a smaller graph covers them.
+
+Finished rows ride along until the next check; they write only into their own slot (at a frozen
+column) and their tokens are masked, so they change nothing. The model is the trainer's own
+`CausalLM`: a captured step runs exactly `CausalLM.forward` in slot-decode mode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from miles.models.cache import SlotCache
+from miles.rollout.sampling import sample_next
+
+
+def default_buckets(slots: int) -> list[int]:
+    """Captured batch sizes: powers of two and their 1.5x midpoints up to `slots`, and `slots`."""
+    sizes, b = {slots}, 1
+    while b < slots:
+        sizes.update({b, b * 3 // 2} if b >= 2 else {b})
+        b *= 2
+    return sorted(s for s in sizes if s <= slots)
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new: int
+
+
+class DecodeGraphs:
+    """The slot-decode forward for each bucket: rows [0, b) read `tokens[:b]` at `cache.lengths[:b]`
+    and return logits [b, V]. Captured once (largest first, one shared memory pool); replays read
+    the same buffers, so weights updated in place and new slot contents need no recapture."""
+
+    def __init__(self, model, cache: SlotCache, tokens: torch.Tensor, buckets: list[int], capture: bool):
+        self.model, self.cache, self.tokens, self.buckets = model, cache, tokens, buckets
+        self.views = {b: cache.first_rows(b) for b in buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.tokens[:b, None], cache=self.views[b])[:, 0]
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        # Warm-up runs on a side stream (as torch.cuda.graphs recommends) also fill the RoPE table
+        # cache and pick the kernels; they write only column lengths (= 0) of empty slots.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in self.buckets:
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = None
+        for b in sorted(self.buckets, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, b: int) -> torch.Tensor:
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b]
+        return self._forward(b)
+
+
+class SlotDecoder:
+    def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None):
+        self.model, self.slots, self.max_len, self.device = model, slots, max_len, device
+        self.pad_id, self.sync_every = pad_id, sync_every
+        layers = [layer.attn.new_cache(slots, max_len, dtype, device) for layer in model.layers]
+        self.cache = SlotCache(layers, max_len, slots)
+        self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)  # next input per slot
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)  # ended on a stop token
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
+        self.graphs = DecodeGraphs(model, self.cache, self.tokens, buckets or default_buckets(slots),
+                                   capture=cuda_graphs and device.type == "cuda")
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs.graphs)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, stop_ids: torch.Tensor,
+                 generator: torch.Generator) -> list[tuple[list[int], list[float], bool]]:
+        """(response ids, log-probs, ended on a stop token) per sample, row i*n+j answering prompts[i]."""
+        if n > self.slots:
+            raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
+        cap = sampling.max_new
+        # One spare column: rows that already finished keep writing (pad) at a frozen column <= cap.
+        self.out_tok = torch.full((self.slots, cap + 1), self.pad_id, dtype=torch.long, device=self.device)
+        self.out_lp = torch.zeros(self.slots, cap + 1, device=self.device)
+        self.live.zero_()
+        results: list = [None] * (len(prompts) * n)
+        owner = [-1] * self.slots  # sample index decoded in each slot
+        waiting = deque(range(len(prompts)))
+        while waiting or any(o >= 0 for o in owner):
+            free = [s for s in range(self.slots) if owner[s] < 0]
+            admit = []
+            while waiting and len(free) >= n * (len(admit) + 1):
+                admit.append(waiting.popleft())
+            if admit:
+                dst = free[: n * len(admit)]
+                for k, group in enumerate(admit):
+                    for j in range(n):
+                        owner[dst[k * n + j]] = group * n + j
+                self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator)
+            if not waiting:
+                self._compact(owner)
+            rows = max(s for s in range(self.slots) if owner[s] >= 0) + 1
+            bucket = self.graphs.bucket(rows)
+            for _ in range(self.sync_every):
+                self._step(bucket, sampling, stop_ids, generator)
+            self._collect(owner, rows, results)
+        return results
+
+    def _admit(self, groups: list[list[int]], n: int, dst: list[int], sampling: Sampling,
+               stop_ids: torch.Tensor, generator: torch.Generator) -> None:
+        """Prefill each prompt once, copy its KV to its n slots, sample every slot's first token."""
+        width = max(map(len, groups))
+        if width + sampling.max_new > self.max_len:
+            raise ValueError(f"prompt ({width} tokens) + max_new_tokens ({sampling.max_new}) exceeds the "
+                             f"engine's {self.max_len} cache columns; raise rollout.max_prompt_len")
+        tokens = torch.full((len(groups), width), self.pad_id, dtype=torch.long)
+        for i, ids in enumerate(groups):
+            tokens[i, : len(ids)] = torch.tensor(ids)
+        lengths = torch.tensor([len(ids) for ids in groups])
+        tokens, lengths = tokens.to(self.device), lengths.to(self.device)
+        prefill = self.model.new_cache(len(groups), width, dtype=self.cache.layers[0].keys.dtype, device=self.device)
+        # Right padding: every real token precedes the pads, so plain causal attention is exact.
+        hidden = self.model(tokens, cache=prefill, return_hidden=True)
+        last = hidden[torch.arange(len(groups), device=self.device), lengths - 1]  # [P, hidden]
+        logits = self.model.logits_from_hidden(last)
+        src = torch.arange(len(groups), device=self.device).repeat_interleave(n)
+        slots = torch.tensor(dst, device=self.device)
+        self.cache.load_prefill(slots, prefill, src, width)
+        self.cache.lengths[slots] = lengths[src]
+        token, logp = sample_next(logits[src], sampling.temperature, sampling.top_p, sampling.top_k, generator)
+        self.out_tok[slots] = self.pad_id
+        self.out_tok[slots, 0], self.out_lp[slots, 0] = token, logp
+        hit = torch.isin(token, stop_ids)
+        self.stopped[slots], self.steps[slots], self.tokens[slots] = hit, 1, token
+        self.live[slots] = ~hit & (sampling.max_new > 1)
+
+    def _step(self, b: int, sampling: Sampling, stop_ids: torch.Tensor, generator: torch.Generator) -> None:
+        """One token for rows [0, b): graph forward, then sampling and bookkeeping on the device."""
+        logits = self.graphs.run(b)
+        live = self.live[:b]
+        self.cache.lengths[:b] += live  # the input token is now in the cache (finished rows stay put)
+        token, logp = sample_next(logits, sampling.temperature, sampling.top_p, sampling.top_k, generator)
+        token = torch.where(live, token, self.pad_id)
+        column = self.steps[:b, None]
+        self.out_tok[:b].scatter_(1, column, token[:, None])
+        self.out_lp[:b].scatter_(1, column, logp[:, None])
+        self.steps[:b] += live
+        hit = live & torch.isin(token, stop_ids)
+        self.stopped[:b] |= hit
+        self.live[:b] = live & ~hit & (self.steps[:b] < sampling.max_new)
+        self.tokens[:b] = token
+
+    def _collect(self, owner: list[int], rows: int, results: list) -> None:
+        """Hand finished slots' responses to `results` and free the slots (one host sync)."""
+        live = self.live[:rows].tolist()
+        done = [s for s in range(rows) if owner[s] >= 0 and not live[s]]
+        if not done:
+            return
+        index = torch.tensor(done, device=self.device)
+        tok, lp = self.out_tok[index].tolist(), self.out_lp[index].tolist()
+        steps, stopped = self.steps[index].tolist(), self.stopped[index].tolist()
+        for k, s in enumerate(done):
+            results[owner[s]] = (tok[k][: steps[k]], lp[k][: steps[k]], stopped[k])
+            owner[s] = -1
+
+    def _compact(self, owner: list[int]) -> None:
+        """Move live slots above the smallest bucket that could hold them into free slots below it."""
+        used = [s for s in range(self.slots) if owner[s] >= 0]
+        if not used:
+            return
+        target = self.graphs.bucket(len(used))
+        if self.graphs.bucket(used[-1] + 1) == target:
+            return
+        high = [s for s in used if s >= target]
+        low = [s for s in range(target) if owner[s] < 0][: len(high)]
+        dst, src = torch.tensor(low, device=self.device), torch.tensor(high, device=self.device)
+        self.cache.move_rows(dst, src)
+        for state in (self.tokens, self.live, self.stopped, self.steps, self.out_tok, self.out_lp):
+            state[dst] = state[src]
+        self.live[src] = False
+        for d, s in zip(low, high):
+            owner[d], owner[s] = owner[s], -1
+
