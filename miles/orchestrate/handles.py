@@ -13,6 +13,8 @@ from typing import Any
 
 
 class LocalHandle:
+    in_process = True  # the component shares this process: tensors pass by reference, on any device
+
     def __init__(self, obj: Any):
         self.obj = obj
 
@@ -30,6 +32,8 @@ class LocalHandle:
 
 
 class RayHandle:
+    in_process = False
+
     def __init__(self, actor: Any, respawn: Any = None):
         self.actor = actor
         self._respawn = respawn  # () -> a new actor built like this one (miles.orchestrate.supervise restarts)

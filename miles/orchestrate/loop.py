@@ -41,11 +41,14 @@ class LoopContext:
 
 
 def sync_weights(ctx: LoopContext, check: bool) -> float:
-    """Push the trainer's weights to the engine; with `check`, the engine verifies the checksum."""
+    """Push the trainer's weights to the engine; with `check`, the engine verifies the checksum.
+    Both in this process: one flat device-to-device copy (miles/transport/flat.py); else host
+    tensors through the handles (Ray's object store)."""
     if ctx.engine is None or ctx.trainer is None:  # debug.rollout_only / debug.train_only
         return 0.0
     start = time.perf_counter()
-    weights, digest = ctx.trainer.submit("get_weights", num_returns=2)
+    in_process = ctx.engine.in_process and ctx.trainer.in_process
+    weights, digest = ctx.trainer.submit("get_weights", num_returns=2, **({"in_process": True} if in_process else {}))
     ctx.engine.get(ctx.engine.submit("update_weights", weights, digest if check else None))
     elapsed = time.perf_counter() - start
     ctx.after_sync(ctx)

@@ -128,7 +128,11 @@ class Recipe:
         device = _device(model)
         for prefix, module in quant_linears.items():
             for buffer in module.buffer_names():
-                setattr(module, buffer, held[f"{prefix}.{buffer}"].to(device))
+                new, old = held[f"{prefix}.{buffer}"], getattr(module, buffer)
+                if old.shape == new.shape and old.dtype == new.dtype:
+                    old.copy_(new)  # in place: a captured CUDA graph keeps reading this buffer
+                else:  # the first load replaces the empty placeholder
+                    setattr(module, buffer, new.to(device))
 
     def held_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What the engine holds: QuantLinear payload tensors and its dense state."""

@@ -26,6 +26,7 @@ from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksu
 from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
+from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 
 # Finished rows are dropped from the decode batch once they are at least this fraction of it:
@@ -61,6 +62,8 @@ class NativeEngine:
         if payload is not None:
             self.recipe.prepare_engine(self.model)
             self.recipe.load_engine(self.model, payload, self.dtype)
+        # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
+        self.flat = FlatWeights.adopt(self.model) if payload is None else None
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = {self.tok.eos_id} if self.tok.eos_id is not None else set()
         for text in cfg.stop_tokens:
@@ -195,9 +198,17 @@ class NativeEngine:
         out, out_lp, lengths, finished = out.cpu().tolist(), out_lp.cpu().tolist(), lengths.tolist(), finished.tolist()
         return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i]) for i in range(batch)]
 
-    def update_weights(self, weights: dict[str, torch.Tensor], expected_checksum: str | None = None) -> str:
-        """Load what the trainer sent (weights in this engine's dtype, or the recipe's rollout format);
-        verify what the engine then holds when a checksum is given."""
+    def update_weights(self, weights: dict[str, torch.Tensor] | FlatWeights,
+                       expected_checksum: str | None = None) -> str:
+        """Load what the trainer sent (weights in this engine's dtype, or the recipe's rollout format,
+        or in-process a FlatWeights of this engine's layout); verify what the engine then holds when a
+        checksum is given. Weights are copied in place: captured CUDA graphs stay valid."""
+        if isinstance(weights, FlatWeights):
+            self.flat.copy_from(weights)
+            held = self.flat.checksum() if expected_checksum is not None else ""
+            if held != (expected_checksum or ""):
+                raise WeightSyncError(f"engine weights checksum {held[:20]} != trainer's {expected_checksum[:20]}")
+            return held
         if self.recipe.rollout_quant == "none":
             self.model.load_state_dict(weights, strict=True)
         else:

@@ -125,3 +125,23 @@ def test_unknown_advantage_lists_sequence_and_token_estimators(compose):
     (problem,) = validate(compose(["algo.advantage=ppo"]))
     assert problem == ("algo.advantage='ppo' is unknown; valid: dr_grpo, gae, grpo, none, reinforce_pp, "
                        "reinforce_pp_baseline, rloo")
+
+
+def test_gpu_profiles_need_a_visible_gpu_unless_they_only_plan(compose, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CI has none; a GPU machine too, here
+    problems = validate(compose(["hardware=gpu"]))
+    assert len(problems) == 1 and "no CUDA device is visible" in problems[0] and "hardware=cpu" in problems[0]
+    assert validate(compose(["hardware=cpu", "hardware.device=cuda"])) == [
+        "hardware.device=cuda needs hardware.gpus_per_node >= 1: for one GPU use hardware=gpu"]
+    assert "set hardware.memory_gb" in validate(compose(["hardware=gpu", "dry_run=true"]))[0]
+    assert validate(compose(["hardware=h200", "dry_run=true"])) == []  # planning a cluster needs no GPU here
+
+
+def test_a_multi_gpu_profile_is_refused_for_a_one_gpu_run(compose, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "set hardware.gpus_per_node=1" in validate(compose(["hardware=h200"]))[0]
+    assert validate(compose(["hardware=h200", "hardware.gpus_per_node=1"])) == []

@@ -1,0 +1,110 @@
+"""Weights as one flat buffer: what in-process weight sync copies, and what the engine's parameters live in.
+
+Both sides hold a `FlatWeights` of the same layout (names, shapes, offsets, one dtype): the trainer
+fills its copy from the fp32 master weights (one dtype-converting copy per tensor, batched in one
+foreach call), the engine's parameters are views into its own copy, so a sync is a single
+device-to-device copy of the buffer, and the check is `checksum()` of each side's buffer: a few
+reduction kernels over the bytes, computed where they live (no host round trip, no SHA-256 on the
+host). Used where trainer and engine share a process (ray.enabled=false) and the engine holds
+plain weights (recipes without a quantized rollout format).
+
+    engine_flat = FlatWeights.adopt(engine_model)                    # params become views
+    sync = FlatWeights.like(engine_flat.layout, device)              # the trainer's copy
+    sync.fill_from(trainer_model.state_dict()); digest = sync.checksum()
+    engine_flat.copy_from(sync); assert engine_flat.checksum() == digest
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROW = 4096  # the buffer is a [rows, ROW] matrix of 32-bit words for the checksum
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]  # element offsets into the buffer
+    numel: int  # buffer elements, padded so that its bytes form whole ROW-word rows
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> "FlatLayout":
+        names = tuple(sorted(tensors))
+        shapes = tuple(tuple(tensors[n].shape) for n in names)
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += max(1, _prod(shape))
+        per_row = ROW * 4 // dtype.itemsize
+        return cls(names, shapes, tuple(offsets), -(-total // per_row) * per_row, dtype)
+
+
+class FlatWeights:
+    def __init__(self, layout: FlatLayout, buffer: torch.Tensor):
+        self.layout, self.buffer = layout, buffer
+
+    @classmethod
+    def like(cls, layout: FlatLayout, device: torch.device | str) -> "FlatWeights":
+        return cls(layout, torch.zeros(layout.numel, dtype=layout.dtype, device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def adopt(cls, model: nn.Module) -> "FlatWeights":
+        """Move the model's parameters and buffers (one dtype) into one flat buffer; each becomes a
+        view of it, so loading the buffer loads the model (and CUDA graphs keep their addresses)."""
+        state = model.state_dict()
+        dtype = next(iter(state.values())).dtype
+        layout = FlatLayout.of(state, dtype)
+        flat = cls.like(layout, next(iter(state.values())).device)
+        views = flat.views()
+        # The module's own tensors (state_dict's are detached aliases); a tied weight appears once.
+        owned = dict(model.named_parameters())
+        owned.update((n, b) for n, b in model.named_buffers() if n in state)
+        if set(owned) != set(views):
+            raise ValueError(f"state dict and module tensors differ: {sorted(set(owned) ^ set(views))[:5]}")
+        for name, view in views.items():
+            view.copy_(owned[name])
+            owned[name].data = view
+        return flat
+
+    def views(self) -> dict[str, torch.Tensor]:
+        lay = self.layout
+        return {name: self.buffer[off: off + _prod(shape)].view(shape)
+                for name, shape, off in zip(lay.names, lay.shapes, lay.offsets)}
+
+    def fill_from(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy (and cast) every named tensor into its place; one foreach call for all of them."""
+        views = self.views()
+        if set(tensors) != set(views):
+            raise ValueError(f"weights do not match the flat layout: {sorted(set(tensors) ^ set(views))[:5]}")
+        torch._foreach_copy_([views[n] for n in self.layout.names], [tensors[n].detach() for n in self.layout.names])
+
+    def copy_from(self, other: "FlatWeights") -> None:
+        if other.layout != self.layout:
+            raise ValueError("flat weights of another layout (another model or dtype)")
+        self.buffer.copy_(other.buffer, non_blocking=True)
+
+    def checksum(self) -> str:
+        """Three int64 reductions over the buffer's 32-bit words seen as [rows, ROW]: the total, the
+        row sums weighted by row index, the column sums weighted by column index. Any single
+        changed bit changes the total; moved blocks change a weighted sum. An integrity check of
+        a copy, not a cryptographic hash."""
+        words = self.buffer.view(torch.int32).view(-1, ROW)
+        rows = words.sum(dim=1, dtype=torch.int64)
+        cols = words.sum(dim=0, dtype=torch.int64)
+        row_index = torch.arange(1, rows.numel() + 1, device=words.device)
+        col_index = torch.arange(1, ROW + 1, device=words.device)
+        digest = torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
+        return "flat:" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in digest)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

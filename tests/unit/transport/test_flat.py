@@ -1,0 +1,54 @@
+"""FlatWeights: the in-process weight sync (one buffer copy + a device checksum)."""
+
+import pytest
+import torch
+
+from miles.models import CausalLM
+from miles.models.config import ArchConfig
+from miles.transport.flat import FlatLayout, FlatWeights
+
+ARCH = ArchConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, tie_word_embeddings=True)
+
+
+def models():
+    return CausalLM(ARCH, seed=0).to(torch.bfloat16), CausalLM(ARCH, seed=1)
+
+
+def test_adopted_parameters_are_views_of_the_buffer_and_a_sync_loads_the_trainers_weights():
+    engine, trainer = models()
+    x = torch.randint(0, 50, (2, 6))
+    before = engine(x)
+    flat = FlatWeights.adopt(engine)
+    assert torch.equal(engine(x), before)  # adopting changes nothing
+    assert all(p.untyped_storage().data_ptr() == flat.buffer.untyped_storage().data_ptr() for p in engine.parameters())
+    sync = FlatWeights.like(FlatLayout.of(trainer.state_dict(), torch.bfloat16), "cpu")
+    sync.fill_from(trainer.state_dict())  # fp32 master weights cast on the way in
+    flat.copy_from(sync)
+    assert flat.checksum() == sync.checksum()
+    assert torch.equal(engine(x), trainer.to(torch.bfloat16)(x))
+
+
+def test_checksum_sees_one_flipped_bit_and_swapped_values():
+    engine, _ = models()
+    flat = FlatWeights.adopt(engine)
+    digest = flat.checksum()
+    words = flat.buffer.view(torch.int16)
+    words[5] ^= 1
+    assert flat.checksum() != digest
+    words[5] ^= 1
+    assert flat.checksum() == digest
+    a, b = words[10].clone(), words[4000].clone()
+    assert not torch.equal(a, b)
+    words[10], words[4000] = b, a
+    assert flat.checksum() != digest
+
+
+def test_mismatched_layouts_are_refused():
+    engine, trainer = models()
+    flat = FlatWeights.adopt(engine)
+    other = FlatWeights.like(FlatLayout.of(trainer.state_dict(), torch.float32), "cpu")
+    with pytest.raises(ValueError, match="another layout"):
+        flat.copy_from(other)
+    with pytest.raises(ValueError, match="do not match the flat layout"):
+        flat.fill_from({"embed_tokens.weight": torch.zeros(50, 32)})
