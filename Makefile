@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast sft bench clean
+.PHONY: run test test-fast sft bench wheelhouse clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_speed.py
+
+# Wheels of requirements/gpu-node.txt for an air-gapped GPU node (docs/offline-install.md); needs PyPI
+# here, not the venv. WHEEL_PLATFORM: platform tags (default manylinux x86_64, glibc >= 2.28).
+WHEEL_PY ?= 3.12
+WHEEL_OUT ?= wheelhouse
+wheelhouse:
+	$(PYTHON) scripts/wheelhouse.py --python $(WHEEL_PY) --out $(WHEEL_OUT) $(if $(WHEEL_PLATFORM),--platform $(WHEEL_PLATFORM))
 
 clean:
 	rm -rf outputs multirun mlruns .cache .pytest_cache

@@ -175,6 +175,7 @@ class RolloutCfg:
     cuda_graphs: bool = True  # slot decode: replay the decode step from CUDA graphs (dense GQA families)
     max_running: int = 512  # slot decode: sequences decoded at once (capped by the planner's KV budget)
     sync_every: int = 8  # slot decode: decode steps between host checks (finished rows, refills)
+    compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)
 
 
 @dataclass

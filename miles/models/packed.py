@@ -53,13 +53,28 @@ def uses_varlen(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, gqa: bool) -> torch.Tensor:
-    if not uses_varlen(q.device, q.dtype, q.shape[-1]):
+    # Under autocast q / k can arrive in fp32 (QK-norm scales by fp32 master weights); SDPA's
+    # autocast rule casts its inputs to the autocast dtype, and so does this (a custom op has none).
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    if not uses_varlen(q.device, dtype, q.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
     b, h, t, d = q.shape
     cu_seqlens, max_seqlen = ctx.memo(("varlen",), lambda: _LAYOUT.get() or layout_from_segments(ctx.segment_ids))
-    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v)]  # [B * T, heads, D]
-    out = _varlen_attn()(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, enable_gqa=gqa, **_CAUSAL)
+    # [B * T, heads, D], cast and made contiguous in one copy
+    flat = [x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).view(b * t, x.shape[1], d)
+            for x in (q, k, v)]
+    kernel = _varlen_attn()
+    if gqa and not _takes_enable_gqa(kernel):  # torch < 2.13: the kernel wants as many KV heads as q heads
+        flat[1], flat[2] = (x.repeat_interleave(h // x.shape[1], dim=1) for x in flat[1:])
+    extra = {"enable_gqa": True} if gqa and _takes_enable_gqa(kernel) else {}
+    out = kernel(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **extra, **_CAUSAL)
     return out.view(b, t, h, d).transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_enable_gqa(kernel) -> bool:
+    return "enable_gqa" in inspect.signature(kernel).parameters
 
 
 def layout_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

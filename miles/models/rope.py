@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from miles.models import fused
 from miles.models.config import RopeScalingConfig
 
 
@@ -114,8 +115,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the first cos.shape[-1] dims of x: [B, H, T, D] by cos / sin: [B, T, rotary_dim].
     Keeps x's dtype; dims past rotary_dim pass through unchanged."""
     rot = cos.shape[-1]
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # broadcast over heads
-    x_rot, x_pass = (x, None) if rot == x.shape[-1] else (x[..., :rot], x[..., rot:])
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    out = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if x_pass is None else torch.cat((out, x_pass), dim=-1)
+    if rot == x.shape[-1]:
+        return fused.ops["rotate"](x, cos, sin)
+    return torch.cat((fused.ops["rotate"](x[..., :rot], cos, sin), x[..., rot:]), dim=-1)

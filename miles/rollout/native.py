@@ -21,7 +21,7 @@ import torch
 
 from miles.config.schema import DType, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models import from_pretrained
+from miles.models import fused, from_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
@@ -89,6 +89,8 @@ class NativeEngine:
 
     def _slot_decoder(self, max_slots: int | None) -> SlotDecoder:
         cfg = self.cfg
+        if cfg.compile and self.device.type == "cuda":
+            fused.enable()  # before graph capture: the captured step runs the fused kernels
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.

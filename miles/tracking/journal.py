@@ -9,6 +9,10 @@ it answers again the backlog goes up with the metrics' original timestamps. `fin
 command that uploads it later (the journal's `state.json` says how far uploads got):
 
     python -m miles.tracking.journal <run dir>
+
+Where MLflow cannot be used at all (not importable, as on a GPU node without it, or the server
+refuses to create the run), the run logs to the journal only, says so once, and goes on.
+No MLflow failure prints a traceback or changes the run's exit status.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -32,12 +37,20 @@ MAX_BACKOFF_S = 10.0
 
 
 def transient(error: Exception) -> bool:
-    """Worth retrying: the server is unreachable or failing (5xx), not refusing the entry (4xx)."""
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(error, MlflowException):
-        return error.get_http_status_code() >= 500
+    """Worth retrying: the server is unreachable or failing (5xx), not refusing the entry (4xx).
+    MlflowException is recognised by its method, so that judging an error never imports mlflow."""
+    status = getattr(error, "get_http_status_code", None)
+    if callable(status):
+        return status() >= 500
     return isinstance(error, (ConnectionError, TimeoutError))
+
+
+def reason(error: Exception) -> str:
+    """An error in a few words: the OS's cause where MLflow buries one in a long HTTP error line
+    ("[Errno 111] Connection refused"), else the first line of the message."""
+    text = str(error) or type(error).__name__
+    causes = re.findall(r"\[Errno -?\d+\] [^\"'()]+", text)
+    return causes[-1].strip() if causes else text.splitlines()[0][:160]
 
 
 class Journal:
@@ -113,12 +126,19 @@ class JournaledTracker:
         self._queue: queue.Queue = queue.Queue()
         self._give_up = threading.Event()
         self.offline_since: float | None = None
+        self.local_only = False
         try:  # the usual case: the run exists (and has an id to print) before training starts
             self.uploader.ensure_run()
+        except ImportError as error:  # no MLflow here (or a package its store needs): nothing to retry
+            self._keep_local(f"MLflow is not importable ({reason(error)})")
         except Exception as error:
-            self._went_offline(error)
+            if transient(error):
+                self._went_offline(error)
+            else:
+                self._keep_local(f"MLflow at {self.uri} refused to create the run ({reason(error)})")
         self._thread = threading.Thread(target=self._work, name="mlflow-journal", daemon=True)
-        self._thread.start()
+        if not self.local_only:
+            self._thread.start()
 
     @property
     def run_id(self) -> str | None:
@@ -133,7 +153,8 @@ class JournaledTracker:
         self._seq += 1
         entry = {"op": op, "seq": self._seq, **fields}
         self.journal.append(entry)
-        self._queue.put(entry)
+        if not self.local_only:
+            self._queue.put(entry)
 
     def log_params(self, params: dict) -> None:
         self._put("params", params=flatten(params))
@@ -153,7 +174,7 @@ class JournaledTracker:
         tracking.flush_timeout_s while the server does not answer."""
         self._put("finish", status=status)
         start = time.time()
-        while self._thread.is_alive():
+        while self._thread.is_alive():  # never started when local only
             self._thread.join(0.2)
             offline = self.offline_since
             if offline is not None and time.time() - max(start, offline) > self.cfg.flush_timeout_s:
@@ -162,12 +183,16 @@ class JournaledTracker:
                 return
 
     # ---------------------------------------------------------------- the upload thread
+    def _keep_local(self, what: str) -> None:
+        self.local_only = True
+        self.log(f"{what}: this run logs to its journal only, {self.journal.path}; upload it later with "
+                 f"`python -m miles.tracking.journal {self.journal.dir.parent}`")
+
     def _went_offline(self, error: Exception) -> None:
         if self.offline_since is None:
             self.offline_since = time.time()
-            first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            self.log(f"MLflow unreachable ({first}); training goes on, metrics are kept in "
-                     f"{self.journal.path} and uploaded when it answers")
+            self.log(f"MLflow unreachable at {self.uri} ({reason(error)}); training goes on, metrics are "
+                     f"kept in {self.journal.path} and uploaded when it answers")
 
     def _work(self) -> None:
         while not self._give_up.is_set():
@@ -179,7 +204,7 @@ class JournaledTracker:
                     break
                 except Exception as error:
                     if not transient(error):
-                        self.log(f"MLflow refused a {entry['op']} entry ({error}); skipped, it stays in the journal")
+                        self.log(f"MLflow refused a {entry['op']} entry ({reason(error)}); skipped, it stays in the journal")
                         break
                     self._went_offline(error)
                     self._give_up.wait(backoff)
@@ -196,7 +221,7 @@ class JournaledTracker:
         pending = [e for e in self.journal.entries() if e["seq"] > uploaded]
         steps = sorted({e["step"] for e in pending if e["op"] == "metrics"})
         span = f", metrics of steps {steps[0]}..{steps[-1]}" if steps else ""
-        self.log(f"MLflow still unreachable after {self.cfg.flush_timeout_s:.0f}s: {len(pending)} entries not "
+        self.log(f"MLflow still unreachable after {self.cfg.flush_timeout_s:g}s: {len(pending)} entries not "
                  f"uploaded{span}; they are in {self.journal.path}. Upload them later with:\n"
                  f"  python -m miles.tracking.journal {self.journal.dir.parent}")
 
@@ -212,8 +237,22 @@ def upload(run_dir: str | Path, connect: Callable = MlflowLogger) -> int:
     return len(pending)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
         sys.exit("usage: python -m miles.tracking.journal <run dir>")
-    sent = upload(sys.argv[1])
-    print(f"uploaded {sent} journal entries of {sys.argv[1]}")
+    run_dir = Path(argv[0])
+    if not (run_dir / "mlflow" / STATE).exists():
+        sys.exit(f"error: {run_dir} holds no tracking journal (mlflow/{STATE})")
+    try:
+        sent = upload(run_dir)
+    except ImportError as error:
+        sys.exit(f"error: MLflow is not importable ({reason(error)}); install mlflow-skinny "
+                 "(requirements/gpu-node.txt) and run this again")
+    except Exception as error:  # what went up is in state.json: a second call sends only the rest
+        sys.exit(f"error: upload stopped ({reason(error)}); run this again to send the rest")
+    print(f"uploaded {sent} journal entries of {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

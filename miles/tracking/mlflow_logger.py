@@ -1,8 +1,10 @@
 """MLflow tracking for one run: params (the flattened resolved config), per-step metrics, artifacts.
 
 Only the driver logs. With `tracking.uri: null` the store is local (SQLite under ./mlruns, no server);
-set `tracking.uri=http://host:5000` for a server. Inside a sweep (see miles.tracking.sweep) the run
-becomes a child of the sweep's parent run.
+`tracking.uri=sqlite:///path/X.db` puts it elsewhere; either way the artifacts go to `artifacts/`
+beside the database file, so a run writes nothing into the working directory but its run dir.
+Set `tracking.uri=http://host:5000` for a server (it picks the artifacts' place). Inside a sweep
+(see miles.tracking.sweep) the run becomes a child of the sweep's parent run.
 """
 
 from __future__ import annotations
@@ -20,20 +22,39 @@ SWEEP_DIR_ENV = "MILES_SWEEP_DIR"
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
 
+SQLITE = "sqlite:///"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI (a relative path counts from the working
+    directory, as for SQLAlchemy), else None (a server, or SQLite in memory)."""
+    if not uri.startswith(SQLITE):
+        return None
+    path = uri[len(SQLITE):].partition("?")[0]
+    return Path(path).absolute() if path and path != ":memory:" else None
+
+
 def resolve_uri(uri: str | None) -> str:
-    if uri:
+    """The store's URI as it works from any directory: the default local store, or a SQLite path made
+    absolute (the journal uploads later from wherever it is called; sweep jobs share the store)."""
+    if not uri:
+        uri = f"{SQLITE}mlruns/mlflow.db"
+    db = sqlite_file(uri)
+    if db is None:
         return uri
-    root = Path("mlruns").absolute()
-    root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
+    db.parent.mkdir(parents=True, exist_ok=True)  # SQLite creates the file, not its folder
+    query = uri.partition("?")[2]
+    return f"{SQLITE}{db}" + (f"?{query}" if query else "")
 
 
 def get_or_create_experiment(client, name: str, uri: str | None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    # A local store keeps its artifacts next to the database; a server picks its own location.
-    location = (Path("mlruns") / "artifacts").absolute().as_uri() if not uri else None
+    # A SQLite store keeps its artifacts beside the database (MLflow's default would be ./mlruns of
+    # the working directory); a server picks its own location.
+    db = sqlite_file(resolve_uri(uri))
+    location = (db.parent / "artifacts").as_uri() if db is not None else None
     return client.create_experiment(name, artifact_location=location)
 
 

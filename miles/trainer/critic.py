@@ -10,7 +10,6 @@ Ray actor or calls it in-process.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -20,6 +19,8 @@ from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.value import explained_variance, value_loss
 from miles.config.schema import CriticCfg, DType, PrecisionCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained
+from miles.trainer.forward import enable_recompute, gather_outputs
+from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select
 from miles.types import TrainBatch
 
 
@@ -35,15 +36,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # CausalLM returns logits only; its final norm's output is the hidden state the LM head reads.
-        hidden: list[torch.Tensor] = []
-        hook = self.body.norm.register_forward_hook(lambda _module, _args, out: hidden.append(out))
-        try:
-            self.body(input_ids)
-        finally:
-            hook.remove()
-        return self.value_head(hidden[0]).squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """kwargs: CausalLM.forward's layout arguments (position_ids, segment_ids for packed rows)."""
+        return self.value_head(self.body(input_ids, return_hidden=True, **kwargs)).squeeze(-1).float()
 
 
 class TorchCritic:
@@ -58,7 +53,8 @@ class TorchCritic:
         threads: int | None = None,
         seed: int = 0,
     ):
-        """`trainer` supplies the micro-batch size and the optimizer settings other than the lr."""
+        """`trainer` supplies the micro-batch layout (packing, sizes), recompute and the optimizer
+        settings other than the lr."""
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -66,60 +62,62 @@ class TorchCritic:
         self.num_steps_per_rollout = num_steps_per_rollout
         self.device = torch.device(device)
         self.model = ValueModel(from_pretrained(checkpoint_dir, dtype=torch.float32)).to(self.device).train()
+        if trainer.recompute:
+            enable_recompute(self.model.body)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
             weight_decay=trainer.weight_decay,
+            **({"fused": True} if self.device.type == "cuda" else {"foreach": True}),
         )
 
-    def _values(self, mb: TrainBatch) -> torch.Tensor:
-        """Values [b, T-1] aligned with the trainer's log-probs: position t is the state after
-        tokens[: t + 1], in which tokens[t + 1] is chosen."""
-        autocast = (
-            torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-            if self.precision.train_dtype == DType.bf16
-            else contextlib.nullcontext()
-        )
-        with autocast:
-            return self.model(mb.tokens[:, :-1].to(self.device))
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        """Values [n, T-1] aligned with the trainer's log-probs: position t is the state after
+        tokens[: t + 1], in which tokens[t + 1] is chosen (0 off the loss positions)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision.train_dtype == DType.bf16):
+            return mb.scatter(gather_outputs(self.model, mb))
 
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        size = self.trainer_cfg.micro_batch_size
-        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+    def _plan(self, batch: TrainBatch) -> list[MicroBatch]:
+        dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32
+        return plan_micro_batches(batch, self.model.body, self.trainer_cfg, self.device, dtype)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """The critic's values of a rollout batch, [N, T-1] on CPU, 0 outside the loss mask."""
-        values = torch.cat([self._values(mb) for mb in self._micro_batches(batch)])
+        values = torch.zeros(batch.loss_mask.shape, device=self.device)
+        for mb in self._plan(batch):
+            values.index_copy_(0, mb.index, self._values(mb))
         return values.cpu() * batch.loss_mask
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """`critic.updates_per_step` passes over the batch, each split into `num_steps_per_rollout`
         optimizer steps like the policy's. Metrics are means over the optimizer steps, except
         `value_mean` and `explained_var`, which judge the values GAE used (before this update)."""
-        mbs = self._micro_batches(batch)
-        per_step = len(mbs) // self.num_steps_per_rollout
+        n_steps = self.num_steps_per_rollout
+        bounds = [round(s * len(batch) / n_steps) for s in range(n_steps + 1)]
+        plans = [self._plan(batch.slice(bounds[s], bounds[s + 1])) for s in range(n_steps)]
+        dev = batch_to(batch, self.device)
         max_norm = self.trainer_cfg.grad_clip if self.trainer_cfg.grad_clip > 0 else float("inf")
-        sums: dict[str, float] = defaultdict(float)
-        steps = self.cfg.updates_per_step * self.num_steps_per_rollout
+        # Device tensors until the end: no host sync per micro-batch.
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        steps = self.cfg.updates_per_step * n_steps
         for _ in range(self.cfg.updates_per_step):
-            for s in range(self.num_steps_per_rollout):
-                chunk = mbs[s * per_step : (s + 1) * per_step]
-                normalizer = loss_normalizer([mb.loss_mask for mb in chunk], "token_mean")
+            for s, plan in enumerate(plans):
+                normalizer = loss_normalizer([batch.loss_mask[bounds[s]:bounds[s + 1]]], "token_mean")
                 self.optimizer.zero_grad(set_to_none=True)
-                for mb in chunk:
-                    loss, metrics = value_loss(
-                        self._values(mb), mb.values.to(self.device), mb.returns.to(self.device),
-                        mb.loss_mask.to(self.device), normalizer, self.cfg.value_clip,
-                    )
+                for mb in plan:
+                    samples = select(dev, mb.index + bounds[s])
+                    loss, metrics = value_loss(self._values(mb), samples.values, samples.returns, samples.loss_mask,
+                                               normalizer, self.cfg.value_clip)
                     loss.backward()
                     for k, v in metrics.items():
-                        sums[k] += float(v) / steps
+                        sums[k] += v.detach() / steps
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
                 self.optimizer.step()
-                sums["grad_norm"] += float(grad_norm) / steps
+                sums["grad_norm"] += grad_norm / steps
+        metrics = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         mask = batch.loss_mask
-        sums["value_mean"] = float(masked_sum(batch.values, mask) / mask.sum().clamp(min=1))
-        sums["explained_var"] = float(explained_variance(batch.values, batch.returns, mask))
-        return {f"critic/{k}": v for k, v in sums.items()}
+        metrics["value_mean"] = float(masked_sum(batch.values, mask) / mask.sum().clamp(min=1))
+        metrics["explained_var"] = float(explained_variance(batch.values, batch.returns, mask))
+        return {f"critic/{k}": v for k, v in metrics.items()}

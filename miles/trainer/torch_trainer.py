@@ -3,10 +3,22 @@
 `train_rl` runs `algo.num_steps_per_rollout` optimizer steps of the configured policy loss on one
 rollout batch; `train_sft` runs one NLL step; `kl_to_ref` gives the per-token KL that
 `algo.kl_in_reward` subtracts from the reward. With a teacher (on-policy distillation) `train_rl`
-adds the teacher's per-token reverse-KL advantages before the update. The old log-probs are
-recomputed here, with the same micro-batches the update uses, so the first step of every rollout
-has ppo_kl == 0 bit for bit.
+adds the teacher's per-token reverse-KL advantages before the update.
 Plain class: `miles.orchestrate` wraps it in a Ray actor, tests and the GPU machine call it directly.
+
+How a step runs (miles.trainer.packing / forward / chunked_ce):
+- Micro-batches: with `trainer.pack_sequences` (families whose layers honour packed rows) samples
+  are packed into rows, `trainer.max_tokens_per_micro_batch` tokens per forward, no padding
+  computed; otherwise `trainer.micro_batch_size` padded samples. The losses see the padded layout
+  either way, with the normalizer of the whole optimizer step, so both give the same update.
+- The LM head runs at the loss positions only, in token chunks (the vocabulary-wide logits never
+  exist whole); `trainer.recompute` recomputes each decoder layer in backward.
+- Old log-probs: with one optimizer step per rollout and nothing that needs them before the
+  update (no TIS / MIS, no teacher) they are the training forward's own, detached, so ppo_kl == 0
+  exactly and the separate no-grad forward is saved. Otherwise they are recomputed first with the
+  micro-batches the update uses, so the first step still has ppo_kl == 0 bit for bit.
+- bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
+  the device until the end of the call, so no host sync per micro-batch.
 """
 
 from __future__ import annotations
@@ -20,12 +32,16 @@ import torch
 
 from miles.algo.corrections import mis_mask, tis_weights
 from miles.algo.distill import reverse_kl_advantages
-from miles.algo.losses import entropy_from_logits, loss_normalizer, masked_sum, token_logprobs
+from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
 from miles.models import from_pretrained, save_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
-from miles.precision.recipe import Recipe
+from miles.precision.recipe import NONE, Recipe
+from miles.trainer.chunked_ce import CHUNK_TOKENS
+from miles.trainer.forward import enable_recompute, token_logprobs_of
+from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
+from miles.transport.flat import FlatLayout, FlatWeights
 from miles.types import TrainBatch
 
 
@@ -42,13 +58,19 @@ class TorchTrainer:
         seed: int = 0,
         max_response_len: int | None = None,
         teacher_dir: str | None = None,
+        logits_chunk_tokens: int = CHUNK_TOKENS,
+        reuse_forward_for_old: bool = True,
     ):
+        """`logits_chunk_tokens` (0: whole logits from the model's own head) and
+        `reuse_forward_for_old` (False: always a separate old-log-prob forward) select the
+        reference paths, for A/B checks and benchmarks: same numbers, more memory and time."""
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.algo, self.cfg, self.precision = algo, cfg, precision
         self.max_response_len = max_response_len  # the generation budget: loss_agg=constant divides by it
         self.device = torch.device(device)
+        self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
         # Log-probs are those of the sampling distribution, softmax(logits / T), as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
@@ -64,12 +86,20 @@ class TorchTrainer:
         if teacher_dir is not None:
             teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
             self.teacher = teacher.eval().requires_grad_(False)
+        if cfg.recompute:
+            if self.recipe.train_quant != NONE:
+                raise ValueError("trainer.recompute=true does not combine with a fake-quantizing precision "
+                                 f"recipe (train_quant={self.recipe.train_quant}) yet")
+            enable_recompute(self.model)
+        kernel = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
+            **kernel,
         )
+        self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights)
 
     # ----------------------------------------------------------------------------- forward passes
     def _autocast(self):
@@ -77,76 +107,79 @@ class TorchTrainer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward_logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
-        tokens = mb.tokens.to(self.device)
-        with self._autocast():
-            logits = self.recipe.forward(model, tokens[:, :-1])
-        logp = token_logprobs(logits, tokens[:, 1:], self.temperature)
-        entropy = entropy_from_logits(logits / self.temperature) if with_entropy else None
-        return logp, entropy
+    def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+        dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32
+        return plan_micro_batches(batch, model, self.cfg, self.device, dtype)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        size = self.cfg.micro_batch_size
-        return [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False):
+        """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1], 0 off its loss positions."""
+        with self._autocast():
+            return token_logprobs_of(model, self.recipe, mb, self.temperature, with_entropy, self.logits_chunk_tokens)
+
+    @torch.no_grad()
+    def _full_logprobs(self, model, batch: TrainBatch, plan: list[MicroBatch] | None = None) -> torch.Tensor:
+        """Log-probs [N, T-1] of a whole batch on the device (rows in the batch's order)."""
+        out = torch.zeros(batch.loss_mask.shape, device=self.device)
+        for mb in plan if plan is not None else self._plan(batch, model):
+            out.index_copy_(0, mb.index, self._forward(model, mb)[0])
+        return out
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs of tokens[:, 1:] under the current policy, computed micro-batch by micro-batch."""
-        return torch.cat([self._forward_logprobs(self.model, mb)[0] for mb in self._micro_batches(batch)])
+        """Log-probs of tokens[:, 1:] under the current policy at the loss mask's positions (0 elsewhere)."""
+        return self._full_logprobs(self.model, batch)
 
     @torch.no_grad()
     def kl_to_ref(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token KL estimate (`algo.kl_estimator`) of the current policy to the reference on the
         batch's tokens, [N, T-1], 0 outside the loss mask: what `algo.kl_in_reward` puts in the reward."""
         kl_fn = get(KL_ESTIMATORS, "KL estimator", self.algo.kl_estimator)
-        kl = [
-            kl_fn(self._forward_logprobs(self.model, mb)[0], self._forward_logprobs(self.ref_model, mb)[0])
-            for mb in self._micro_batches(batch)
-        ]
-        return (torch.cat(kl) * batch.loss_mask.to(self.device)).cpu()
+        plan = self._plan(batch, self.model)
+        kl = kl_fn(self._full_logprobs(self.model, batch, plan), self._full_logprobs(self.ref_model, batch, plan))
+        return (kl * batch.loss_mask.to(self.device)).cpu()
 
     # ----------------------------------------------------------------------------- optimizer steps
-    def _step(self, micro_batches: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]], loss_fn):
-        """One optimizer step over the micro-batches; returns summed metrics and the grad norm.
-
-        `loss_fn(mb, old_logp, ref_logp, masks)` gets the loss masks of the whole step, from which it
-        derives its normalizer, so the micro-batch losses add up to the loss of the full step.
-        """
-        masks = [mb.loss_mask for mb, _, _ in micro_batches]
-        sums: dict[str, float] = defaultdict(float)
+    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
+        """One optimizer step, a backward per item (a micro-batch and what its loss needs); returns
+        summed metrics and the grad norm, as device tensors. `loss_fn(*item)` divides by the
+        normalizer of the whole step, so the micro-batch losses add up to the loss of the full step."""
+        sums: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for mb, old_logp, ref_logp in micro_batches:
-            loss, metrics = loss_fn(mb, old_logp, ref_logp, masks)
+        for item in items:
+            loss, metrics = loss_fn(*item)
             loss.backward()
             for k, v in metrics.items():
-                sums[k] += float(v)
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
-        sums["grad_norm"] = float(grad_norm)
         return sums
 
-    def _rl_loss(self, mb: TrainBatch, old_logp, ref_logp, masks: list[torch.Tensor]):
+    def _rl_loss(self, samples: TrainBatch, logp, entropy, old_logp, ref_logp, normalizers: dict[str, float]):
+        """Policy loss (+ entropy bonus, + KL to the reference) of one micro-batch's samples [n, T-1]."""
         a = self.algo
-        mask = mb.loss_mask.to(self.device)
-        logp, entropy = self._forward_logprobs(self.model, mb, with_entropy=True)
+        mask = samples.loss_mask
         extra = {"dual_clip_c": a.dual_clip_c} if a.dual_clip_c is not None else {}
         pg_loss, metrics = get(POLICY_LOSSES, "policy loss", a.policy_loss)(
-            logp, old_logp, mb.advantages.to(self.device), mask,
-            loss_normalizer(masks, a.loss_agg, self.max_response_len),
+            logp, old_logp, samples.advantages, mask, normalizers[a.loss_agg],
             eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, agg_mode=a.loss_agg, **extra,
         )
         # Entropy and KL are reported (and penalized) as token means, whatever the policy loss aggregation.
-        normalizer = loss_normalizer(masks, "token_mean")
-        entropy_term = masked_sum(entropy, mask) / normalizer
-        loss = pg_loss - a.entropy_coef * entropy_term
+        entropy_term = masked_sum(entropy, mask) / normalizers["token_mean"]
+        loss = pg_loss - a.entropy_coef * entropy_term if a.entropy_coef else pg_loss
         metrics["entropy"] = entropy_term.detach()
         if ref_logp is not None:
-            kl = masked_sum(get(KL_ESTIMATORS, "KL estimator", a.kl_estimator)(logp, ref_logp), mask) / normalizer
+            kl_fn = get(KL_ESTIMATORS, "KL estimator", a.kl_estimator)
+            kl = masked_sum(kl_fn(logp, ref_logp), mask) / normalizers["token_mean"]
             loss = loss + a.kl_coef * kl
             metrics["kl_ref"] = kl.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+    def _normalizers(self, loss_mask: torch.Tensor) -> dict[str, float]:
+        """The step's normalizers, from its (host) loss mask."""
+        modes = {self.algo.loss_agg, "token_mean"}
+        return {m: loss_normalizer([loss_mask], m, self.max_response_len) for m in modes}
 
     def _correct(self, batch: TrainBatch, old: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
         """Mismatch corrections against the engine's log-probs: TIS scales advantages, MIS masks tokens.
@@ -157,11 +190,11 @@ class TorchTrainer:
         a, metrics = self.algo, {}
         rollout, mask, adv = batch.rollout_logprobs.to(self.device), batch.loss_mask, batch.advantages
         if a.tis != "none":
-            weights, m = tis_weights(old, rollout, mask, a.tis, a.tis_clip)
+            weights, m = tis_weights(old, rollout, mask.to(self.device), a.tis, a.tis_clip)
             adv = adv * weights.cpu()
             metrics.update({f"mismatch/{k}": float(v) for k, v in m.items()})
         if a.mis != "none":
-            mask, m = mis_mask(old, rollout, mask, a.mis_low, a.mis_high, a.mis)
+            mask, m = mis_mask(old, rollout, mask.to(self.device), a.mis_low, a.mis_high, a.mis)
             mask = mask.cpu()
             metrics.update({f"mismatch/{k}": float(v) for k, v in m.items()})
         return replace(batch, advantages=adv, loss_mask=mask), metrics
@@ -169,58 +202,94 @@ class TorchTrainer:
     def _distill(self, batch: TrainBatch, student_logp: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
         """On-policy distillation: add -opd_kl_coef * (logp_student - logp_teacher) per token to the
         advantages; `student_logp` is the old policy, the one that sampled the tokens."""
-        with torch.no_grad():
-            teacher_logp = [self._forward_logprobs(self.teacher, mb)[0] for mb in self._micro_batches(batch)]
-        adv, m = reverse_kl_advantages(student_logp, torch.cat(teacher_logp), batch.loss_mask.to(self.device),
+        teacher_logp = self._full_logprobs(self.teacher, batch)
+        adv, m = reverse_kl_advantages(student_logp, teacher_logp, batch.loss_mask.to(self.device),
                                        self.algo.opd_kl_coef)
         return replace(batch, advantages=batch.advantages + adv.cpu()), {"train/reverse_kl": float(m["reverse_kl"])}
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
-        mbs = self._micro_batches(batch)
+        a = self.algo
+        n_steps = a.num_steps_per_rollout
+        bounds = [round(s * len(batch) / n_steps) for s in range(n_steps + 1)]
+        # Planned from the batch as it came: MIS may drop loss tokens later, which only zeroes them.
+        plans = [self._plan(batch.slice(bounds[s], bounds[s + 1]), self.model) for s in range(n_steps)]
         # With the KL in the reward the loop has already charged it; the loss must not charge it again.
-        kl_loss = self.ref_model is not None and not self.algo.kl_in_reward
-        with torch.no_grad():
-            old = [self._forward_logprobs(self.model, mb)[0] for mb in mbs]
-            ref = [self._forward_logprobs(self.ref_model, mb)[0] if kl_loss else None for mb in mbs]
-        mask = batch.loss_mask.to(self.device)
-        old_all = torch.cat(old)
-        mismatch = masked_sum((old_all - batch.rollout_logprobs.to(self.device)).abs(), mask) / mask.sum().clamp(min=1)
-        if self.algo.use_rollout_logprobs:  # the engine's numbers define the old policy
-            old = [mb.rollout_logprobs.to(self.device) for mb in mbs]
-        distill_metrics = {}
-        if self.teacher is not None:
-            batch, distill_metrics = self._distill(batch, torch.cat(old))
-        batch, correction_metrics = self._correct(batch, old_all)
-        mbs = self._micro_batches(batch)
+        kl_loss = self.ref_model is not None and not a.kl_in_reward
+        ref = [[self._forward(self.ref_model, mb)[0] if kl_loss else None for mb in plan] for plan in plans]
+        one_forward = (self.reuse_forward_for_old and n_steps == 1 and self.teacher is None
+                       and a.tis == "none" and a.mis == "none")
+        rollout, mask = to_device(batch.rollout_logprobs, self.device), to_device(batch.loss_mask, self.device)
+        # Summed micro-batch by micro-batch in both paths, so that they give the same number.
+        mismatch = torch.zeros((), device=self.device)
+        extra: dict[str, float] = {}
+        old = None
+        if not one_forward:
+            old = torch.zeros(batch.loss_mask.shape, device=self.device)
+            with torch.no_grad():
+                for s, plan in enumerate(plans):
+                    for mb in plan:
+                        rows = mb.index + bounds[s]
+                        lp = self._forward(self.model, mb)[0]
+                        mismatch += masked_sum((lp - rollout[rows]).abs(), mask[rows])
+                        old.index_copy_(0, rows, lp)
+            policy_old = rollout if a.use_rollout_logprobs else old  # the engine's numbers define the old policy
+            if self.teacher is not None:
+                batch, m = self._distill(batch, policy_old)
+                extra.update(m)
+            batch, m = self._correct(batch, old)
+            extra.update(m)
+            old = policy_old
+        dev = batch_to(batch, self.device)
 
-        per_step = len(mbs) // self.algo.num_steps_per_rollout
-        totals: dict[str, float] = defaultdict(float)
-        for s in range(self.algo.num_steps_per_rollout):
-            chunk = slice(s * per_step, (s + 1) * per_step)
-            step_metrics = self._step(list(zip(mbs[chunk], old[chunk], ref[chunk])), self._rl_loss)
-            for k, v in step_metrics.items():
-                totals[k] += v / self.algo.num_steps_per_rollout
-        metrics = {f"train/{k}": v for k, v in totals.items()}
-        metrics["mismatch/logprob_abs_diff"] = float(mismatch)
-        return {**metrics, **correction_metrics, **distill_metrics}
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        for s, plan in enumerate(plans):
+            normalizers = self._normalizers(batch.loss_mask[bounds[s]:bounds[s + 1]])
+
+            def loss_fn(mb: MicroBatch, ref_logp, offset=bounds[s], normalizers=normalizers):
+                nonlocal mismatch
+                rows = mb.index + offset
+                samples = select(dev, rows)
+                logp, entropy = self._forward(self.model, mb, with_entropy=True)
+                if old is None:  # one forward: the old policy is this very forward
+                    mismatch += masked_sum((logp.detach() - samples.rollout_logprobs).abs(), mask[rows])
+                    old_logp = samples.rollout_logprobs if a.use_rollout_logprobs else logp.detach()
+                else:
+                    old_logp = old[rows]
+                return self._rl_loss(samples, logp, entropy, old_logp, ref_logp, normalizers)
+
+            for k, v in self._step(list(zip(plan, ref[s])), loss_fn).items():
+                totals[k] += v / n_steps
+        names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff"]
+        values = torch.stack([*totals.values(), mismatch / max(float(batch.loss_mask.sum()), 1.0)]).tolist()
+        return {**dict(zip(names, values)), **extra}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""
+        dev = batch_to(batch, self.device)
+        normalizer = loss_normalizer([batch.loss_mask], "token_mean")
 
-        def sft_loss(mb: TrainBatch, _old, _ref, masks: list[torch.Tensor]):
-            logp, _ = self._forward_logprobs(self.model, mb)
-            normalizer = loss_normalizer(masks, "token_mean")
-            return get(POLICY_LOSSES, "policy loss", "nll")(logp, mb.loss_mask.to(self.device), normalizer)
+        def sft_loss(mb: MicroBatch):
+            logp, _ = self._forward(self.model, mb)
+            return get(POLICY_LOSSES, "policy loss", "nll")(logp, select(dev, mb.index).loss_mask, normalizer)
 
-        metrics = self._step([(mb, None, None) for mb in self._micro_batches(batch)], sft_loss)
-        return {"train/loss": metrics["nll"], "train/grad_norm": metrics["grad_norm"]}
+        metrics = self._step([(mb,) for mb in self._plan(batch, self.model)], sft_loss)
+        loss, grad_norm = torch.stack([metrics["nll"], metrics["grad_norm"]]).tolist()
+        return {"train/loss": loss, "train/grad_norm": grad_norm}
 
     # ----------------------------------------------------------------------------- weights
-    def get_weights(self) -> tuple[dict[str, torch.Tensor], str]:
+    def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor] | FlatWeights, str]:
         """What weight sync carries, on CPU, with the checksum of what the engine must then hold:
         weights in the engine's dtype, or the recipe's rollout format (quantized from the fp32
-        master weights) when the engine holds FP8 / INT4."""
+        master weights) when the engine holds FP8 / INT4. `in_process` (the engine shares this
+        process) and plain weights: a FlatWeights on this trainer's device and its device checksum."""
+        if in_process and self.recipe.rollout_quant == "none":
+            state = self.model.state_dict()
+            if self._flat_sync is None:
+                layout = FlatLayout.of(state, TORCH_DTYPES[self.precision.rollout_dtype])
+                self._flat_sync = FlatWeights.like(layout, self.device)
+            self._flat_sync.fill_from(state)
+            return self._flat_sync, self._flat_sync.checksum()
         if self.recipe.rollout_quant == "none":
             weights = to_dtype(self.model.state_dict(), self.precision.rollout_dtype)
             return weights, checksum(weights)

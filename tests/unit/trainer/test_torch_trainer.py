@@ -66,10 +66,14 @@ def test_bf16_training_keeps_the_invariant(ckpt, rollout_batch):
     assert all(w.dtype == torch.bfloat16 for w in weights.values())
 
 
-def test_gradient_accumulation_equals_one_big_batch(ckpt, rollout_batch):
+@pytest.mark.parametrize("layouts", [
+    [dict(pack_sequences=False, micro_batch_size=m) for m in (16, 4, 2)],
+    [dict(pack_sequences=True, max_tokens_per_micro_batch=t) for t in (4096, 24, 12)],  # 1, 4, 8 micro-batches
+])
+def test_gradient_accumulation_equals_one_big_batch(ckpt, rollout_batch, layouts):
     states = []
-    for micro in (16, 4, 2):
-        trainer = TorchTrainer(ckpt, grpo(), TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=micro), FP32)
+    for layout in layouts:
+        trainer = TorchTrainer(ckpt, grpo(), TrainerCfg(lr=1e-2, global_batch_size=16, **layout), FP32)
         trainer.train_rl(rollout_batch)
         states.append(trainer.model.state_dict())
     # Adam's first update is about lr * g / (|g| + eps): for a gradient element near eps (1e-8), the

@@ -1,0 +1,80 @@
+"""The trainer's forward of one micro-batch: model -> hidden states at the loss positions -> log-probs.
+
+    logp, entropy = token_logprobs_of(model, recipe, mb, temperature, with_entropy, chunk_tokens)
+    # [n, T-1] fp32 in the padded loss layout of the micro-batch, 0 off the loss positions
+
+The LM head runs only at the loss positions (prompt tokens need no log-probs) and, through
+`chunked_ce`, never materializes the whole [tokens, vocab] logits. A recipe that would quantize
+the output matrix (it never does with the shipped `keep_high_precision`) gets the model's own head
+inside `Recipe.forward` instead, so its fake quantization is kept. `enable_recompute` makes each
+decoder layer recompute its activations in backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from miles.algo.losses import entropy_from_logits, token_logprobs
+from miles.models import CausalLM
+from miles.models.packed import varlen_layout
+from miles.precision.recipe import NONE, Recipe
+from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
+from miles.trainer.packing import MicroBatch
+
+
+def gather_outputs(call: Callable[..., torch.Tensor], mb: MicroBatch, **kwargs) -> torch.Tensor:
+    """`call(input_ids, **kwargs)` (a model: [R, L] -> [R, L, ...]) on the micro-batch's layout,
+    kept at its loss positions only: [M, ...]."""
+    if mb.segment_ids is not None:
+        kwargs.update(position_ids=mb.position_ids, segment_ids=mb.segment_ids)
+        with varlen_layout(mb.cu_seqlens, mb.max_seqlen):
+            out = call(mb.input_ids, **kwargs)
+    else:
+        out = call(mb.input_ids, **kwargs)
+    return out.flatten(0, 1).index_select(0, mb.src)
+
+
+def head_outside(model: CausalLM, recipe: Recipe) -> bool:
+    """Whether the output matrix the forward multiplies by is the master weight itself (so it may be
+    applied outside `Recipe.forward`): true unless the recipe fake-quantizes it."""
+    name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    return recipe.train_quant == NONE or not recipe.quantizes(name, model.output_weight)
+
+
+def token_logprobs_of(model: CausalLM, recipe: Recipe, mb: MicroBatch, temperature: float,
+                      with_entropy: bool = False, chunk_tokens: int = CHUNK_TOKENS
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the targets (and entropies) of a micro-batch in its padded loss layout [n, T-1].
+    chunk_tokens 0: the model's own head over every position, logits whole (the reference path)."""
+    if chunk_tokens > 0 and head_outside(model, recipe):
+        hidden = gather_outputs(functools.partial(recipe.forward, model), mb, return_hidden=True)
+        logp, entropy = hidden_logprobs(hidden, model.output_weight, mb.targets, temperature, with_entropy,
+                                        chunk_tokens)
+    else:
+        logits = gather_outputs(functools.partial(recipe.forward, model), mb)
+        logp = token_logprobs(logits, mb.targets, temperature)
+        entropy = entropy_from_logits(logits.float() / temperature) if with_entropy else None
+    return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
+
+
+def enable_recompute(model: CausalLM) -> None:
+    """Each decoder layer keeps only its input and recomputes the rest in backward
+    (non-reentrant checkpoint). Not with a fake-quantizing recipe: `Recipe.forward` installs its
+    quantized weights and fp8 input hooks only while it runs, so a recomputation in backward would
+    see other weights than the forward did."""
+    for layer in model.layers:
+        layer.forward = _Recomputed(layer.forward)
+
+
+class _Recomputed:
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # nothing to keep for a backward
+            return self.forward(x, ctx)
+        return checkpoint(self.forward, x, ctx, use_reentrant=False)

@@ -1,0 +1,171 @@
+"""Micro-batches of one optimizer step, padded or packed, with the map back to the padded layout.
+
+Whatever the model sees, the losses see the step's samples as the TrainBatch holds them: right-padded
+rows [n, T-1] per micro-batch (`MicroBatch.index` says which samples), so every policy loss and
+aggregation mode computes exactly what it computes without packing. Only the model input differs:
+- padded (`padded_micro_batches`): `size` consecutive samples, rows tokens[:, :-1] as they are;
+- packed (`packed_micro_batches`): each sample's tokens up to its last loss target (in a causal model
+  later tokens change no loss position), placed best-fit decreasing into rows of `row_tokens`
+  tokens; `segment_ids` number the samples of a row (0 = the row's padded tail), `position_ids`
+  restart at 0 for each. Rows then fill micro-batches of at most `max_tokens` tokens.
+Both give, for every loss position, `src` (its flat index in the forward's [R * L] tokens), `dst`
+(its flat index in the micro-batch's [n * (T-1)] loss layout) and `targets` (the token it predicts).
+Plans are built on the host; `MicroBatch.to` moves one to the device without a host sync.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from miles.config.schema import TrainerCfg
+from miles.models import CausalLM
+from miles.models.attention import Attention
+from miles.models.packed import uses_varlen
+from miles.types import TrainBatch
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor  # [n] long: which samples of the step, in the order of the loss layout's rows
+    input_ids: torch.Tensor  # [R, L] long
+    src: torch.Tensor  # [M] long: loss positions as flat indices into the R * L forward tokens
+    dst: torch.Tensor  # [M] long: the same positions as flat indices into n * width
+    targets: torch.Tensor  # [M] long: the token each loss position predicts
+    width: int  # T - 1 of the step's batch
+    segment_ids: Optional[torch.Tensor] = None  # [R, L] packed rows: 1..k per sample, 0 = tail
+    position_ids: Optional[torch.Tensor] = None  # [R, L] packed rows: 0.. per sample
+    cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] int32: row-major bounds of samples and tails
+    max_seqlen: int = 0  # longest of those blocks
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.index)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: to_device(v, device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-loss-position values [M] -> [n, width] (0 elsewhere); differentiable."""
+        out = values.new_zeros(self.num_samples * self.width)
+        return out.index_copy(0, self.dst, values).view(self.num_samples, self.width)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> CUDA from pinned memory, asynchronously: a plain .to() from pageable memory waits for
+    the copy, and with it for all the work queued before it. Made contiguous first: a strided
+    source would be staged through pageable memory again."""
+    if t.device == device or device.type != "cuda":
+        return t.to(device)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
+
+
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    return replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in fields(batch)})
+
+
+def select(batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
+    """The rows `index` of every per-sample tensor (optional fields left empty stay empty)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, index) if len(t) else t
+
+    return replace(batch, **{f.name: rows(getattr(batch, f.name)) for f in fields(batch)})
+
+
+def plan_micro_batches(batch: TrainBatch, model: CausalLM, cfg: TrainerCfg, device: torch.device,
+                       compute_dtype: torch.dtype) -> list[MicroBatch]:
+    """The micro-batches of `batch` for `model` under `cfg` (pack_sequences, max_tokens_per_micro_batch,
+    micro_batch_size), on the device. With the variable-length kernel a micro-batch is one row
+    (attention costs sum len_i^2 however long the row is); with the masked kernel rows are as wide
+    as the longest sample (a row of L costs L^2), several per micro-batch."""
+    if not (cfg.pack_sequences and model.supports_packing):
+        plan = padded_micro_batches(batch, cfg.micro_batch_size)
+    else:
+        varlen = (all(type(layer.attn) is Attention for layer in model.layers)
+                  and uses_varlen(device, compute_dtype, model.config.head_dim))
+        max_tokens = cfg.max_tokens_per_micro_batch
+        plan = packed_micro_batches(batch, max_tokens, max_tokens if varlen else None)
+    return [mb.to(device) for mb in plan]
+
+
+def padded_micro_batches(batch: TrainBatch, size: int) -> list[MicroBatch]:
+    return [_padded(batch, start, min(start + size, len(batch))) for start in range(0, len(batch), size)]
+
+
+def _padded(batch: TrainBatch, start: int, end: int) -> MicroBatch:
+    tokens, mask = batch.tokens[start:end], batch.loss_mask[start:end]
+    src = (mask.reshape(-1) > 0).nonzero().squeeze(1)
+    return MicroBatch(index=torch.arange(start, end), input_ids=tokens[:, :-1], src=src, dst=src,
+                      targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1])
+
+
+def packed_micro_batches(batch: TrainBatch, max_tokens: int, row_tokens: int | None = None) -> list[MicroBatch]:
+    """Samples packed into rows of `row_tokens` tokens (None or less than the longest sample: the
+    longest sample's length), rows grouped max_tokens // row length per micro-batch (at least one).
+    Samples without loss tokens add nothing to any loss and are left out; a step with none at all
+    gets the padded layout, so that it still runs one (zero) backward."""
+    mask = batch.loss_mask > 0
+    width = mask.shape[1]
+    has_loss = mask.any(-1)
+    if not has_loss.any():
+        return padded_micro_batches(batch, len(batch))
+    last = width - 1 - mask.flip(-1).int().argmax(-1)  # last loss position of each sample
+    lengths = torch.where(has_loss, last + 1, 0).tolist()
+    capacity = max(row_tokens or 0, max(lengths))
+    rows = best_fit_decreasing(lengths, capacity)
+    per_micro_batch = max(1, max_tokens // capacity)
+    return [_packed(batch, rows[i:i + per_micro_batch], lengths) for i in range(0, len(rows), per_micro_batch)]
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of the non-empty lengths in bins of at most `capacity` (each length <= capacity):
+    longest first, each into the fullest bin that still takes it. Within 11/9 of the fewest bins
+    (as first-fit decreasing), so rows waste little; order inside a row does not change any loss."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), ascending
+    for i in order:
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k == len(free):
+            bins.append([i])
+            room, b = capacity - lengths[i], len(bins) - 1
+        else:
+            room, b = free.pop(k)
+            bins[b].append(i)
+            room -= lengths[i]
+        bisect.insort(free, (room, b))
+    return bins
+
+
+def _packed(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> MicroBatch:
+    width = batch.loss_mask.shape[1]
+    samples = [i for row in rows for i in row]
+    n = torch.tensor([lengths[i] for i in samples])
+    fill = [sum(lengths[i] for i in row) for row in rows]
+    r, cols = len(rows), max(fill)
+    # Where each sample starts in the flattened [R * L] rows, and each token's place within its sample.
+    starts = torch.tensor([k * cols + sum(lengths[i] for i in row[:j]) for k, row in enumerate(rows)
+                           for j in range(len(row))])
+    owner = torch.repeat_interleave(torch.arange(len(samples)), n)  # token -> sample (rank in `samples`)
+    pos = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
+    flat = starts[owner] + pos
+    sample = torch.tensor(samples)[owner]
+    input_ids = torch.zeros(r * cols, dtype=torch.long)
+    input_ids[flat] = batch.tokens[sample, pos]
+    segment_ids, position_ids = torch.zeros(r * cols, dtype=torch.long), torch.zeros(r * cols, dtype=torch.long)
+    segment_ids[flat] = torch.tensor([j + 1 for row in rows for j in range(len(row))])[owner]
+    position_ids[flat] = pos
+    is_loss = batch.loss_mask[sample, pos] > 0
+    # Blocks of the variable-length kernel: every sample, and each row's tail as a block of its own.
+    tails = [k * cols + f for k, f in enumerate(fill) if f < cols]
+    bounds = torch.cat([starts, torch.tensor(tails, dtype=torch.long), torch.tensor([r * cols])]).sort().values
+    return MicroBatch(
+        index=torch.tensor(samples), input_ids=input_ids.view(r, cols), src=flat[is_loss],
+        dst=(owner * width + pos)[is_loss], targets=batch.tokens[sample, pos + 1][is_loss], width=width,
+        segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
+        cu_seqlens=bounds.to(torch.int32), max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
+    )

@@ -1,0 +1,75 @@
+"""Packing plans: every loss position appears once and maps back to its padded place, rows respect
+their capacity, micro-batches their token budget, and the varlen layout matches the segments."""
+
+import random
+
+import torch
+
+from miles.models.packed import layout_from_segments
+from miles.trainer.packing import best_fit_decreasing, packed_micro_batches, padded_micro_batches
+from miles.types import Sample, build_train_batch
+
+
+def _batch(seed: int = 0, n: int = 13):
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 6))]
+        response = [rng.randrange(1, 30) for _ in range(rng.randrange(0, 9))]  # some empty
+        samples.append(Sample("", "", prompt, response, [-0.1 * (j + 1) for j in range(len(response))]))
+    return build_train_batch(samples, torch.arange(n, dtype=torch.float32), pad_id=0)
+
+
+def _loss_positions(batch, plans):
+    """(sample, position) -> target for every loss position in the plans."""
+    seen = {}
+    for mb in plans:
+        n, width = mb.num_samples, mb.width
+        flat_tokens = mb.input_ids.reshape(-1)
+        for s, d, t in zip(mb.src.tolist(), mb.dst.tolist(), mb.targets.tolist()):
+            sample, pos = int(mb.index[d // width]), d % width
+            assert (sample, pos) not in seen
+            seen[(sample, pos)] = t
+            assert int(flat_tokens[s]) == int(batch.tokens[sample, pos])  # the input token there
+        assert mb.dst.max() < n * width
+    return seen
+
+
+def test_best_fit_decreasing_fills_rows_within_capacity():
+    lengths = [7, 0, 3, 5, 2, 2, 6, 1, 4]
+    rows = best_fit_decreasing(lengths, 8)
+    placed = sorted(i for row in rows for i in row)
+    assert placed == [i for i, n in enumerate(lengths) if n > 0]
+    assert all(sum(lengths[i] for i in row) <= 8 for row in rows)
+    assert len(rows) == 4  # 30 tokens in rows of 8: the fewest possible
+
+
+def test_packed_and_padded_plans_cover_the_same_loss_positions():
+    batch = _batch()
+    expected = {(i, j): int(batch.tokens[i, j + 1]) for i, j in (batch.loss_mask > 0).nonzero().tolist()}
+    assert _loss_positions(batch, padded_micro_batches(batch, 4)) == expected
+    for max_tokens, row_tokens in ((16, None), (16, 16), (64, None), (5, None)):
+        plans = packed_micro_batches(batch, max_tokens, row_tokens)
+        assert _loss_positions(batch, plans) == expected
+        longest = max(int(mb.input_ids.shape[1]) for mb in plans)
+        for mb in plans:
+            assert mb.input_ids.numel() <= max(max_tokens, longest)
+            cu, max_len = layout_from_segments(mb.segment_ids)
+            assert torch.equal(cu, mb.cu_seqlens) and max_len == mb.max_seqlen
+
+
+def test_packed_rows_restart_positions_per_sample():
+    batch = _batch(1)
+    for mb in packed_micro_batches(batch, 32, 32):
+        assert mb.input_ids.shape[0] == 1  # one row per micro-batch with a row budget
+        seg, pos = mb.segment_ids[0], mb.position_ids[0]
+        starts = torch.nonzero(torch.diff(seg, prepend=seg.new_tensor([-1]))).squeeze(1)
+        for a, b in zip(starts.tolist(), starts.tolist()[1:] + [len(seg)]):
+            assert torch.equal(pos[a:b], torch.arange(b - a))
+
+
+def test_a_step_without_loss_tokens_still_gets_a_micro_batch():
+    batch = _batch(2, n=3)
+    batch.loss_mask.zero_()
+    plans = packed_micro_batches(batch, 16)
+    assert len(plans) == 1 and plans[0].num_samples == 3 and plans[0].src.numel() == 0
