@@ -8,6 +8,7 @@ Set-up (a venv of its own; the project's .venv is not touched) and the run:
     /tmp/trl-venv/bin/python benchmarks/trl_grpo_cpu.py --threads 2 --out /tmp/trl_grpo_cpu.json
 
     [--shapes 8x8x8,64x8x8] [--warmup 3] [--steps 10]   # prompts x samples x tokens; steps timed per side
+    [--trl-micro-batch N]                              # TRL's per-device batch (default 128, as Miles')
 
 Both sides start from the same random checkpoint of the default experiment's model (`qwen3_tiny`,
 written by `random_checkpoint`; TRL loads it with `AutoModelForCausalLM`, Miles with its own
@@ -15,9 +16,11 @@ modules; the script checks that both give the same logits), get the same arithme
 same order (P per step, each sampled n times), generate exactly T new tokens per sample at
 temperature 1 (no top-k / top-p; Miles' stop ids are emptied, TRL gets `min_new_tokens = T`), score
 them with the same exact-match reward, and take one AdamW step per rollout at the same learning
-rate (5e-4, constant), betas, weight decay 0, gradient clipping 1.0, fp32, micro-batches of
-min(128, P*n) sequences with gradient accumulation, a PPO-clipped loss (eps 0.2) normalised by the
-step's token count, group-normalised advantages (mean and std), beta = 0 (no reference model).
+rate (5e-4, constant), betas, weight decay 0, gradient clipping 1.0, fp32, a PPO-clipped loss
+(eps 0.2) normalised by the step's token count, group-normalised advantages (mean and std),
+beta = 0 (no reference model). Miles runs the default experiment's config at this shape
+(`trainer.global_batch_size = P*n`, `trainer.micro_batch_size = min(128, P*n)`); micro-batching
+below.
 
 A Miles step is what `miles.orchestrate.loop.rl_loop` does in-process (`ray.enabled=false`), with the
 components `miles.orchestrate.run` builds from the composed default config: `collect_rollout`
@@ -34,13 +37,23 @@ hits both alike. Both run on the same `torch.set_num_threads`. The first `--warm
 side are not timed; the table gives medians over the `--steps` after them and trl / miles of the
 medians (per-pair ratios: min-max in the JSON and the last column).
 
-Differences that stay: TRL generates all P*n rows with a prefill each (transformers generate), Miles
-prefills each prompt once and expands its cache n times; Miles recomputes the old log-probs with an
-extra forward (TRL reuses the detached current ones when one optimizer step follows each generation,
-as here) and syncs + checksums weights into a separate engine copy (TRL generates with the trained
-model itself: nothing to sync); TRL's LM head runs only on completion positions. Neither side logs
-to a tracker or the console during timed steps (TRL: `logging_steps` past the last step; Miles: the
-loop's log callback is a no-op), both compute their per-step metrics.
+Differences that stay (each side runs its own design at these settings):
+- Generation: TRL runs transformers `generate` (a Python loop per token, DynamicCache) on all P*n
+  rows, each with its own prefill; Miles' engine prefills each prompt once and expands its cache n
+  times.
+- Weight sync: TRL generates with the model it trains, so it has none; Miles copies the trainer's
+  weights into the engine's own copy and checks them (`rollout.check_weight_sync`).
+- Old log-probs: with one optimizer step per generation TRL reuses the training forward's detached
+  log-probs (the script counts TRL's log-prob forwards per step: 1 per micro-batch, none extra).
+  Miles' trainer does the same since commit 5b9ffd2; before it, it ran an extra no-grad forward.
+- Micro-batches: TRL runs `--trl-micro-batch` padded sequences per forward (default: Miles'
+  trainer.micro_batch_size, 128) with gradient accumulation. Miles packs samples up to
+  trainer.max_tokens_per_micro_batch tokens (8192: at 64x8x8 one forward for all 512). TRL with one
+  micro-batch of 512 measured the same as with 128 (2026-12-01).
+- Both run the LM head at completion positions only (TRL's fused head, Miles' chunked head). AdamW
+  is TRL's `adamw_torch` (single-tensor on CPU), Miles' foreach; either takes ~2 ms here.
+Neither side logs to a tracker or the console during the timed steps (TRL: `logging_steps` past the
+last step; Miles: the loop's log callback is a no-op). Both still compute their per-step metrics.
 """
 
 from __future__ import annotations
@@ -142,7 +155,7 @@ class MilesSide:
 
 
 # ----------------------------------------------------------------------------- TRL side
-def build_trl(ckpt: str, cfg, examples, steps_total: int, outdir: str, callback):
+def build_trl(ckpt: str, cfg, examples, steps_total: int, outdir: str, callback, micro: int):
     import datasets
     import transformers
     import trl
@@ -165,7 +178,6 @@ def build_trl(ckpt: str, cfg, examples, steps_total: int, outdir: str, callback)
     # the <bos> token that Miles' encode_prompt puts first, so both see the same prompt ids.
     ds = datasets.Dataset.from_dict({"prompt": [tok.bos_token + e.prompt for e in examples],
                                      "label": [e.label for e in examples]})
-    micro = tr.micro_batch_size
     args = trl.GRPOConfig(
         output_dir=outdir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=micro, gradient_accumulation_steps=tr.global_batch_size // micro,
@@ -258,7 +270,8 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
     return float((ours(tokens) - theirs).abs().max())
 
 
-def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str) -> dict:
+def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
+              trl_micro: int | None = None) -> dict:
     from miles.config.schema import ModelCfg  # noqa: F401  (the composed config carries the model)
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
@@ -272,7 +285,10 @@ def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int
     torch.set_num_threads(threads)
     miles = MilesSide(ckpt, cfg, examples)
     callback = make_callback(miles, threads)
-    trainer, hf_model, trl_prompts = build_trl(ckpt, cfg, examples, total, f"{workdir}/trl-{p}x{n}x{t}", callback)
+    trl_micro = min(trl_micro or cfg.trainer.micro_batch_size, p * n)
+    assert (p * n) % trl_micro == 0, "--trl-micro-batch must divide prompts x samples"
+    trainer, hf_model, trl_prompts = build_trl(ckpt, cfg, examples, total, f"{workdir}/trl-{p}x{n}x{t}", callback,
+                                               trl_micro)
     torch.set_num_threads(threads)
     logit_diff = same_logits(ckpt, hf_model, examples)
     params = sum(x.numel() for x in hf_model.parameters())
@@ -285,7 +301,8 @@ def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int
     pair = [a["step"] / b["step"] for a, b in zip(trl_steps, miles_steps)]
     return {
         "shape": f"{p}x{n}x{t}", "prompts": p, "samples": n, "new_tokens": t, "rows": p * n,
-        "micro_batch": cfg.trainer.micro_batch_size, "params": params, "overrides": overrides,
+        "micro_batch": cfg.trainer.micro_batch_size, "trl_micro_batch": trl_micro,
+        "miles_trainer_cfg": str(cfg.trainer), "params": params, "overrides": overrides,
         "same_prompts": miles.first_prompts == [x.removeprefix("<bos>") for x in trl_prompts],
         "max_logit_diff": logit_diff, "trl_config": trainer.benchmark_config,
         "trl_logp_forwards_per_step": sorted({r["forwards"] for r in trl_steps}),
@@ -323,8 +340,21 @@ def environment(threads: int) -> dict:
         "transformers": transformers.__version__, "trl": trl.__version__, "accelerate": accelerate.__version__,
         "datasets": datasets.__version__, "threads": threads, "cpu": cpu, "nproc": os.cpu_count(),
         "miles_path": str(Path(miles.__file__).parent), "git_head": git("rev-parse", "--short", "HEAD"),
-        "git_dirty": git("status", "--short").splitlines(),
+        "git_dirty": git("status", "--short").splitlines(), "git_dirty_sha256": dirty_digest(git),
     }
+
+
+def dirty_digest(git) -> str:
+    """sha256 of the uncommitted state (tracked diff + untracked files), to tell runs on a changing tree apart."""
+    import hashlib
+
+    h = hashlib.sha256(git("diff", "HEAD").encode())
+    for name in sorted(git("ls-files", "--others", "--exclude-standard").splitlines()):
+        try:
+            h.update(name.encode() + (REPO / name).read_bytes())
+        except OSError:
+            pass
+    return h.hexdigest()[:16]
 
 
 def table(results: list[dict]) -> str:
@@ -349,6 +379,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x8x8,64x8x8", help="prompts x samples x new tokens, comma-separated")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    ap.add_argument("--trl-micro-batch", type=int, default=None,
+                    help="TRL's per_device_train_batch_size (gradient accumulation makes up the rest of the step); "
+                         "default: Miles' trainer.micro_batch_size")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -361,7 +394,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for text in args.shapes.split(","):
-            res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir)
+            res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch)
             print(f"{res['shape']}: miles {res['miles']['step']:.3f} s/step, trl {res['trl']['step']:.3f} s/step, "
                   f"trl/miles {res['ratio_trl_over_miles']:.2f}x; {res['params']:,} params; same prompts "
                   f"{res['same_prompts']}; max logit diff {res['max_logit_diff']:.1e}; TRL log-prob forwards per step "

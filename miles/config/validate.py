@@ -177,6 +177,11 @@ def validate(cfg: RunCfg) -> list[str]:
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     problems += device_problems(cfg)
+    if cfg.trainer.max_tokens_per_micro_batch < 1:
+        problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
+    if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
+        problems.append(f"trainer.recompute=true does not combine with precision={cfg.precision.name} (its "
+                        "fake-quantized training forward): set trainer.recompute=false")
     for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
                               ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
                               ("fault.max_retries", cfg.fault.max_retries, 0),

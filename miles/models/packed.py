@@ -62,8 +62,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: For
     b, h, t, d = q.shape
     cu_seqlens, max_seqlen = ctx.memo(("varlen",), lambda: _LAYOUT.get() or layout_from_segments(ctx.segment_ids))
     # [B * T, heads, D], cast and made contiguous in one copy
-    flat = [x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).view(b * t, x.shape[1], d)
-            for x in (q, k, v)]
+    # (reshape copies when the transpose left x strided, e.g. bf16 inputs that need no cast)
+    flat = [x.transpose(1, 2).to(dtype).reshape(b * t, x.shape[1], d) for x in (q, k, v)]
     kernel = _varlen_attn()
     if gqa and not _takes_enable_gqa(kernel):  # torch < 2.13: the kernel wants as many KV heads as q heads
         flat[1], flat[2] = (x.repeat_interleave(h // x.shape[1], dim=1) for x in flat[1:])

@@ -69,7 +69,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     tracker.log_params(asdict(cfg))
     for path in record.values():
         tracker.log_artifact(path, "run_record")
-    console.print(f"MLflow run {tracker.run_id} ({tracker.uri}); outputs in {run_dir}")
+    run_id = tracker.run_id or "not created yet (journal only)"
+    console.print(f"MLflow run {run_id} ({tracker.uri}); outputs in {run_dir}")
 
     def log(metrics: dict[str, float], step: int) -> None:
         tracker.log_metrics(metrics, step)

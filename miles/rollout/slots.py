@@ -102,6 +102,17 @@ class SlotDecoder:
         self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
         self.graphs = DecodeGraphs(model, self.cache, self.tokens, buckets or default_buckets(slots),
                                    capture=cuda_graphs and device.type == "cuda")
+        if device.type == "cuda":
+            self._warm_prefill(dtype)
+
+    @torch.no_grad()
+    def _warm_prefill(self, dtype: torch.dtype) -> None:
+        """One small prefill at start, so the first generate call finds its kernels chosen and the
+        fused ops compiled for multi-token shapes (the decode warm-up only saw one token per row)."""
+        tokens = torch.full((2, 16), self.pad_id, dtype=torch.long, device=self.device)
+        hidden = self.model(tokens, cache=self.model.new_cache(2, 16, dtype=dtype, device=self.device),
+                            return_hidden=True)
+        self.model.logits_from_hidden(hidden[:, -1])
 
     @property
     def captured(self) -> bool:

@@ -145,3 +145,10 @@ def test_a_multi_gpu_profile_is_refused_for_a_one_gpu_run(compose, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "set hardware.gpus_per_node=1" in validate(compose(["hardware=h200"]))[0]
     assert validate(compose(["hardware=h200", "hardware.gpus_per_node=1"])) == []
+
+
+def test_trainer_packing_and_recompute_rules(compose):
+    assert validate(compose(["trainer.max_tokens_per_micro_batch=0"])) == [
+        "trainer.max_tokens_per_micro_batch must be >= 1 (got 0)"]
+    assert "set trainer.recompute=false" in validate(compose(["trainer.recompute=true", "precision=fp8"]))[0]
+    assert validate(compose(["trainer.recompute=true"])) == []

@@ -97,7 +97,7 @@ def test_indexer_decode_with_its_key_cache_matches_the_full_forward(glm):
         scores = ours.scores(x[:, start:end], q_latent[:, start:end], ctx, cache)  # rewrites the same keys
         vis = full_ctx.mask()[:, 0, start:end, :end].expand(b, -1, -1)
         torch.testing.assert_close(scores.masked_fill(~vis, 0), full_scores[:, start:end, :end].masked_fill(~vis, 0),
-                                   rtol=0, atol=1e-6)
+                                   rtol=2e-6, atol=1e-6)  # fp32 scores ~1: a few ulps (AVX2 sums in another order)
         assert torch.equal(keep[:, 0], full_keep[:, 0, start:end, :end])
 
 

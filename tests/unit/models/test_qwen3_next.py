@@ -24,6 +24,7 @@ from miles.models.deltanet import GatedAttention, GatedDeltaNet, gated_delta_rul
 from zoo_checks import (check_decode_matches_forward, check_loads_transformers_checkpoint,
                         check_transformers_loads_ours, max_diff, randomize, tiny_hf_model)
 
+LOAD_ATOL_FP32 = 5e-5  # logits vs transformers (measured 1.6e-5 on AVX2, under 1e-5 on AVX-512)
 DECODE_ATOL_FP32 = 3e-4  # see the module docstring (measured worst case 1.2e-4)
 
 
@@ -93,11 +94,12 @@ def test_qwen3_next_passes_the_zoo_checks(tmp_path, num_experts):
     """num_experts 0: dense MLPs (transformers allows it); 8: top-2 MoE + sigmoid-gated shared expert,
     with layer 1 a dense mlp_only layer."""
     cfg = tiny_config(num_experts, mlp_only_layers=[1] if num_experts else None)
-    ours = check_loads_transformers_checkpoint(tiny_hf_model(cfg), tmp_path)
+    # transformers' chunked delta rule sums in another order than ours: 1.6e-5 apart on an AVX2 CPU
+    ours = check_loads_transformers_checkpoint(tiny_hf_model(cfg), tmp_path, atol=LOAD_ATOL_FP32)
     assert type(ours.layers[0].linear_attn).__name__ == "GatedDeltaNet"
     assert type(ours.layers[3].self_attn).__name__ == "GatedAttention"
     assert type(ours.norm).__name__ == "ZeroCenteredRMSNorm"
-    check_transformers_loads_ours(ours, tmp_path)
+    check_transformers_loads_ours(ours, tmp_path, atol=LOAD_ATOL_FP32)
     check_decode_matches_forward(ours, atol=DECODE_ATOL_FP32)
     check_decode_matches_forward(ours.double(), atol=1e-9)
 
