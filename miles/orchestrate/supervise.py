@@ -100,6 +100,10 @@ class RestartingEngine:
     def __init__(self, handle: RayHandle, budget: FaultBudget, on_restart: Callable[[], None]):
         self.handle, self.budget, self.on_restart = handle, budget, on_restart
 
+    @property
+    def in_process(self) -> bool:
+        return self.handle.in_process
+
     def _died(self, error: BaseException) -> bool:
         from ray.exceptions import RayActorError
 

@@ -3,20 +3,12 @@
 import pytest
 import torch
 
-from miles.config.schema import CriticCfg, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
-from miles.orchestrate.checkpoints import random_checkpoint
+from miles.config.schema import CriticCfg, PrecisionCfg, RolloutCfg, TrainerCfg
 from miles.rollout.native import NativeEngine
 from miles.trainer.critic import TorchCritic
 from miles.types import build_train_batch
 
 FP32 = PrecisionCfg(name="fp32")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    model = ModelCfg(name="t", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, max_position_embeddings=64)
-    return str(random_checkpoint(model, "0123456789+-*=() ", 0, tmp_path_factory.mktemp("ck")))
 
 
 @pytest.fixture(scope="module")

@@ -3,36 +3,13 @@
 import pytest
 import torch
 
-from miles.algo.registry import get, ADVANTAGES
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
-from miles.orchestrate.checkpoints import random_checkpoint
+from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, TrainerCfg
 from miles.orchestrate.loop import sft_batch
 from miles.data.arithmetic import ArithmeticTask
-from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
-from miles.types import build_train_batch
 import numpy as np
 
 FP32 = PrecisionCfg(name="fp32")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    model = ModelCfg(name="t", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, max_position_embeddings=64)
-    return str(random_checkpoint(model, "0123456789+-*=() ", 0, tmp_path_factory.mktemp("ck")))
-
-
-@pytest.fixture(scope="module")
-def rollout_batch(ckpt):
-    """16 real samples (4 prompts x 4) from the engine, with random rewards and GRPO advantages."""
-    engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=5), seed=0)
-    samples = engine.generate(["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"], n=4)
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(16)])
-    for s, r in zip(samples, rewards):
-        s.reward = float(r)
-    adv = get(ADVANTAGES, "a", "grpo")(rewards, torch.tensor([s.group for s in samples]))
-    return build_train_batch(samples, adv, engine.pad_id)
 
 
 def grpo(**kw):
