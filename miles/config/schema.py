@@ -196,6 +196,7 @@ class TrainerCfg:
     offload_optimizer: Optional[bool] = None
     pack_sequences: bool = True  # several samples per row, no padding computed (families that support it)
     max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
+    share_prompts: bool = True  # packed rows on the masked kernel: a prompt's tokens computed once for its n samples
 
 
 @dataclass

@@ -107,6 +107,7 @@ class CausalLM(nn.Module):
         routing_replay: Optional[dict] = None,
         segment_ids: Optional[torch.Tensor] = None,
         return_hidden: bool = False,
+        branch_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T] (with return_hidden, the final-norm hidden states
         [B, T, hidden] instead: the caller applies `output_weight` chunk by chunk).
@@ -121,6 +122,8 @@ class CausalLM(nn.Module):
         routing_record / routing_replay: MoE routing, layer -> experts [B, T, k] (see context.py).
         segment_ids: [B, T] packed rows, several sequences per row (0 = padding; no cache): each
             token attends only within its sequence; pass position_ids that restart per sequence.
+        branch_ids: [B, T] with segment_ids, a sequence laid out as one prompt (0) then its responses
+            (1, 2, ...), each response positioned after the prompt: the prompt is computed once.
         """
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
@@ -139,7 +142,7 @@ class CausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         ctx = ForwardContext(position_ids, attention_mask, past, cache, routing_record, routing_replay,
-                             segment_ids=segment_ids)
+                             segment_ids=segment_ids, branch_ids=branch_ids)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, ctx)

@@ -22,7 +22,8 @@ from miles.models.cache import ModelCache
 
 
 def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, device: torch.device,
-                chunk: Optional[int] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                chunk: Optional[int] = None, segment_ids: Optional[torch.Tensor] = None,
+                branch_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Boolean mask for T queries at columns [past, past + T) over S = past + T keys.
 
     attention_mask: [B, S] (1 = real token, 0 = pad) or None (all real). chunk: attend only within
@@ -30,7 +31,9 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
     positions (cumsum of its mask - 1), not columns: left padding must not move chunk boundaries,
     or a padded prefill + decode would differ from the unpadded forward (transformers likewise
     offsets chunks by the left padding). segment_ids: [B, T] packed rows (no cache): a query sees
-    only keys of its own sequence. Returns [B or 1, 1, T, S], True = may attend.
+    only keys of its own sequence. branch_ids: [B, T] with segment_ids, a shared prompt (0) followed by
+    its responses (1, 2, ...): a response token sees the prompt and its own response only.
+    Returns [B or 1, 1, T, S], True = may attend.
     """
     s = past + t
     key_pos = torch.arange(s, device=device)
@@ -46,6 +49,9 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
         allowed = allowed & same & (segment_ids[:, None, :] > 0)
+        if branch_ids is not None:
+            key_branch = branch_ids[:, None, :]
+            allowed = allowed & ((key_branch == 0) | (key_branch == branch_ids[:, :, None]))
     elif attention_mask is None:
         return allowed[:, None]
     else:
@@ -74,6 +80,7 @@ class ForwardContext:
     routing_record: Optional[dict] = None
     routing_replay: Optional[dict] = None
     segment_ids: Optional[torch.Tensor] = None  # [B, T] packed sequences (0 = padding); no cache
+    branch_ids: Optional[torch.Tensor] = None  # [B, T] with segment_ids: shared prompt 0, responses 1..n
     _memo: dict = field(default_factory=dict)
 
     @property
@@ -103,7 +110,8 @@ class ForwardContext:
         if self.slot_decode:
             return self.memo(("slot_mask",), lambda: slot_mask(self.past, self.cache.max_len))
         return self.memo(("mask", chunk), lambda: causal_mask(self.attention_mask, self.past, self.t,
-                                                              self.device, chunk, self.segment_ids))
+                                                              self.device, chunk, self.segment_ids,
+                                                              self.branch_ids))
 
     def layer_cache(self, layer: int):
         return None if self.cache is None else self.cache.layers[layer]

@@ -57,7 +57,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: For
     # autocast rule casts its inputs to the autocast dtype, and so does this (a custom op has none).
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    if not uses_varlen(q.device, dtype, q.shape[-1]):
+    if ctx.branch_ids is not None or not uses_varlen(q.device, dtype, q.shape[-1]):  # shared prompts: a mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
     b, h, t, d = q.shape
     cu_seqlens, max_seqlen = ctx.memo(("varlen",), lambda: _LAYOUT.get() or layout_from_segments(ctx.segment_ids))

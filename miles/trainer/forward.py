@@ -31,6 +31,8 @@ def gather_outputs(call: Callable[..., torch.Tensor], mb: MicroBatch, **kwargs) 
     kept at its loss positions only: [M, ...]."""
     if mb.segment_ids is not None:
         kwargs.update(position_ids=mb.position_ids, segment_ids=mb.segment_ids)
+        if mb.branch_ids is not None:
+            kwargs["branch_ids"] = mb.branch_ids
         with varlen_layout(mb.cu_seqlens, mb.max_seqlen):
             out = call(mb.input_ids, **kwargs)
     else:

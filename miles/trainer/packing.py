@@ -38,6 +38,7 @@ class MicroBatch:
     width: int  # T - 1 of the step's batch
     segment_ids: Optional[torch.Tensor] = None  # [R, L] packed rows: 1..k per sample, 0 = tail
     position_ids: Optional[torch.Tensor] = None  # [R, L] packed rows: 0.. per sample
+    branch_ids: Optional[torch.Tensor] = None  # [R, L] shared prompts: 0 = a prompt, 1..n its responses
     cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] int32: row-major bounds of samples and tails
     max_seqlen: int = 0  # longest of those blocks
 
@@ -88,7 +89,10 @@ def plan_micro_batches(batch: TrainBatch, model: CausalLM, cfg: TrainerCfg, devi
         varlen = (all(type(layer.attn) is Attention for layer in model.layers)
                   and uses_varlen(device, compute_dtype, model.config.head_dim))
         max_tokens = cfg.max_tokens_per_micro_batch
-        plan = packed_micro_batches(batch, max_tokens, max_tokens if varlen else None)
+        if cfg.share_prompts and not varlen:  # the masked kernel takes the prompt-sharing mask
+            plan = shared_prompt_micro_batches(batch, max_tokens)
+        else:
+            plan = packed_micro_batches(batch, max_tokens, max_tokens if varlen else None)
     return [mb.to(device) for mb in plan]
 
 
@@ -168,4 +172,80 @@ def _packed(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> Mic
         dst=(owner * width + pos)[is_loss], targets=batch.tokens[sample, pos + 1][is_loss], width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         cu_seqlens=bounds.to(torch.int32), max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
+    )
+
+
+def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[MicroBatch]:
+    """Packed rows where the samples of one prompt share its tokens: each group is laid out as the
+    prompt once, then every sample's response tokens (positions continuing after the prompt), and
+    `branch_ids` keep each response from seeing the others. The prompt's last token predicts every
+    sample's first response token, so its hidden state serves n loss positions. Groups are samples
+    whose tokens before their first loss target are equal (the n samples of a prompt); rows are as
+    wide as the longest group, best-fit decreasing, max_tokens // width rows per micro-batch."""
+    mask = batch.loss_mask > 0
+    width = mask.shape[1]
+    has_loss = mask.any(-1)
+    if not has_loss.any():
+        return padded_micro_batches(batch, len(batch))
+    last = (width - 1 - mask.flip(-1).int().argmax(-1)).tolist()
+    first = mask.int().argmax(-1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for i in has_loss.nonzero().squeeze(1).tolist():
+        prompt = first[i] + 1  # tokens [0, prompt) are shared: the last of them predicts the first target
+        groups.setdefault((prompt, tuple(batch.tokens[i, :prompt].tolist())), []).append(i)
+    units = [(key[0], members) for key, members in groups.items()]
+    sizes = [prompt + sum(last[i] + 1 - prompt for i in members) for prompt, members in units]
+    capacity = max(sizes)
+    rows = best_fit_decreasing(sizes, capacity)
+    per_micro_batch = max(1, max_tokens // capacity)
+    return [_shared(batch, [[units[u] for u in row] for row in rows[k:k + per_micro_batch]], last)
+            for k in range(0, len(rows), per_micro_batch)]
+
+
+def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: list[int]) -> MicroBatch:
+    width = batch.loss_mask.shape[1]
+    sizes = [[prompt + sum(last[i] + 1 - prompt for i in members) for prompt, members in row] for row in rows]
+    cols = max(sum(row) for row in sizes)
+    # Per laid-out token: its flat place, its source (sample, position), its segment and branch.
+    flat, sample, pos, segment, branch = [], [], [], [], []
+    samples, where = [], {}  # where[sample]: (start of its group, start of its response)
+    for k, row in enumerate(rows):
+        start = k * cols
+        for j, ((prompt, members), size) in enumerate(zip(row, sizes[k])):
+            flat += range(start, start + prompt)
+            sample += [members[0]] * prompt
+            pos += range(prompt)
+            segment += [j + 1] * prompt
+            branch += [0] * prompt
+            offset = start + prompt
+            for b, i in enumerate(members, 1):
+                n = last[i] + 1 - prompt
+                flat += range(offset, offset + n)
+                sample += [i] * n
+                pos += range(prompt, prompt + n)
+                segment += [j + 1] * n
+                branch += [b] * n
+                where[i] = (start, offset, prompt)
+                samples.append(i)
+                offset += n
+            start += size
+    flat, sample, pos = torch.tensor(flat), torch.tensor(sample), torch.tensor(pos)
+    r = len(rows)
+    input_ids, position_ids = torch.zeros(r * cols, dtype=torch.long), torch.zeros(r * cols, dtype=torch.long)
+    segment_ids, branch_ids = torch.zeros(r * cols, dtype=torch.long), torch.zeros(r * cols, dtype=torch.long)
+    input_ids[flat], position_ids[flat] = batch.tokens[sample, pos], pos
+    segment_ids[flat], branch_ids[flat] = torch.tensor(segment), torch.tensor(branch)
+    # Loss positions of each sample (in its padded row) and where its forward computed them.
+    src, dst, targets = [], [], []
+    for rank, i in enumerate(samples):
+        group, response, prompt = where[i]
+        for t in (batch.loss_mask[i] > 0).nonzero().squeeze(1).tolist():
+            src.append(group + t if t < prompt else response + t - prompt)
+            dst.append(rank * width + t)
+            targets.append(int(batch.tokens[i, t + 1]))
+    return MicroBatch(
+        index=torch.tensor(samples), input_ids=input_ids.view(r, cols), src=torch.tensor(src),
+        dst=torch.tensor(dst), targets=torch.tensor(targets), width=width,
+        segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
+        branch_ids=branch_ids.view(r, cols),
     )

@@ -6,7 +6,8 @@ import random
 import torch
 
 from miles.models.packed import layout_from_segments
-from miles.trainer.packing import best_fit_decreasing, packed_micro_batches, padded_micro_batches
+from miles.trainer.packing import (best_fit_decreasing, packed_micro_batches, padded_micro_batches,
+                                   shared_prompt_micro_batches)
 from miles.types import Sample, build_train_batch
 
 
@@ -73,3 +74,23 @@ def test_a_step_without_loss_tokens_still_gets_a_micro_batch():
     batch.loss_mask.zero_()
     plans = packed_micro_batches(batch, 16)
     assert len(plans) == 1 and plans[0].num_samples == 3 and plans[0].src.numel() == 0
+
+
+def test_shared_prompt_plans_cover_the_same_loss_positions_with_each_prompt_once():
+    rng = random.Random(3)
+    samples = []
+    for g in range(5):  # 5 prompts x 4 samples of 1-6 response tokens
+        prompt = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 7))]
+        for _ in range(4):
+            response = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 7))]
+            samples.append(Sample("", "", prompt, response, [-0.5] * len(response), group=g))
+    batch = build_train_batch(samples, torch.ones(len(samples)), pad_id=0)
+    expected = {(i, j): int(batch.tokens[i, j + 1]) for i, j in (batch.loss_mask > 0).nonzero().tolist()}
+    plans = shared_prompt_micro_batches(batch, 64)
+    assert _loss_positions(batch, plans) == expected
+    computed = sum(int((mb.segment_ids > 0).sum()) for mb in plans)
+    # each prompt once, each sample's response tokens but the last (it predicts nothing)
+    assert computed == sum(len(s.prompt_ids) for s in samples[::4]) + sum(len(s.response_ids) - 1 for s in samples)
+    for mb in plans:  # prompts are branch 0 and restart at position 0; responses continue after them
+        first_response = (mb.branch_ids > 0) & (torch.roll(mb.branch_ids, 1, 1) != mb.branch_ids)
+        assert bool((mb.position_ids[first_response] > 0).all())

@@ -7,7 +7,7 @@ recipe only where the recipe leaves it unquantized.
 
 Tolerance where the paths sum in another order: metrics 1e-5; the step's gradients 1e-6 of each
 tensor's largest element (float rounding: they agree to ~3e-7); updated weights 1e-5 wherever the
-gradient is clear of Adam's eps (|g| > 1e-6), 1e-4 (1% of lr) where it is not: Adam's first
+gradient is clear of Adam's eps (|g| > 1e-6), 2e-4 (2% of lr) where it is not: Adam's first
 update is lr * g / (|g| + eps), so for |g| ~ eps = 1e-8 a rounding of g moves it by a share of lr.
 Exact where both paths run the same kernels on the same tensors.
 """
@@ -60,7 +60,7 @@ def assert_same(a, b, exact=False, grad_tol=1e-6):
         torch.testing.assert_close(g1, g2, atol=grad_tol * float(g2.abs().max()), rtol=0, msg=k)
         clear = g2.abs() > 1e-6
         torch.testing.assert_close(w1[clear], w2[clear], atol=1e-5, rtol=0, msg=k)
-        torch.testing.assert_close(w1, w2, atol=1e-4, rtol=0, msg=k)
+        torch.testing.assert_close(w1, w2, atol=2e-4, rtol=0, msg=k)  # a flipped sign would be >= 5e-3
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"])
