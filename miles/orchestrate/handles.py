@@ -85,11 +85,13 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     ray.init(**kwargs)
 
 
-def spawn(cls: type, use_ray: bool, *args: Any, **kwargs: Any) -> LocalHandle | RayHandle:
-    """Instantiate `cls` in-process or as a Ray actor (one CPU each, so both fit a 2-core machine)."""
+def spawn(cls: type, use_ray: bool, *args: Any, num_gpus: float = 0.0, **kwargs: Any) -> LocalHandle | RayHandle:
+    """Instantiate `cls` in-process or as a Ray actor (one CPU each, so both fit a 2-core machine).
+    num_gpus: the actor's share of a GPU. Ray hides every GPU from an actor that asks for none
+    (CUDA_VISIBLE_DEVICES=""), so components on a GPU ask for a fraction and share it."""
     if not use_ray:
         return LocalHandle(cls(*args, **kwargs))
     import ray
 
-    actor_cls = ray.remote(num_cpus=1)(cls)
+    actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus)(cls)
     return RayHandle(actor_cls.remote(*args, **kwargs), respawn=lambda: actor_cls.remote(*args, **kwargs))

@@ -141,19 +141,26 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         start_ray(cfg.ray.address, cfg.ray.num_cpus,
                   runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
                   num_actors=3 if with_critic else 2)
+    gpu = gpu_share(hw.device, 3 if with_critic else 2)
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine = None if cfg.debug.train_only else spawn(
         NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg))
+        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg), num_gpus=gpu)
     trainer = None if cfg.debug.rollout_only else spawn(
         TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
         cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
-        max_response_len=cfg.rollout.max_new_tokens, teacher_dir=str(teacher_dir) if teacher_dir else None)
+        max_response_len=cfg.rollout.max_new_tokens, teacher_dir=str(teacher_dir) if teacher_dir else None,
+        num_gpus=gpu)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
-                       cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed)
+                       cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def gpu_share(device: str, components: int) -> float:
+    """Each Ray actor's share of the run's one GPU (colocated: they take turns on it); 0 on the CPU."""
+    return 0.0 if device == "cpu" else 1.0 / components
 
 
 def _kv_slots(cfg: RunCfg) -> int | None:
