@@ -154,6 +154,8 @@ class TaskCfg:
     prompt_key: str = "prompt"
     label_key: str = "label"
     reward: str = "exact_match"
+    apply_chat_template: bool = False  # prompts as a user turn through the tokenizer's chat template
+    system_prompt: Optional[str] = None  # with apply_chat_template: a system turn first
 
 
 @dataclass

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from miles.data.chat_template import ChatTemplate
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -128,11 +130,15 @@ class TokenizerInfo:
     bos_id: int | None
     eos_id: int | None
     vocab_size: int
+    chat_template: ChatTemplate | None = None
+    # End-of-turn ids besides eos: generation_config.json's eos_token_id (chat models list several)
+    extra_stop_ids: tuple[int, ...] = ()
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TokenizerInfo:
         tok = load_tokenizer(directory)
-        return cls.from_tokenizer(tok, directory)
+        return replace(cls.from_tokenizer(tok, directory), chat_template=ChatTemplate.load(directory),
+                       extra_stop_ids=_generation_eos_ids(directory))
 
     @classmethod
     def from_tokenizer(
@@ -148,7 +154,32 @@ class TokenizerInfo:
         )
 
 
+def _generation_eos_ids(directory: str | os.PathLike) -> tuple[int, ...]:
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    ids = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(ids) if isinstance(ids, list) else (ids,) if isinstance(ids, int) else ()
+
+
 def encode_prompt(info: TokenizerInfo, text: str) -> list[int]:
-    """Prompt ids as the engine and SFT see them: <bos> (when the tokenizer has one) + the text."""
+    """Prompt ids as the engine and SFT see them: <bos> (when the tokenizer has one) + the text.
+    A text that already starts with the bos token (a chat template that writes it) gets no second."""
     ids = info.tokenizer.encode(text, add_special_tokens=False).ids
-    return ([info.bos_id] if info.bos_id is not None else []) + ids
+    if info.bos_id is None or ids[:1] == [info.bos_id]:
+        return ids
+    return [info.bos_id] + ids
+
+
+def prompt_formatter(info: TokenizerInfo, apply_chat_template: bool, system_prompt: str | None):
+    """text -> what the engine is given: the text itself, or a user turn (after an optional system
+    turn) rendered through the tokenizer's chat template with the assistant's turn opened."""
+    if not apply_chat_template:
+        return lambda text: text
+    if info.chat_template is None:
+        raise ValueError("task.apply_chat_template=true, but the tokenizer has no chat_template "
+                         "(tokenizer_config.json or chat_template.jinja): use a chat model's tokenizer "
+                         "or set task.apply_chat_template=false")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return lambda text: info.chat_template.render(system + [{"role": "user", "content": text}],
+                                                  add_generation_prompt=True)

@@ -38,6 +38,7 @@ class LoopContext:
     after_step: Callable[[int], None] = lambda step: None  # after each step is logged
     after_sync: Callable[["LoopContext"], None] = lambda ctx: None  # after each weight sync
     collect: Callable | None = None  # (ctx, cfg, step) -> (samples, metrics); None: collect_rollout
+    format_prompt: Callable[[str], str] = lambda text: text  # task text -> engine prompt (chat template)
 
 
 def sync_weights(ctx: LoopContext, check: bool) -> float:
@@ -57,7 +58,8 @@ def sync_weights(ctx: LoopContext, check: bool) -> float:
 
 def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample]]:
     samples = ctx.engine.call(
-        "generate", [e.prompt for e in examples], [e.label for e in examples], 1, 0.0, ctx.eval_max_new_tokens
+        "generate", [ctx.format_prompt(e.prompt) for e in examples], [e.label for e in examples], 1, 0.0,
+        ctx.eval_max_new_tokens,
     )
     for s in samples:
         s.reward = ctx.reward_fn(s.response, s.label)
@@ -78,7 +80,7 @@ def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> list[list[Sampl
     r = cfg.rollout
     examples = ctx.source.next_batch(num_prompts)
     samples: list[Sample] = ctx.engine.call(
-        "generate", [e.prompt for e in examples], [e.label for e in examples], r.n_samples_per_prompt
+        "generate", [ctx.format_prompt(e.prompt) for e in examples], [e.label for e in examples], r.n_samples_per_prompt
     )
     lengths = torch.tensor([len(s.response_ids) for s in samples])
     penalty = (
@@ -159,7 +161,7 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
     return next(iter(last.values()), 0.0)
 
 
-def sft_batch(examples: list[Example], tok: TokenizerInfo):
+def sft_batch(examples: list[Example], tok: TokenizerInfo, format_prompt: Callable[[str], str] = lambda t: t):
     """(prompt, label + eos) sequences with the loss on the label tokens and eos."""
     samples = []
     for ex in examples:
@@ -168,7 +170,7 @@ def sft_batch(examples: list[Example], tok: TokenizerInfo):
             Sample(
                 prompt=ex.prompt,
                 label=ex.label,
-                prompt_ids=encode_prompt(tok, ex.prompt),
+                prompt_ids=encode_prompt(tok, format_prompt(ex.prompt)),
                 response_ids=response + ([tok.eos_id] if tok.eos_id is not None else []),
                 rollout_logprobs=[],
             )
@@ -194,7 +196,8 @@ def sft_loop(
         ctx.log(last, 0)
     for step in range(ctx.start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        metrics = ctx.trainer.call("train_sft", sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer))
+        batch = sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer, ctx.format_prompt)
+        metrics = ctx.trainer.call("train_sft", batch)
         done = step == steps
         if step % eval_interval == 0 or done:
             sync_weights(ctx, check=True)

@@ -52,6 +52,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     record, git = write_run_record(run_dir, resolved_yaml, overrides, cfg.seed, cfg.deterministic)
     source = PromptSource(cfg.task, cfg.seed)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
+    tokenizer = TokenizerInfo.load(init_dir)
+    format_prompt = _prompt_format(cfg, tokenizer)  # before anything else starts: a template error is the user's
     teacher_dir = teacher_checkpoint(cfg, init_dir, log=console.print)
     if teacher_dir is not None:
         console.print(f"distilling from the teacher in {teacher_dir}")
@@ -81,7 +83,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     def build() -> LoopContext:
         engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir)
         ctx = LoopContext(
-            engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=TokenizerInfo.load(init_dir),
+            engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=tokenizer,
+            format_prompt=format_prompt,
             reward_fn=get_reward_fn(cfg.task.reward), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
@@ -156,6 +159,20 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def _prompt_format(cfg: RunCfg, tokenizer: TokenizerInfo):
+    """The task's text -> engine prompt function; a missing or broken chat template is a config error."""
+    from miles.config.validate import ConfigError
+    from miles.data.chat_template import TemplateError
+    from miles.data.tokenizer import prompt_formatter
+
+    try:
+        fmt = prompt_formatter(tokenizer, cfg.task.apply_chat_template, cfg.task.system_prompt)
+        fmt("")  # renders now, not at the first rollout
+    except (ValueError, TemplateError) as error:
+        raise ConfigError([str(error)]) from None
+    return fmt
 
 
 def gpu_share(device: str, components: int) -> float:

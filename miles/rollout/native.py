@@ -65,7 +65,7 @@ class NativeEngine:
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
         self.tok = TokenizerInfo.load(checkpoint_dir)
-        stop = {self.tok.eos_id} if self.tok.eos_id is not None else set()
+        stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)
         for text in cfg.stop_tokens:
             token_id = self.tok.tokenizer.token_to_id(text)
             if token_id is None:

@@ -85,3 +85,64 @@ def test_sft_trains_the_base_policy(tmp_path):
     # 100 steps (measured: 2.93 -> <= 1.50 over the last ten steps).
     assert loss[1] > 2.5 and max(loss[s] for s in range(91, 101)) < 0.6 * loss[1]
     assert len(list((tmp_path / "outputs").glob("*/*/checkpoint/model.safetensors"))) == 1
+
+
+def _chat_checkpoint(path):
+    """A random tiny Qwen3 saved by transformers with a byte-level BPE tokenizer and a ChatML template
+    whose end of turn (<|im_end|>) is eos; generation_config.json lists <|endoftext|> as well."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = __import__("tokenizers").decoders.ByteLevel()
+    tok.train_from_iterator([f"{a}*{b}={a * b} Answer with the number." for a in range(10) for b in range(10)],
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                 "<|im_end|>"]))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                  pad_token="<|endoftext|>")
+    hf_tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                            "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    hf_tok.save_pretrained(path)
+    ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    config = transformers.Qwen3Config(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        tie_word_embeddings=True, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.save_pretrained(path)
+    return hf_tok
+
+
+def test_chat_template_prompts_from_a_transformers_checkpoint(tmp_path):
+    """task.apply_chat_template renders each prompt as transformers would, the engine stops at the
+    template's end of turn, and the recorded samples carry the rendered prompts."""
+    hf_tok = _chat_checkpoint(tmp_path / "chat")
+    rows = [{"q": f"{a}*{b}=", "a": str(a * b)} for a in range(2, 9) for b in range(2, 9)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_launch(
+        [*TINY, f"model.hf_checkpoint={tmp_path / 'chat'}", "task.kind=file", f"task.train_file={train}",
+         f"task.eval_file={train}",
+         "task.prompt_key=q", "task.label_key=a", "task.apply_chat_template=true",
+         "task.system_prompt=Answer with the number.", "rollout.max_new_tokens=6", "rollout.max_prompt_len=48"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (journal,) = (tmp_path / "outputs").glob("*/*/mlflow/journal.jsonl")
+    tables = [json.loads(line) for line in journal.read_text().splitlines() if '"op": "table"' in line]
+    prompts = {row["prompt"] for table in tables for row in table["rows"]}
+    rendered = {hf_tok.apply_chat_template(
+        [{"role": "system", "content": "Answer with the number."}, {"role": "user", "content": r["q"]}],
+        tokenize=False, add_generation_prompt=True) for r in rows}
+    assert prompts and prompts <= rendered  # the eval samples' prompts, as transformers renders them
+
+
+def test_apply_chat_template_without_a_template_is_a_user_error(tmp_path):
+    proc = run_launch([*TINY, "warm_start.enabled=false", "task.apply_chat_template=true"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "the tokenizer has no chat_template" in proc.stderr and "Traceback" not in proc.stderr
