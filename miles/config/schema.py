@@ -154,6 +154,7 @@ class TaskCfg:
     prompt_key: str = "prompt"
     label_key: str = "label"
     reward: str = "exact_match"
+    reward_timeout_s: float = 10.0  # a reward call running longer scores 0 (counted in rollout/reward_errors)
     apply_chat_template: bool = False  # prompts as a user turn through the tokenizer's chat template
     system_prompt: Optional[str] = None  # with apply_chat_template: a system turn first
 

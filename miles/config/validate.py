@@ -177,6 +177,7 @@ def validate(cfg: RunCfg) -> list[str]:
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     problems += device_problems(cfg)
+    problems += reward_problems(cfg)
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
     if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
@@ -191,6 +192,18 @@ def validate(cfg: RunCfg) -> list[str]:
     from miles.orchestrate.debug import problems as debug_problems
 
     problems += debug_problems(cfg)
+    return problems
+
+
+def reward_problems(cfg: RunCfg) -> list[str]:
+    """task.reward must resolve (a registered name or an importable function) before anything starts."""
+    from miles.data.rewards import get_reward_fn
+
+    problems = [] if cfg.task.reward_timeout_s > 0 else [f"task.reward_timeout_s must be > 0 (got {cfg.task.reward_timeout_s})"]
+    try:
+        get_reward_fn(cfg.task.reward)
+    except ValueError as error:
+        problems.append(str(error))
     return problems
 
 

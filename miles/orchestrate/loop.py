@@ -15,6 +15,7 @@ import torch
 
 from miles.algo.advantages import overlong_penalty
 from miles.data.arithmetic import Example
+from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.orchestrate.returns import make_train_batch
@@ -27,7 +28,7 @@ class LoopContext:
     trainer: object  # handle to a TorchTrainer
     source: PromptSource
     tokenizer: TokenizerInfo
-    reward_fn: Callable[[str, str], float]
+    reward_fn: Callable[..., float] | RewardScorer  # (response, label, **info) -> score; wrapped in a scorer
     log: Callable[[dict[str, float], int], None]  # (metrics, step) -> None
     on_samples: Callable[[list[Sample], int], None] = lambda samples, step: None
     task_name: str = "task"
@@ -39,6 +40,18 @@ class LoopContext:
     after_sync: Callable[["LoopContext"], None] = lambda ctx: None  # after each weight sync
     collect: Callable | None = None  # (ctx, cfg, step) -> (samples, metrics); None: collect_rollout
     format_prompt: Callable[[str], str] = lambda text: text  # task text -> engine prompt (chat template)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
+            self.reward_fn = RewardScorer(self.reward_fn)
+
+
+def score(ctx: LoopContext, samples: list[Sample], extra: list[float] | None = None) -> int:
+    """Set every sample's reward (plus `extra`); returns how many reward calls failed (scored 0)."""
+    scores, errors = ctx.reward_fn.score([(s.response, s.label, {"prompt": s.prompt}) for s in samples])
+    for i, (s, r) in enumerate(zip(samples, scores)):
+        s.reward = r + (extra[i] if extra else 0.0)
+    return errors
 
 
 def sync_weights(ctx: LoopContext, check: bool) -> float:
@@ -61,8 +74,7 @@ def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, l
         "generate", [ctx.format_prompt(e.prompt) for e in examples], [e.label for e in examples], 1, 0.0,
         ctx.eval_max_new_tokens,
     )
-    for s in samples:
-        s.reward = ctx.reward_fn(s.response, s.label)
+    score(ctx, samples)
     return sum(s.reward for s in samples) / len(samples), samples
 
 
@@ -75,8 +87,9 @@ def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
     return {f"eval/{ctx.task_name}/accuracy": accuracy}
 
 
-def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> list[list[Sample]]:
-    """Sample n responses for `num_prompts` new prompts and score them; returns one list per group."""
+def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> tuple[list[list[Sample]], int]:
+    """Sample n responses for `num_prompts` new prompts and score them: (one list per group, failed
+    reward calls)."""
     r = cfg.rollout
     examples = ctx.source.next_batch(num_prompts)
     samples: list[Sample] = ctx.engine.call(
@@ -88,10 +101,9 @@ def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> list[list[Sampl
         if cfg.algo.overlong_buffer
         else torch.zeros(len(samples))
     )
-    for s, p in zip(samples, penalty.tolist()):
-        s.reward = ctx.reward_fn(s.response, s.label) + p
+    errors = score(ctx, samples, penalty.tolist())
     n = r.n_samples_per_prompt
-    return [samples[i : i + n] for i in range(0, len(samples), n)]
+    return [samples[i : i + n] for i in range(0, len(samples), n)], errors
 
 
 def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, float]]:
@@ -101,9 +113,11 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
     a, need = cfg.algo, cfg.rollout.batch_size
     informative: list[list[Sample]] = []
     uninformative: list[list[Sample]] = []
-    draws = 0
+    draws = errors = 0
     while len(informative) < need and draws < (a.max_draws if a.dynamic_sampling else 1):
-        for group in _generate_scored(ctx, cfg, need - len(informative) if a.dynamic_sampling else need):
+        groups, failed = _generate_scored(ctx, cfg, need - len(informative) if a.dynamic_sampling else need)
+        errors += failed
+        for group in groups:
             varied = len({s.reward for s in group}) > 1
             (informative if varied or not a.dynamic_sampling else uninformative).append(group)
         draws += 1
@@ -113,9 +127,10 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
         for s in group:
             s.group = g
             samples.append(s)
-    metrics = {}
+    metrics = {"rollout/reward_errors": float(errors)}
     if a.dynamic_sampling:
-        metrics = {"rollout/num_draws": float(draws), "rollout/informative_group_frac": min(len(informative), need) / need}
+        metrics.update({"rollout/num_draws": float(draws),
+                        "rollout/informative_group_frac": min(len(informative), need) / need})
     return samples, metrics
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from miles.algo.registry import TOKEN_ADVANTAGES
 from miles.config.schema import AlgoName, RunCfg
-from miles.data.rewards import get_reward_fn
+from miles.data.rewards import RewardScorer, get_reward_fn
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
@@ -85,7 +85,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         ctx = LoopContext(
             engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=tokenizer,
             format_prompt=format_prompt,
-            reward_fn=get_reward_fn(cfg.task.reward), log=log,
+            reward_fn=RewardScorer(get_reward_fn(cfg.task.reward), cfg.task.reward_timeout_s), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
         )

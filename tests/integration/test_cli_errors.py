@@ -12,6 +12,7 @@ CASES = {
     "trainer.foo=1": "unknown key 'trainer.foo'; valid keys of trainer: backend, lr",
     "algo.name=nope": "expected one of [grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, cispo, ppo, opd, sft]",
     "task.kind=file": "task.train_file must be set when task.kind=file",
+    "task.reward=nope_module.score": "task.reward=nope_module.score: cannot import it",
     "hardware.device=cuda": "hardware.device=cuda needs hardware.gpus_per_node >= 1: for one GPU use hardware=gpu",
 }
 if not __import__("torch").cuda.is_available():  # CI: a GPU profile on a machine without one

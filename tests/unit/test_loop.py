@@ -49,13 +49,13 @@ def test_dynamic_sampling_tops_up_when_draws_run_out(ckpt):
     ctx, cfg = make(ckpt, lambda response, label: 1.0, dynamic_sampling=True, max_draws=2)
     samples, metrics = collect_rollout(ctx, cfg)
     assert len(samples) == 24  # the batch invariant holds even when nothing is informative
-    assert metrics == {"rollout/num_draws": 2.0, "rollout/informative_group_frac": 0.0}
+    assert metrics == {"rollout/num_draws": 2.0, "rollout/informative_group_frac": 0.0, "rollout/reward_errors": 0.0}
 
 
 def test_without_dynamic_sampling_one_draw(ckpt):
     ctx, cfg = make(ckpt, lambda response, label: 1.0)
     samples, metrics = collect_rollout(ctx, cfg)
-    assert len(samples) == 24 and metrics == {}
+    assert len(samples) == 24 and metrics == {"rollout/reward_errors": 0.0}
 
 
 def test_overlong_penalty_shapes_rewards(ckpt):
@@ -65,3 +65,16 @@ def test_overlong_penalty_shapes_rewards(ckpt):
         n = len(s.response_ids)  # budget 6, buffer 2: penalty starts after 4 tokens
         expected = 1.0 - max(0, n - 4) / 2
         assert s.reward == pytest.approx(expected)
+
+
+def test_a_failing_reward_scores_zero_and_is_counted(ckpt):
+    def reward(response, label, prompt):
+        if prompt.startswith("1"):
+            raise ValueError("bad sample")
+        return 1.0
+
+    ctx, cfg = make(ckpt, reward)
+    samples, metrics = collect_rollout(ctx, cfg)
+    failed = [s for s in samples if s.prompt.startswith("1")]
+    assert metrics["rollout/reward_errors"] == len(failed)
+    assert all(s.reward == (0.0 if s.prompt.startswith("1") else 1.0) for s in samples)
