@@ -59,6 +59,9 @@ class RewardScorer:
     def __init__(self, fn: RewardFn, timeout_s: float = 10.0):
         self.fn, self.timeout_s = fn, timeout_s
         self.is_async = inspect.iscoroutinefunction(fn)
+        # The built-ins are fast and cannot hang: called inline (a pool hand-off per sample costs
+        # more than exact_match itself); user functions get the thread pool and its timeout.
+        self.inline = fn in REWARDS.values()
         self._info_keys = _accepted_keywords(fn)  # None: takes **info, everything goes
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 
@@ -67,10 +70,12 @@ class RewardScorer:
         return self.score([(response, label, info)])[0][0]
 
     def score(self, items: list[tuple[str, str, dict]]) -> tuple[list[float], int]:
-        """(scores, failures): sync rewards run in a thread pool with a per-call timeout, async ones
-        concurrently in one event loop with the same timeout each."""
+        """(scores, failures): user sync rewards run in a thread pool with a per-call timeout, async
+        ones concurrently in one event loop with the same timeout each, the built-ins inline."""
         if self.is_async:
             results = asyncio.run(self._score_async(items))
+        elif self.inline:
+            results = [_guarded(self.fn, r, label, self._info(info)) for r, label, info in items]
         else:
             futures = [self._pool.submit(self.fn, r, label, **self._info(info)) for r, label, info in items]
             results = [self._result(f) for f in futures]
@@ -96,6 +101,13 @@ class RewardScorer:
                 return None
 
         return await asyncio.gather(*(one(*item) for item in items))
+
+
+def _guarded(fn, response: str, label: str, info: dict):
+    try:
+        return fn(response, label, **info)
+    except Exception:
+        return None
 
 
 def _accepted_keywords(fn) -> set[str] | None:

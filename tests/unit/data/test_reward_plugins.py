@@ -76,3 +76,8 @@ def test_info_goes_only_to_functions_that_take_it():
     assert RewardScorer(lambda response, label: 1.0).score([("", "", {"prompt": "p"})]) == ([1.0], 0)
     assert RewardScorer(lambda response, label, prompt: float(prompt == "p")).score([("", "", {"prompt": "p"})]) == (
         [1.0], 0)
+
+
+def test_builtins_run_inline_and_still_count_failures():
+    scorer = RewardScorer(exact_match)
+    assert scorer.inline and scorer.score([("42", "42", {}), ("4", "42", {}), (None, "42", {})]) == ([1.0, 0.0, 0.0], 1)
