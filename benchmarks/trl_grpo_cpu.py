@@ -272,7 +272,6 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
 
 def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
               trl_micro: int | None = None) -> dict:
-    from miles.config.schema import ModelCfg  # noqa: F401  (the composed config carries the model)
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
     from miles.orchestrate.checkpoints import random_checkpoint
