@@ -5,8 +5,8 @@ Two decode paths, the same samples contract:
   static slot cache with CUDA-graph decode steps (miles/rollout/slots.py);
 - padded (the CPU default, and every family): described below.
 
-Padded path: prompts are left-padded into one batch and prefilled once per distinct prompt; the KV cache, the
-last logits, the attention mask and the positions are then expanded n times, so the n samples of a
+Padded path: prompts are left-padded into one batch and prefilled once per distinct prompt; the KV
+cache, the last logits, the attention mask and the positions are then expanded n times, so the n samples of a
 prompt are n rows of the batch that share one prefill. Decoding goes a token at a time with a
 preallocated KV cache, sampling each row on its own. Plain class: `miles.orchestrate` wraps it in a
 Ray actor, tests and the GPU machine call it directly.
