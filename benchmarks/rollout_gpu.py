@@ -76,14 +76,10 @@ class HFSide:
 
     @torch.no_grad()
     def generate(self, texts: list[str], new_tokens: int, static: bool):
-        from miles.data.tokenizer import encode_prompt
+        from rollout_speed import left_padded  # the CPU benchmark's layout: prompt i's n rows, left-padded
 
-        ids = [encode_prompt(self.info, t) for t in texts for _ in range(SAMPLES)]
-        width = max(map(len, ids))
-        tokens = torch.full((len(ids), width), self.info.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(tokens)
-        for i, row in enumerate(ids):
-            tokens[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+        tokens, mask = left_padded(self.info, texts, SAMPLES)
+        width = tokens.shape[1]
         extra = {"cache_implementation": "static"} if static else {}
         out = self.model.generate(input_ids=tokens.cuda(), attention_mask=mask.cuda(), do_sample=True, temperature=1.0,
                                   top_k=None, top_p=1.0, min_new_tokens=new_tokens, max_new_tokens=new_tokens,

@@ -63,7 +63,7 @@ class RewardScorer:
         # more than exact_match itself); user functions get the thread pool and its timeout.
         self.inline = fn in REWARDS.values()
         self._info_keys = _accepted_keywords(fn)  # None: takes **info, everything goes
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        self._pool = None if self.inline or self.is_async else ThreadPoolExecutor(4, thread_name_prefix="reward")
 
     def __call__(self, response: str, label: str, **info) -> float:
         """One score (the loop's `reward_fn` interface); failures score 0 and are counted by `score`."""
@@ -123,7 +123,8 @@ def _accepted_keywords(fn) -> set[str] | None:
 
 
 def _as_score(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None if not isinstance(value, bool) else float(value)
+    """A finite number (bools count as 0 / 1), else None: the call failed."""
+    if not isinstance(value, (int, float)):
+        return None
     value = float(value)
     return value if math.isfinite(value) else None

@@ -44,6 +44,3 @@ def enable() -> None:
     for name, fn in EAGER.items():
         ops[name] = torch.compile(fn, dynamic=True, fullgraph=True)
 
-
-def disable() -> None:
-    ops.update(EAGER)
