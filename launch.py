@@ -6,7 +6,7 @@
     python launch.py --cfg job                         # print the composed config
     python launch.py model=kimi_k2 hardware=h200 dry_run=true  # memory plan only: exit 0 fits, 3 refused
     python launch.py +experiment=cpu_moe                # a preset (conf/experiment/)
-    python launch.py -m +sweep=tpe_lr_clip              # an Optuna TPE sweep (conf/sweep/)
+    python launch.py -m +sweep=tpe_lr_clip              # an Optuna TPE sweep (sweeps/sweep/)
     python launch.py +reproduce=outputs/2026-01-01/12-00-00   # run a recorded run again (or an MLflow run id)
 """
 
@@ -47,6 +47,8 @@ def main(dcfg: DictConfig) -> float:
 if __name__ == "__main__":
     # Let composition errors reach us: user mistakes exit 2 with one message, bugs keep their traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    # conf/config.yaml's hydra.searchpath: the sweep group beside this file, whatever the working directory.
+    os.environ.setdefault("MILES_SWEEPS_DIR", str(Path(__file__).resolve().parent / "sweeps"))
     with exit_on_user_error():
         sys.argv = expand_argv(sys.argv)  # +reproduce=<run>: that run's recorded overrides, before composing
         main()

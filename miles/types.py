@@ -26,6 +26,12 @@ class Sample:
     finish_reason: FinishReason = FinishReason.length
     group: int = 0
     reward: float = 0.0
+    # Multi-turn: 1 for each response token the model generated, 0 for tool observations it was
+    # given (no loss, no advantage, rollout log-prob 0). Empty: every token is the model's.
+    response_mask: list[int] = field(default_factory=list)
+    # What the reward function gets as keyword info besides the prompt: the record's other fields
+    # and, multi-turn, "trajectory" (the conversation as role / content messages).
+    info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,7 +79,7 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: i
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         # The response token at sequence index p + j is predicted at position p + j - 1.
-        mask[i, p - 1 : p - 1 + r] = 1.0
+        mask[i, p - 1 : p - 1 + r] = torch.tensor(s.response_mask, dtype=mask.dtype) if s.response_mask else 1.0
         if s.rollout_logprobs:
             rollout_lp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
     adv = advantages.to(torch.float32).unsqueeze(1) * mask

@@ -142,6 +142,18 @@ class HardwareCfg:
 
 
 @dataclass
+class SandboxCfg:
+    """Limits of one sandboxed run of model-written code (the code reward, the python tool)."""
+
+    wall_time_s: float = 10.0  # killed after this long, whatever it does
+    cpu_time_s: int = 5  # RLIMIT_CPU
+    memory_mb: int = 512  # RLIMIT_AS
+    max_processes: int = 16  # RLIMIT_NPROC (counts the user's processes on Linux)
+    max_file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
+    max_output_chars: int = 4096  # stdout / stderr kept
+
+
+@dataclass
 class TaskCfg:
     name: str = MISSING
     kind: TaskKind = TaskKind.arithmetic
@@ -157,6 +169,11 @@ class TaskCfg:
     reward_timeout_s: float = 10.0  # a reward call running longer scores 0 (counted in rollout/reward_errors)
     apply_chat_template: bool = False  # prompts as a user turn through the tokenizer's chat template
     system_prompt: Optional[str] = None  # with apply_chat_template: a system turn first
+    label_extractor: str = "plain"  # plain | gsm8k (text after "####") | boxed (last \\boxed{...})
+    shuffle: bool = True  # kind=file: a fresh seeded order every epoch (false: file order)
+    reward_url: Optional[str] = None  # reward=remote: the HTTP endpoint that scores batches of samples
+    tools: List[str] = field(default_factory=list)  # multi-turn: registered tool names or dotted paths
+    sandbox: SandboxCfg = field(default_factory=lambda: SandboxCfg())  # code reward and python tool limits
 
 
 @dataclass
@@ -179,6 +196,8 @@ class RolloutCfg:
     max_running: int = 512  # slot decode: sequences decoded at once (capped by the planner's KV budget)
     sync_every: int = 8  # slot decode: decode steps between host checks (finished rows, refills)
     compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)
+    max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
+    max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens
 
 
 @dataclass
@@ -211,6 +230,7 @@ class EvalCfg:
 @dataclass
 class WarmStartCfg:
     enabled: bool = True
+    from_checkpoint: bool = False  # SFT model.hf_checkpoint too (a base model), not only a random init
     target_accuracy: float = 0.3
     check_interval: int = 25
     steps: int = 1500

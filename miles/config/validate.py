@@ -66,8 +66,6 @@ def validate(cfg: RunCfg) -> list[str]:
     from miles.algo.corrections import LEVELS
     from miles.algo.losses import AGG_MODES
     from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, TOKEN_ADVANTAGES
-    from miles.data.rewards import REWARDS
-
     problems: list[str] = []
     r, t, a, m = cfg.rollout, cfg.trainer, cfg.algo, cfg.model
     _positive(
@@ -144,10 +142,12 @@ def validate(cfg: RunCfg) -> list[str]:
     elif a.policy_loss != "nll":
         problems.append(f"algo.policy_loss must be 'nll' for algo=sft (got {a.policy_loss!r})")
 
-    if cfg.task.reward not in REWARDS:
-        problems.append(f"task.reward={cfg.task.reward!r} is unknown; valid: {', '.join(sorted(REWARDS))}")
     if cfg.task.kind == TaskKind.file and not cfg.task.train_file:
         problems.append("task.train_file must be set when task.kind=file")
+    from miles.data.answers import EXTRACTORS
+
+    if cfg.task.label_extractor not in EXTRACTORS:
+        problems.append(f"task.label_extractor={cfg.task.label_extractor!r} is unknown; valid: {', '.join(EXTRACTORS)}")
     if cfg.task.kind == TaskKind.arithmetic and not set(cfg.task.ops) <= set("+-*"):
         problems.append(f"task.ops must use only + - * (got {cfg.task.ops!r})")
     if not 0 < cfg.task.eval_fraction < 1:
@@ -178,6 +178,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     problems += device_problems(cfg)
     problems += reward_problems(cfg)
+    problems += tool_problems(cfg)
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
     if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
@@ -196,12 +197,35 @@ def validate(cfg: RunCfg) -> list[str]:
 
 
 def reward_problems(cfg: RunCfg) -> list[str]:
-    """task.reward must resolve (a registered name or an importable function) before anything starts."""
-    from miles.data.rewards import get_reward_fn
+    """task.reward must resolve (built-in names, importable functions, a weighted sum of them; remote
+    with its task.reward_url) before anything starts, and the code reward needs usable sandbox limits."""
+    from dataclasses import fields
 
-    problems = [] if cfg.task.reward_timeout_s > 0 else [f"task.reward_timeout_s must be > 0 (got {cfg.task.reward_timeout_s})"]
+    from miles.data.rewards import get_reward_fn, parse_spec
+
+    t = cfg.task
+    problems = [] if t.reward_timeout_s > 0 else [f"task.reward_timeout_s must be > 0 (got {t.reward_timeout_s})"]
     try:
-        get_reward_fn(cfg.task.reward)
+        get_reward_fn(t.reward, t)
+    except ValueError as error:
+        return problems + [str(error)]
+    if any(name == "code" for _, name in parse_spec(t.reward)):
+        _positive(problems, **{f"task.sandbox.{f.name}": getattr(t.sandbox, f.name) for f in fields(t.sandbox)})
+    return problems
+
+
+def tool_problems(cfg: RunCfg) -> list[str]:
+    """task.tools must resolve, and multi-turn needs both tools and turns to call them in."""
+    from miles.rollout.tools import build_toolbox
+
+    t, r = cfg.task, cfg.rollout
+    problems = []
+    if t.tools and r.max_turns < 2:
+        problems.append("task.tools needs rollout.max_turns >= 2 (a turn to call a tool, one to answer)")
+    if r.max_turns > 1 and not t.tools:
+        problems.append("rollout.max_turns > 1 needs task.tools (the tools the model calls between turns)")
+    try:
+        build_toolbox(t.tools, t.sandbox)
     except ValueError as error:
         problems.append(str(error))
     return problems

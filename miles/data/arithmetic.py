@@ -10,7 +10,7 @@ and training draws simply reject eval problems.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,10 +23,17 @@ _ENUMERATE_LIMIT = 100_000
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt with its reference answer."""
+    """One prompt with its reference answer.
+
+    `messages`: the record's conversation (role / content dicts) when its prompt field held one;
+    `prompt` is then its last user turn, for logs. `fields`: the record's other fields, handed to
+    the reward function as keyword info.
+    """
 
     prompt: str
     label: str
+    messages: tuple[dict, ...] | None = field(default=None, hash=False)
+    fields: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def _apply(a: int, op: str, b: int) -> int:

@@ -1,10 +1,15 @@
-"""Reward functions: a registry of built-ins, user functions by dotted path, and safe scoring.
+"""Reward functions: built-ins, user functions by dotted path, weighted sums of them, safe scoring.
 
-`task.reward` is a registered name (`exact_match`) or a dotted path to a user function
-(`pkg.module.fn`, importable from the working directory or the Python path), called as
+`task.reward` is a built-in name, a dotted path to a user function (`pkg.module.fn`, importable
+from the working directory or the Python path), or a weighted sum of those (`math+0.1*format`).
+Built-ins: exact_match, math (math-verify), format (an answer is present), code (the label's tests
+run against the response's program in the sandbox of `task.sandbox`) and remote (a scoring server
+at `task.reward_url`). A user function is called as
 
     fn(response: str, label: str, **info) -> float        # or `async def`; info: prompt=...
                                                            # (fn(response, label) works too)
+    @batched                                               # or once per batch (plain or async):
+    fn(responses: list[str], labels: list[str], infos: list[dict]) -> list[float]
 
 A reward that raises, returns something that is not a number, or runs past
 `task.reward_timeout_s` scores 0 and is counted (`rollout/reward_errors`); it never stops the run.
@@ -14,14 +19,21 @@ A reward that cannot be resolved is a config error before anything starts.
 from __future__ import annotations
 
 import asyncio
-import importlib
+import functools
 import inspect
 import math
-import os
-import sys
+import re
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from miles.data.code_reward import code_reward
+from miles.data.math_reward import format_reward, math_reward
+from miles.data.plugins import import_dotted
+from miles.data.remote_reward import post_samples
+
+if TYPE_CHECKING:
+    from miles.config.schema import TaskCfg
 
 RewardFn = Callable[..., float]
 
@@ -31,39 +43,100 @@ def exact_match(response: str, label: str, **info) -> float:
     return 1.0 if response.strip() == label.strip() else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match}
-
-
-def get_reward_fn(spec: str) -> RewardFn:
-    """A registered name, or `module.path.function`."""
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if os.getcwd() not in sys.path:  # a user's reward module beside the data, run from its folder
-        sys.path.append(os.getcwd())
-    module, _, name = spec.rpartition(".")
-    if not module:
-        raise ValueError(f"unknown reward {spec!r}; valid names: {', '.join(sorted(REWARDS))}, "
-                         "or a dotted path to your function (pkg.module.fn)")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"task.reward={spec}: cannot import it ({error})") from None
-    if not callable(fn):
-        raise ValueError(f"task.reward={spec}: {type(fn).__name__} is not a function")
+def batched(fn):
+    """Mark fn(responses, labels, infos) -> list[float] to be called once per batch, not per sample."""
+    fn.miles_batched = True
     return fn
 
 
-class RewardScorer:
-    """Scores (response, label, info) triples with one reward function, counting failures."""
+REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_reward, "format": format_reward}
 
-    def __init__(self, fn: RewardFn, timeout_s: float = 10.0):
-        self.fn, self.timeout_s = fn, timeout_s
+
+def _code(task: TaskCfg) -> RewardFn:
+    fn = functools.partial(code_reward, limits=task.sandbox)
+    # The sandbox kills a program at its wall time: wait that long plus start-up, so a program that
+    # loops scores 0 as a wrong answer rather than as a reward error.
+    fn.miles_timeout_s = max(task.reward_timeout_s, task.sandbox.wall_time_s + 5)
+    return fn
+
+
+def _remote(task: TaskCfg) -> RewardFn:
+    if not task.reward_url:
+        raise ValueError("task.reward=remote needs task.reward_url (the scoring server's address)")
+    return batched(functools.partial(post_samples, task.reward_url, task.reward_timeout_s))
+
+
+# Built-ins made from the task's settings (its sandbox limits, its server).
+TASK_REWARDS: dict[str, Callable[[TaskCfg], RewardFn]] = {"code": _code, "remote": _remote}
+
+_TERM = re.compile(r"\s*(?:(?P<weight>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*)?"
+                   r"(?P<name>[A-Za-z_][\w.]*)\s*")
+
+
+class WeightedSum:
+    """A spec such as `math+0.1*format`: each term scored on its own, the scores summed with weights."""
+
+    def __init__(self, terms: list[tuple[float, RewardFn]]):
+        self.terms = terms
+
+
+def parse_spec(spec: str) -> list[tuple[float, str]]:
+    """`math+0.1*format` -> [(1.0, "math"), (0.1, "format")]; a plain name is one term of weight 1."""
+    terms = []
+    for term in spec.split("+"):
+        match = _TERM.fullmatch(term)
+        if match is None:
+            raise ValueError(f"task.reward={spec}: bad term {term.strip()!r}; "
+                             "write name or weight*name, joined by + (e.g. math+0.1*format)")
+        terms.append((float(match["weight"] or 1.0), match["name"]))
+    return terms
+
+
+def get_reward_fn(spec: str, task: TaskCfg | None = None) -> RewardFn | WeightedSum:
+    """A built-in name, `module.path.function`, or a weighted sum of them (a `WeightedSum`).
+    `task` supplies the settings some built-ins need (code: task.sandbox; remote: task.reward_url)."""
+    terms = parse_spec(spec)
+    if len(terms) == 1 and "*" not in spec:
+        return _resolve(terms[0][1], task)
+    return WeightedSum([(weight, _resolve(name, task)) for weight, name in terms])
+
+
+def _resolve(spec: str, task: TaskCfg | None) -> RewardFn:
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if spec in TASK_REWARDS:
+        if task is None:
+            from miles.config.schema import TaskCfg
+
+            task = TaskCfg()
+        return TASK_REWARDS[spec](task)
+    if "." not in spec:
+        raise ValueError(f"unknown reward {spec!r}; valid names: {', '.join(sorted({**REWARDS, **TASK_REWARDS}))}, "
+                         "a dotted path to your function (pkg.module.fn), or a weighted sum (math+0.1*format)")
+    return import_dotted(spec, "task.reward")
+
+
+def build_scorer(task: TaskCfg) -> RewardScorer:
+    """The run's scorer: task.reward resolved with the task's sandbox limits, server and timeout."""
+    return RewardScorer(get_reward_fn(task.reward, task), task.reward_timeout_s)
+
+
+class RewardScorer:
+    """Scores (response, label, info) triples with one reward (or a weighted sum), counting failures."""
+
+    def __init__(self, fn: RewardFn | WeightedSum, timeout_s: float = 10.0):
+        self.fn = fn
+        self.timeout_s = getattr(fn, "miles_timeout_s", timeout_s)  # a reward that bounds its own time
+        self._terms = [(w, RewardScorer(f, timeout_s)) for w, f in fn.terms] if isinstance(fn, WeightedSum) else None
         self.is_async = inspect.iscoroutinefunction(fn)
-        # The built-ins are fast and cannot hang: called inline (a pool hand-off per sample costs
+        self.is_batched = getattr(fn, "miles_batched", False)
+        # The built-ins are fast and bound themselves: called inline (a pool hand-off per sample costs
         # more than exact_match itself); user functions get the thread pool and its timeout.
         self.inline = fn in REWARDS.values()
         self._info_keys = _accepted_keywords(fn)  # None: takes **info, everything goes
-        self._pool = None if self.inline or self.is_async else ThreadPoolExecutor(4, thread_name_prefix="reward")
+        # Threads mostly wait (on sandboxed programs, servers): the executor's default size.
+        pooled = not (self.inline or self.is_async or self._terms)
+        self._pool = ThreadPoolExecutor(thread_name_prefix="reward") if pooled else None
 
     def __call__(self, response: str, label: str, **info) -> float:
         """One score (the loop's `reward_fn` interface); failures score 0 and are counted by `score`."""
@@ -71,16 +144,39 @@ class RewardScorer:
 
     def score(self, items: list[tuple[str, str, dict]]) -> tuple[list[float], int]:
         """(scores, failures): user sync rewards run in a thread pool with a per-call timeout, async
-        ones concurrently in one event loop with the same timeout each, the built-ins inline."""
-        if self.is_async:
+        ones concurrently in one event loop with the same timeout each, batched ones in one call
+        with that timeout for the whole batch, the built-ins inline. A weighted sum scores term by
+        term; a sample counts as one failure when any of its terms failed."""
+        if not items:
+            return [], 0
+        terms = self._terms or [(1.0, self)]
+        results = [(w, scorer._results(items)) for w, scorer in terms]
+        scores = [sum(w * (r[i] or 0.0) for w, r in results) for i in range(len(items))]
+        return scores, sum(any(r[i] is None for _, r in results) for i in range(len(items)))
+
+    def _results(self, items) -> list[float | None]:
+        """One reward's scores, None where the call failed."""
+        if self.is_batched:
+            results = self._batch(items)
+        elif self.is_async:
             results = asyncio.run(self._score_async(items))
         elif self.inline:
             results = [_guarded(self.fn, r, label, self._info(info)) for r, label, info in items]
         else:
             futures = [self._pool.submit(self.fn, r, label, **self._info(info)) for r, label, info in items]
             results = [self._result(f) for f in futures]
-        scores = [_as_score(r) for r in results]
-        return [0.0 if s is None else s for s in scores], sum(s is None for s in scores)
+        return [_as_score(r) for r in results]
+
+    def _batch(self, items) -> list:
+        responses, labels, infos = (list(column) for column in zip(*items))
+        try:
+            if self.is_async:
+                out = asyncio.run(asyncio.wait_for(self.fn(responses, labels, infos), self.timeout_s))
+            else:
+                out = self._pool.submit(self.fn, responses, labels, infos).result(timeout=self.timeout_s)
+        except Exception:  # raised or timed out: the whole batch failed
+            out = None
+        return list(out) if isinstance(out, (list, tuple)) and len(out) == len(items) else [None] * len(items)
 
     def _info(self, info: dict) -> dict:
         return info if self._info_keys is None else {k: v for k, v in info.items() if k in self._info_keys}

@@ -1,7 +1,8 @@
 """Prompt source of a run: the next training prompts of each step and the held-out eval set.
 
 Built-in arithmetic draws fresh problems from a seeded generator; a prompt file is read in
-seeded, reshuffled epochs. Either way the order depends only on `seed`.
+epochs, each in a fresh seeded order (`task.shuffle`) or in file order. Either way the order
+depends only on `seed`.
 """
 
 from __future__ import annotations
@@ -25,22 +26,27 @@ class PromptSource:
             self.eval = self.task.eval_set()
         else:
             self.task = None
-            self.train = load_prompt_file(cfg.train_file, cfg.prompt_key, cfg.label_key)
-            self.eval = (
-                load_prompt_file(cfg.eval_file, cfg.prompt_key, cfg.label_key)[: cfg.eval_size]
-                if cfg.eval_file
-                else []
-            )
-            self._order = self.rng.permutation(len(self.train))
-            self._pos = 0
+            self.train = self._load(cfg.train_file)
+            self.eval = self._load(cfg.eval_file)[: cfg.eval_size] if cfg.eval_file else []
+            self._order, self._pos = self._epoch_order(), 0
+
+    def _load(self, path: str) -> list[Example]:
+        cfg = self.cfg
+        return load_prompt_file(path, cfg.prompt_key, cfg.label_key, label_extractor=cfg.label_extractor)
+
+    def _epoch_order(self) -> np.ndarray:
+        # File order draws nothing from rng, so it still resumes exactly from (order, pos).
+        if self.cfg.shuffle:
+            return self.rng.permutation(len(self.train))
+        return np.arange(len(self.train))
 
     def next_batch(self, n: int) -> list[Example]:
         if self.task is not None:
             return self.task.sample_train(n, self.rng)
         batch = []
         while len(batch) < n:
-            if self._pos == len(self._order):  # epoch boundary: reshuffle
-                self._order, self._pos = self.rng.permutation(len(self.train)), 0
+            if self._pos == len(self._order):  # epoch boundary
+                self._order, self._pos = self._epoch_order(), 0
             batch.append(self.train[self._order[self._pos]])
             self._pos += 1
         return batch
@@ -61,5 +67,10 @@ class PromptSource:
         """Characters a char-level tokenizer built for this task must cover."""
         if self.task is not None:
             return DEFAULT_ALPHABET
-        chars = {c for ex in self.train + self.eval for c in ex.prompt + ex.label}
+        chars: set[str] = set()
+        for ex in self.train + self.eval:
+            chars.update(ex.prompt, ex.label)
+            # Every turn reaches the model, not only the last user one kept in `prompt`.
+            for message in ex.messages or ():
+                chars.update(message["content"])
         return "".join(sorted(chars))

@@ -15,9 +15,10 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from miles.data.chat_template import ChatTemplate
+from miles.data.tiny_chat import ROLE_TOKENS, TINY_CHAT_TEMPLATE, TOOL_TAGS, chat_alphabet
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -30,8 +31,12 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 
 
-def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Tokenizer:
-    """One id per character of `alphabet`, after the special tokens 0..2."""
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat: bool = False) -> Tokenizer:
+    """One id per character of `alphabet`, after the special tokens 0..2. `chat`: also the
+    printable characters, role markers and tool-call tags of the tiny chat format
+    (miles/data/tiny_chat.py), each one token."""
+    if chat:
+        alphabet = chat_alphabet(alphabet)
     if not alphabet:
         raise ValueError("alphabet must not be empty")
     duplicates = sorted({c for c in alphabet if alphabet.count(c) > 1})
@@ -50,15 +55,21 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Tokenizer:
     # Registering the specials makes decode(skip_special_tokens=True) drop them and keeps
     # the text "<eos>" from being split into characters if it ever appears in input.
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if chat:
+        tok.add_special_tokens(list(ROLE_TOKENS))
+        tok.add_tokens([AddedToken(tag, special=False) for tag in TOOL_TAGS])
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> Path:
+def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike, chat_template: str | None = None) -> Path:
     """Write tokenizer.json + HF config files so AutoTokenizer.from_pretrained(directory) works.
 
     Only special tokens present in the vocabulary are declared, so this also works for
-    tokenizers without a bos token, for example.
+    tokenizers without a bos token, for example. A tokenizer built with `chat=True` gets the
+    tiny chat template unless `chat_template` names another.
     """
+    if chat_template is None and tok.token_to_id(ROLE_TOKENS[0]) is not None:
+        chat_template = TINY_CHAT_TEMPLATE
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / TOKENIZER_FILE))
@@ -75,6 +86,7 @@ def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> Path:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000,
         **specials,
+        **({"chat_template": chat_template} if chat_template else {}),
     }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (out / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(specials, indent=2) + "\n")
@@ -169,17 +181,3 @@ def encode_prompt(info: TokenizerInfo, text: str) -> list[int]:
     if info.bos_id is None or ids[:1] == [info.bos_id]:
         return ids
     return [info.bos_id] + ids
-
-
-def prompt_formatter(info: TokenizerInfo, apply_chat_template: bool, system_prompt: str | None):
-    """text -> what the engine is given: the text itself, or a user turn (after an optional system
-    turn) rendered through the tokenizer's chat template with the assistant's turn opened."""
-    if not apply_chat_template:
-        return lambda text: text
-    if info.chat_template is None:
-        raise ValueError("task.apply_chat_template=true, but the tokenizer has no chat_template "
-                         "(tokenizer_config.json or chat_template.jinja): use a chat model's tokenizer "
-                         "or set task.apply_chat_template=false")
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return lambda text: info.chat_template.render(system + [{"role": "user", "content": text}],
-                                                  add_generation_prompt=True)

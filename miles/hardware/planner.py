@@ -7,11 +7,13 @@ Training is modelled as Megatron-style mixed precision with a distributed optimi
 sharded by TP x PP, routed experts by EP x TP x PP (expert tensor parallel = TP, Megatron's default), AdamW state sharded over the data-parallel replicas
 (or offloaded to host memory), activations per micro-batch (Korthikanti et al. 2022: 34 bytes x
 hidden per token and layer with sequence parallelism and flash attention; only the layer inputs
-are kept with recomputation) plus fp32 logits. Rollout: each engine of `num_gpus_per_engine` GPUs
-holds all weights in the recipe's rollout format, a fixed workspace, and a KV cache for as many
-sequences as fit. Colocated, the two phases take turns on the same GPUs (the idle side is
-offloaded to host memory), so a GPU must hold the larger of the two; disaggregated, each side has
-its own GPUs. On the CPU profile both live in the same RAM at once.
+are kept with recomputation) plus fp32 logits. A micro-batch has the tokens the trainer puts in
+one (miles/trainer/packing.py), every sample at max_prompt_len + max_new_tokens: packed, up to
+trainer.max_tokens_per_micro_batch; padded, micro_batch_size rows. Rollout: each engine of
+`num_gpus_per_engine` GPUs holds all weights in the recipe's rollout format, a fixed workspace, and
+a KV cache for as many sequences as fit. Colocated, the two phases take turns on the same GPUs (the
+idle side is offloaded to host memory), so a GPU must hold the larger of the two; disaggregated,
+each side has its own GPUs. On the CPU profile both live in the same RAM at once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles.config.schema import AlgoName, HardwareCfg, PrecisionCfg, Quant, RunCfg
+from miles.config.schema import AlgoName, DType, HardwareCfg, PrecisionCfg, Quant, RunCfg
 from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
                                       rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
 
@@ -46,6 +48,13 @@ class TrainLayout:
         return text + (", optimizer offloaded to host" if self.offload else "")
 
 
+@dataclass(frozen=True)
+class MicroBatchShape:
+    tokens: int  # forward tokens of the largest micro-batch
+    per_step: int  # micro-batches per optimizer step
+    how: str  # how the trainer forms it, for the plan table
+
+
 @dataclass
 class Plan:
     fits: bool
@@ -60,6 +69,7 @@ class Plan:
     kv_sequences: int  # sequences one engine's KV cache holds
     sequences_per_engine: int  # sequences one engine must generate per step
     colocated: bool
+    micro_batch: MicroBatchShape  # the training micro-batch the activations are sized for
     host_needed: float = 0.0  # bytes per node of host memory the plan needs
     host_capacity: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -104,6 +114,42 @@ def _seq_len(cfg: RunCfg) -> int:
     return cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
 
 
+def micro_batch_shape(cfg: RunCfg, arch) -> MicroBatchShape:
+    """The largest micro-batch the trainer forms (miles/trainer/packing.py) when every sample is
+    max_prompt_len + max_new_tokens long."""
+    t, r = cfg.trainer, cfg.rollout
+    seq = _seq_len(cfg)
+    step = t.global_batch_size * seq  # no micro-batch holds more than its optimizer step
+    # The families CausalLM.supports_packing lets pack; the others train padded whatever the config says.
+    if not (t.pack_sequences and arch.linear_attn is None and arch.dsa is None and arch.llama4 is None):
+        tokens = t.micro_batch_size * seq
+        how = f"micro-batch {t.micro_batch_size} x {seq:,} tokens, padded"
+        return MicroBatchShape(tokens, max(1, step // tokens), how)
+    # Packed: rows fill up to max_tokens_per_micro_batch (micro_batch_size is unused), but what cannot
+    # be split gets a micro-batch of its own: a sample, or on the masked kernel with shared prompts a
+    # prompt and all its responses, laid out in one row.
+    if t.share_prompts and not _varlen(cfg, arch):
+        unit = r.max_prompt_len + r.n_samples_per_prompt * r.max_new_tokens
+        what = f"a prompt + its {r.n_samples_per_prompt} responses in one row (share_prompts)"
+    else:
+        unit, what = seq, "one sequence"
+    tokens = min(step, max(t.max_tokens_per_micro_batch, unit))
+    if tokens == step:
+        how = f"packed: the whole step, {t.global_batch_size} x {seq:,} tokens"
+    elif tokens > t.max_tokens_per_micro_batch:
+        how = f"packed: {what}, {tokens:,} tokens (> max_tokens_per_micro_batch)"
+    else:
+        how = f"packed: {tokens:,} tokens (max_tokens_per_micro_batch) of {seq:,}-token sequences"
+    return MicroBatchShape(tokens, max(1, step // tokens), how)
+
+
+def _varlen(cfg: RunCfg, arch) -> bool:
+    """Whether packed rows take the variable-length kernel (miles/models/packed.py uses_varlen and
+    plan_micro_batches' GQA-only check), assuming FlashAttention is installed on a CUDA machine."""
+    return (cfg.hardware.device == "cuda" and cfg.precision.train_dtype == DType.bf16 and arch.mla is None
+            and arch.head_dim % 8 == 0 and arch.head_dim <= 256)
+
+
 def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int) -> dict[str, float]:
     """Bytes per training device under `layout` on `gpus` devices."""
     arch, t, p = model_arch(cfg), cfg.trainer, cfg.precision
@@ -116,7 +162,8 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     dp_dense, dp_expert = gpus // (tp * pp * cp), gpus // (ep * tp * pp)
     optimizer = (embed + dense) * o / dp_dense + routed * o / dp_expert
     stage_layers = math.ceil(arch.num_layers / pp)
-    tokens = t.micro_batch_size * _seq_len(cfg) / cp
+    micro = micro_batch_shape(cfg, arch)
+    tokens = micro.tokens / cp
     act_scale = DTYPE_BYTES[p.train_dtype] / 2  # the constant is for 2-byte activations
     per_layer = tokens * arch.hidden_size * ACT_BYTES_PER_HIDDEN * act_scale / tp
     if t.recompute:  # keep each layer's input, recompute one layer at a time in backward
@@ -128,7 +175,7 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
         "gradients": (embed + dense + routed) * g,
         "optimizer": 0.0 if layout.offload else optimizer,
         # 1F1B: the first stage holds up to PP micro-batches in flight.
-        "activations": layers_act * min(pp, max(1, t.global_batch_size // t.micro_batch_size)),
+        "activations": layers_act * min(pp, micro.per_step),
         "logits": tokens * arch.vocab_size * 4 * 2 / tp,  # fp32 logits and their gradient
     }
     if cfg.algo.kl_coef > 0:  # frozen reference policy, sharded like the weights
@@ -246,7 +293,7 @@ def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
         host_capacity = hw.host_memory_gb * GB * (1 - hw.memory_margin)
         layout, train, _ = _choose_layout(cfg, groups, train_gpus, capacity, host_capacity, colocated)
     plan = Plan(False, gpus, capacity, train_gpus, rollout_gpus, layout, train, g, rollout, kv_seqs,
-                per_engine, colocated, problems=problems)
+                per_engine, colocated, micro_batch_shape(cfg, model_arch(cfg)), problems=problems)
     if on_cpu and plan.train_total + plan.rollout_total > capacity or not on_cpu and plan.train_total > capacity:
         need = plan.train_total + (plan.rollout_total if on_cpu else 0)
         where = "this machine's RAM" if on_cpu else f"one of {train_gpus} GPUs at the best layout ({layout.describe(train_gpus)})"

@@ -23,9 +23,7 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     how = {"weights": f"{cfg.precision.train_dtype.value} compute copy; {layout}",
            "gradients": "fp32 accumulation",
            "optimizer": "AdamW moments (+ fp32 master), sharded over data parallel",
-           "activations": f"micro-batch {cfg.trainer.micro_batch_size} x "
-                          f"{cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens} tokens"
-                          + (", recomputed" if cfg.trainer.recompute else ""),
+           "activations": plan.micro_batch.how + (", recomputed" if cfg.trainer.recompute else ""),
            "logits": "fp32 logits and their gradient",
            "reference": "frozen reference policy (algo.kl_coef > 0)",
            "critic": "value model: weights, gradients, optimizer"}

@@ -18,8 +18,11 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, build_char_tokenizer, save_tokenizer
 from miles.models import CausalLM, save_pretrained
+from miles.orchestrate.prompting import prompt_setup, uses_chat
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# With the chat model's template and end-of-turn ids where it has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
 # Bump when the warm-start recipe changes, so stale cached checkpoints are rebuilt.
 WARM_START_VERSION = 1
 # The built-in OPD teacher: the warm-start recipe continued until it solves this share of training problems.
@@ -33,10 +36,11 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
-def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path) -> Path:
-    """A seeded, randomly initialized model of `model`'s sizes with a char tokenizer over `alphabet`."""
+def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path, chat: bool = False) -> Path:
+    """A seeded, randomly initialized model of `model`'s sizes with a char tokenizer over `alphabet`
+    (`chat`: with the tiny chat format, miles/data/tiny_chat.py)."""
     out = Path(out)
-    tok = build_char_tokenizer(alphabet)
+    tok = build_char_tokenizer(alphabet, chat=chat)
     info = TokenizerInfo.from_tokenizer(tok)
     arch = model.arch(info.vocab_size, bos_token_id=info.bos_id, eos_token_id=info.eos_id, pad_token_id=info.pad_id)
     torch.manual_seed(seed)
@@ -48,6 +52,8 @@ def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path
 def _warm_start_key(cfg: RunCfg) -> str:
     ws = asdict(cfg.warm_start)
     ws.pop("cache_dir")
+    if not ws["from_checkpoint"]:  # keys of random-init warm starts stay what they were
+        ws.pop("from_checkpoint")
     recipe = {"v": WARM_START_VERSION, "model": asdict(cfg.model), "task": asdict(cfg.task), "ws": ws, "seed": cfg.seed}
     if cfg.hardware.device != "cpu":  # built on a GPU: other kernels, other weights (CPU keys unchanged)
         recipe["device"] = cfg.hardware.device
@@ -58,7 +64,7 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     """The cached SFT checkpoint for this model + task + recipe; built (in-process) when absent."""
     from miles.orchestrate.handles import LocalHandle
     from miles.orchestrate.loop import LoopContext, sft_loop
-    from miles.data.rewards import get_reward_fn
+    from miles.data.rewards import build_scorer
     from miles.rollout.native import NativeEngine
     from miles.trainer.torch_trainer import TorchTrainer
 
@@ -72,7 +78,9 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     # Its own data stream, so RL's prompts do not depend on whether the cache existed.
     source = PromptSource(cfg.task, cfg.seed, stream=1)
-    init = random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init")
+    from_hf = cfg.model.hf_checkpoint is not None  # warm_start.from_checkpoint: SFT the user's model
+    init = Path(cfg.model.hf_checkpoint) if from_hf else \
+        random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init", chat=uses_chat(cfg, source))
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
     trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size)
     device = cfg.hardware.device
@@ -81,28 +89,43 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     engine = NativeEngine(str(init), replace(cfg.rollout, stop_tokens=[]), DType.fp32,
                           device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed)
     history: list[dict] = []
+    tokenizer = TokenizerInfo.load(init)
+    prompt_format, multi_turn = prompt_setup(cfg, init, source)
     ctx = LoopContext(
         engine=LocalHandle(engine), trainer=LocalHandle(trainer), source=source,
-        tokenizer=TokenizerInfo.load(init), reward_fn=get_reward_fn(cfg.task.reward),
-        log=lambda m, step: history.append({"step": step, **m}), task_name=cfg.task.name,
-        eval_max_new_tokens=cfg.eval.max_new_tokens,
+        tokenizer=tokenizer, reward_fn=build_scorer(cfg.task),
+        log=lambda m, step: _progress(history, step, m, log), task_name=cfg.task.name,
+        eval_max_new_tokens=cfg.eval.max_new_tokens, prompt_format=prompt_format, multi_turn=multi_turn,
+        sft_target_key=cfg.task.label_key,
     )
     probe = PromptSource(cfg.task, cfg.seed, stream=2).next_batch(256)
     accuracy = sft_loop(ctx, ws.steps, ws.batch_size, ws.check_interval, stop_when=(probe, ws.target_accuracy))
     trainer.save(str(tmp))
     copy_tokenizer(init, tmp)
-    shutil.rmtree(init)
+    if not from_hf:
+        shutil.rmtree(init)
     (tmp / "warm_start.json").write_text(json.dumps({"eval_accuracy": accuracy, "last": history[-1]}, indent=2))
     os.replace(tmp, out)  # atomic: a half-built cache entry is never picked up
     log(f"warm start ready: held-out accuracy {accuracy:.3f}")
     return out
 
 
+def _progress(history: list[dict], step: int, metrics: dict, log) -> None:
+    """Record a warm-start step; say where it stands at each check (minutes of SFT otherwise print nothing)."""
+    history.append({"step": step, **metrics})
+    if "train/probe_accuracy" in metrics:
+        log(f"  warm start step {step}: loss {metrics.get('train/loss', float('nan')):.4f}, "
+            f"training problems solved {metrics['train/probe_accuracy']:.3f}")
+
+
 def initial_checkpoint(cfg: RunCfg, source: PromptSource, run_dir: Path, log=print) -> Path:
-    if cfg.model.hf_checkpoint:  # validate() checked that it holds a checkpoint
+    """The weights RL (or SFT) starts from: model.hf_checkpoint as it is (validate() checked it), or
+    after the SFT warm start (warm_start.from_checkpoint); else a random init or its warm start."""
+    ws = cfg.warm_start
+    if cfg.model.hf_checkpoint and not (ws.enabled and ws.from_checkpoint and cfg.algo.name != AlgoName.sft):
         return Path(cfg.model.hf_checkpoint)
-    if cfg.algo.name == AlgoName.sft or not cfg.warm_start.enabled:
-        return random_checkpoint(cfg.model, source.alphabet(), cfg.seed, run_dir / "init")
+    if cfg.algo.name == AlgoName.sft or not ws.enabled:
+        return random_checkpoint(cfg.model, source.alphabet(), cfg.seed, run_dir / "init", chat=uses_chat(cfg, source))
     return warm_start_checkpoint(cfg, log)
 
 

@@ -15,9 +15,10 @@ import torch
 
 from miles.algo.advantages import overlong_penalty
 from miles.data.arithmetic import Example
+from miles.data.prompt_format import PromptFormat
 from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
-from miles.data.tokenizer import TokenizerInfo, encode_prompt
+from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate.returns import make_train_batch
 from miles.types import Sample, build_train_batch
 
@@ -39,16 +40,37 @@ class LoopContext:
     after_step: Callable[[int], None] = lambda step: None  # after each step is logged
     after_sync: Callable[["LoopContext"], None] = lambda ctx: None  # after each weight sync
     collect: Callable | None = None  # (ctx, cfg, step) -> (samples, metrics); None: collect_rollout
-    format_prompt: Callable[[str], str] = lambda text: text  # task text -> engine prompt (chat template)
+    prompt_format: PromptFormat | None = None  # example -> engine prompt (None: the text as it is)
+    multi_turn: object = None  # a miles.rollout.multi_turn.MultiTurn (task.tools), else single-turn
+    sft_target_key: str | None = None  # SFT trains on this record field when present (a worked solution)
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
             self.reward_fn = RewardScorer(self.reward_fn)
 
+    @property
+    def fmt(self) -> PromptFormat:
+        if self.prompt_format is None:
+            self.prompt_format = PromptFormat(self.tokenizer, apply_chat_template=False)
+        return self.prompt_format
+
+
+def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: float | None = None,
+             max_new_tokens: int | None = None) -> tuple[list[Sample], dict[str, float]]:
+    """n samples per example (grouped), single- or multi-turn; with the multi-turn tool metrics."""
+    if ctx.multi_turn is not None:
+        return ctx.multi_turn.generate(ctx.engine, examples, n, temperature, max_new_tokens)
+    samples = ctx.engine.call("generate", [ctx.fmt(e) for e in examples], [e.label for e in examples], n,
+                              temperature, max_new_tokens)
+    for s in samples:
+        s.info = examples[s.group].fields
+    return samples, {}
+
 
 def score(ctx: LoopContext, samples: list[Sample], extra: list[float] | None = None) -> int:
-    """Set every sample's reward (plus `extra`); returns how many reward calls failed (scored 0)."""
-    scores, errors = ctx.reward_fn.score([(s.response, s.label, {"prompt": s.prompt}) for s in samples])
+    """Set every sample's reward (plus `extra`); returns how many reward calls failed (scored 0).
+    The reward gets the prompt, the record's other fields and (multi-turn) the trajectory as info."""
+    scores, errors = ctx.reward_fn.score([(s.response, s.label, {**s.info, "prompt": s.prompt}) for s in samples])
     for i, (s, r) in enumerate(zip(samples, scores)):
         s.reward = r + (extra[i] if extra else 0.0)
     return errors
@@ -69,32 +91,31 @@ def sync_weights(ctx: LoopContext, check: bool) -> float:
     return elapsed
 
 
-def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample]]:
-    samples = ctx.engine.call(
-        "generate", [ctx.format_prompt(e.prompt) for e in examples], [e.label for e in examples], 1, 0.0,
-        ctx.eval_max_new_tokens,
-    )
+def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample], dict[str, float]]:
+    """(mean reward of greedy responses, the samples, multi-turn tool metrics)."""
+    samples, tool_metrics = generate(ctx, examples, 1, 0.0, ctx.eval_max_new_tokens)
     score(ctx, samples)
-    return sum(s.reward for s in samples) / len(samples), samples
+    return sum(s.reward for s in samples) / len(samples), samples, tool_metrics
 
 
 def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
-    """Greedy accuracy on the held-out split: eval/<task>/accuracy."""
+    """Greedy accuracy on the held-out split: eval/<task>/accuracy (multi-turn: and its tool-call rate).
+    The first metric is the objective sweeps maximize."""
     if not ctx.source.eval or ctx.engine is None:
         return {}
-    accuracy, samples = greedy_accuracy(ctx, ctx.source.eval)
+    accuracy, samples, tool_metrics = greedy_accuracy(ctx, ctx.source.eval)
     ctx.on_samples(samples, step)
-    return {f"eval/{ctx.task_name}/accuracy": accuracy}
+    metrics = {f"eval/{ctx.task_name}/accuracy": accuracy}
+    if tool_metrics:
+        metrics[f"eval/{ctx.task_name}/tool_call_rate"] = tool_metrics["rollout/tool_call_rate"]
+    return metrics
 
 
-def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> tuple[list[list[Sample]], int]:
+def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> tuple[list[list[Sample]], int, dict]:
     """Sample n responses for `num_prompts` new prompts and score them: (one list per group, failed
-    reward calls)."""
+    reward calls, multi-turn tool metrics)."""
     r = cfg.rollout
-    examples = ctx.source.next_batch(num_prompts)
-    samples: list[Sample] = ctx.engine.call(
-        "generate", [ctx.format_prompt(e.prompt) for e in examples], [e.label for e in examples], r.n_samples_per_prompt
-    )
+    samples, tool_metrics = generate(ctx, ctx.source.next_batch(num_prompts), r.n_samples_per_prompt)
     lengths = torch.tensor([len(s.response_ids) for s in samples])
     penalty = (
         overlong_penalty(lengths, r.max_new_tokens, cfg.algo.overlong_buffer)
@@ -103,7 +124,7 @@ def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> tuple[list[list
     )
     errors = score(ctx, samples, penalty.tolist())
     n = r.n_samples_per_prompt
-    return [samples[i : i + n] for i in range(0, len(samples), n)], errors
+    return [samples[i : i + n] for i in range(0, len(samples), n)], errors, tool_metrics
 
 
 def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, float]]:
@@ -114,8 +135,9 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
     informative: list[list[Sample]] = []
     uninformative: list[list[Sample]] = []
     draws = errors = 0
+    tool_metrics: dict[str, float] = {}  # of the last draw
     while len(informative) < need and draws < (a.max_draws if a.dynamic_sampling else 1):
-        groups, failed = _generate_scored(ctx, cfg, need - len(informative) if a.dynamic_sampling else need)
+        groups, failed, tool_metrics = _generate_scored(ctx, cfg, need - len(informative) if a.dynamic_sampling else need)
         errors += failed
         for group in groups:
             varied = len({s.reward for s in group}) > 1
@@ -127,7 +149,7 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
         for s in group:
             s.group = g
             samples.append(s)
-    metrics = {"rollout/reward_errors": float(errors)}
+    metrics = {"rollout/reward_errors": float(errors), **tool_metrics}
     if a.dynamic_sampling:
         metrics.update({"rollout/num_draws": float(draws),
                         "rollout/informative_group_frac": min(len(informative), need) / need})
@@ -176,20 +198,18 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
     return next(iter(last.values()), 0.0)
 
 
-def sft_batch(examples: list[Example], tok: TokenizerInfo, format_prompt: Callable[[str], str] = lambda t: t):
-    """(prompt, label + eos) sequences with the loss on the label tokens and eos."""
+def sft_batch(examples: list[Example], tok: TokenizerInfo, fmt: PromptFormat | None = None,
+              target_key: str | None = None):
+    """SFT sequences: a record's reference conversation (loss on its assistant turns), else the
+    prompt followed by the target (the record's `target_key` field when present, e.g. a worked
+    solution, else its label) and eos, the loss on the target and eos."""
+    fmt = fmt or PromptFormat(tok, apply_chat_template=False)
     samples = []
     for ex in examples:
-        response = tok.tokenizer.encode(ex.label, add_special_tokens=False).ids
-        samples.append(
-            Sample(
-                prompt=ex.prompt,
-                label=ex.label,
-                prompt_ids=encode_prompt(tok, format_prompt(ex.prompt)),
-                response_ids=response + ([tok.eos_id] if tok.eos_id is not None else []),
-                rollout_logprobs=[],
-            )
-        )
+        target = ex.fields.get(target_key, ex.label) if target_key else ex.label
+        prompt_ids, response_ids, mask = fmt.sft_sequence(ex, str(target))
+        samples.append(Sample(prompt=ex.prompt, label=ex.label, prompt_ids=prompt_ids, response_ids=response_ids,
+                              rollout_logprobs=[], response_mask=mask))
     return build_train_batch(samples, torch.zeros(len(samples)), tok.pad_id or 0)
 
 
@@ -211,13 +231,13 @@ def sft_loop(
         ctx.log(last, 0)
     for step in range(ctx.start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        batch = sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer, ctx.format_prompt)
+        batch = sft_batch(ctx.source.next_batch(batch_size), ctx.tokenizer, ctx.fmt, ctx.sft_target_key)
         metrics = ctx.trainer.call("train_sft", batch)
         done = step == steps
         if step % eval_interval == 0 or done:
             sync_weights(ctx, check=True)
             if stop_when is not None:
-                metrics["train/probe_accuracy"], _ = greedy_accuracy(ctx, stop_when[0])
+                metrics["train/probe_accuracy"], _, _ = greedy_accuracy(ctx, stop_when[0])
                 done = done or metrics["train/probe_accuracy"] >= stop_when[1]
             if done or stop_when is None:
                 last = evaluate(ctx, step)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from miles.algo.registry import TOKEN_ADVANTAGES
 from miles.config.schema import AlgoName, RunCfg
-from miles.data.rewards import RewardScorer, get_reward_fn
+from miles.data.rewards import build_scorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
@@ -21,6 +21,7 @@ from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint, te
 from miles.orchestrate.debug import check_sync_tensors, rollout_hook
 from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
+from miles.orchestrate.prompting import prompt_setup
 from miles.orchestrate.resume import CheckpointStore
 from miles.orchestrate.supervise import Stopped, supervise
 from miles.tracking.console import batch_table, console, step_line
@@ -32,7 +33,8 @@ from miles.types import Sample
 def _samples_logger(tracker: JournaledTracker, limit: int):
     def log_samples(samples: list[Sample], step: int) -> None:
         rows = [
-            {"step": step, "prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward}
+            {"step": step, "prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward,
+             **({"trajectory": s.info["trajectory"]} if "trajectory" in s.info else {})}
             for s in samples[:limit]
         ]
         if rows:
@@ -53,7 +55,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     source = PromptSource(cfg.task, cfg.seed)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
     tokenizer = TokenizerInfo.load(init_dir)
-    format_prompt = _prompt_format(cfg, tokenizer)  # before anything else starts: a template error is the user's
+    prompt_format, multi_turn = prompt_setup(cfg, init_dir, source)  # before anything starts: the user's errors
     teacher_dir = teacher_checkpoint(cfg, init_dir, log=console.print)
     if teacher_dir is not None:
         console.print(f"distilling from the teacher in {teacher_dir}")
@@ -84,8 +86,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir)
         ctx = LoopContext(
             engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=tokenizer,
-            format_prompt=format_prompt,
-            reward_fn=RewardScorer(get_reward_fn(cfg.task.reward), cfg.task.reward_timeout_s), log=log,
+            prompt_format=prompt_format, multi_turn=multi_turn, sft_target_key=cfg.task.label_key,
+            reward_fn=build_scorer(cfg.task), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
         )
@@ -159,20 +161,6 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
-
-
-def _prompt_format(cfg: RunCfg, tokenizer: TokenizerInfo):
-    """The task's text -> engine prompt function; a missing or broken chat template is a config error."""
-    from miles.config.validate import ConfigError
-    from miles.data.chat_template import TemplateError
-    from miles.data.tokenizer import prompt_formatter
-
-    try:
-        fmt = prompt_formatter(tokenizer, cfg.task.apply_chat_template, cfg.task.system_prompt)
-        fmt("")  # renders now, not at the first rollout
-    except (ValueError, TemplateError) as error:
-        raise ConfigError([str(error)]) from None
-    return fmt
 
 
 def gpu_share(device: str, components: int) -> float:

@@ -108,12 +108,14 @@ class NativeEngine:
         n: int = 1,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> list[Sample]:
-        """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]."""
+        """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]. `prompt_ids`:
+        the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`."""
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or cfg.max_new_tokens
-        distinct = [encode_prompt(self.tok, p) for p in prompts]
+        distinct = prompt_ids if prompt_ids is not None else [encode_prompt(self.tok, p) for p in prompts]
         prompt_ids = [ids for ids in distinct for _ in range(n)]  # row i*n+j samples prompts[i]
         width = max(len(p) for p in distinct)
         limit = self.model.config.max_position_embeddings

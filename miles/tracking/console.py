@@ -49,6 +49,7 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step:>4}/{total}"]
     for key, label, fmt in (
         ("rollout/reward_mean", "reward", "{:.3f}"),
+        ("rollout/tool_call_rate", "tool calls", "{:.2f}"),
         ("train/loss", "loss", "{:+.4f}"),
         ("critic/value_loss", "value loss", "{:.4f}"),
         ("train/reverse_kl", "reverse kl", "{:+.4f}"),
@@ -57,5 +58,8 @@ def step_line(step: int, total: int, metrics: dict[str, float]) -> str:
     ):
         if key in metrics:
             parts.append(f"{label} " + fmt.format(metrics[key]))
-    evals = [f"eval {k.split('/')[1]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")]
+    evals = [f"eval {k.split('/')[1]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")
+             and k.endswith("/accuracy")]
+    evals += [f"eval tool calls {v:.2f}" for k, v in metrics.items() if k.startswith("eval/") and
+              k.endswith("/tool_call_rate")]
     return " | ".join(parts + evals)

@@ -1,7 +1,7 @@
 """Hydra callback that groups a multirun under one MLflow parent run, whichever sweeper runs it.
 
 `python launch.py -m trainer.lr=1e-4,3e-4` (basic grid sweeper) or `python launch.py -m
-+sweep=tpe_lr_clip` (Optuna TPE, conf/sweep/) creates a parent run named after the sweep; each
++sweep=tpe_lr_clip` (Optuna TPE, sweeps/sweep/) creates a parent run named after the sweep; each
 job's run is its child (tag mlflow.parentRunId) and carries the tag miles.sweep_dir. At the end the
 parent records the best job: `sweep/best_objective` (the value launch.py's main returns, the final
 held-out accuracy), its job number, child run id and overrides, and its swept values as `best.*`

@@ -13,6 +13,11 @@ CASES = {
     "algo.name=nope": "expected one of [grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, cispo, ppo, opd, sft]",
     "task.kind=file": "task.train_file must be set when task.kind=file",
     "task.reward=nope_module.score": "task.reward=nope_module.score: cannot import it",
+    "task.reward=math+0.1*nope": "unknown reward 'nope'",
+    "task.label_extractor=latex": "task.label_extractor='latex' is unknown; valid: plain, gsm8k, boxed",
+    "task.tools=[calculator]": "task.tools needs rollout.max_turns >= 2",
+    "rollout.max_turns=3": "rollout.max_turns > 1 needs task.tools",
+    "task.tools=[abacus]": "task.tools: unknown tool 'abacus'",
     "hardware.device=cuda": "hardware.device=cuda needs hardware.gpus_per_node >= 1: for one GPU use hardware=gpu",
 }
 if not __import__("torch").cuda.is_available():  # CI: a GPU profile on a machine without one

@@ -39,3 +39,12 @@ def test_a_launched_run_checks_the_same_plan(tmp_path):
     out = run_launch(["model=qwen3_32b", "steps=1"], tmp_path, env_extra={"COLUMNS": "200"})
     assert out.returncode == 3 and "training state does not fit" in out.stderr
     assert not (tmp_path / "mlruns").exists()  # refused before anything started
+
+
+def test_a_one_gpu_math_preset_plans_packed_micro_batches_on_an_h200(tmp_path):
+    out = run_launch(["+experiment=qwen3_4b_math_gpu", "dry_run=true", "model.hf_checkpoint=null",
+                      "hardware.memory_gb=141"], tmp_path, env_extra={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "(1 GPU, 126.9 GB usable" in out.stdout and ": fits" in out.stdout
+    assert "packed: 8,192 tokens (max_tokens_per_micro_batch) of 2,560-token sequences" in out.stdout
+    assert "holds 304 sequences of 2560 tokens; 256 per engine per step" in out.stdout

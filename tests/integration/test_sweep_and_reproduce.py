@@ -3,6 +3,7 @@ one parent run with two child runs and its best trial; a deterministic CPU run r
 run dir and from its MLflow run id gives identical metrics."""
 
 import pytest
+import yaml
 from launch_cli import run_launch
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,13 @@ def test_optuna_sweep_is_one_parent_run_with_a_child_per_trial_and_the_best_tria
         assert float(parent.data.params[f"best.{key}"]) == float(best.data.params[key])
     (results,) = tmp_path.glob("multirun/*/*/optimization_results.yaml")  # Optuna's own summary
     assert "best_value" in results.read_text()
+
+    # One trial reproduced alone composes its sweep file again (sweeps/ is found from this other cwd).
+    (trial,) = tmp_path.glob("multirun/*/*/0")
+    shown = run_launch([f"+reproduce={trial}", "--cfg", "job"], cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    lr = next(o for o in yaml.safe_load((trial / "overrides.yaml").read_text()) if o.startswith("trainer.lr="))
+    assert "+sweep=tpe_lr_clip" in shown.stderr and f"lr: {lr.split('=')[1]}" in shown.stdout
 
 
 def _metrics(client, run_id):

@@ -72,17 +72,19 @@ def test_tokenizer_info_carries_the_template_and_the_end_of_turn_ids(hf_dir, tmp
     import json
     import shutil
 
-    from miles.data.tokenizer import TokenizerInfo, encode_prompt, prompt_formatter
+    from miles.data.arithmetic import Example
+    from miles.data.prompt_format import PromptFormat
+    from miles.data.tokenizer import TokenizerInfo, encode_prompt
 
     directory = tmp_path / "tok"
     shutil.copytree(hf_dir[0], directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     info = TokenizerInfo.load(directory)
     assert info.eos_id == 2 and info.extra_stop_ids == (2, 0)  # <|im_end|>, <|endoftext|>
-    fmt = prompt_formatter(info, True, "Be brief.")
-    text = fmt("What is 12+30?")
+    fmt = PromptFormat(info, True, "Be brief.")
+    text = fmt(Example("What is 12+30?", "42"))
     assert text == hf_dir[1].apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12+30?"}],
         tokenize=False, add_generation_prompt=True)
     assert encode_prompt(info, text) == hf_dir[1](text, add_special_tokens=False)["input_ids"]
-    assert prompt_formatter(info, False, "ignored")("raw") == "raw"
+    assert PromptFormat(info, False, "ignored")(Example("raw", "")) == "raw"

@@ -22,7 +22,7 @@ def test_param_groups_by_hand(compose):
 
 
 def test_train_usage_by_hand(compose):
-    cfg = compose(TINY)
+    cfg = compose(TINY + ["trainer.pack_sequences=false"])  # padded: micro_batch_size rows (packed: test_micro_batches.py)
     groups = param_groups(cfg.model.arch(100), cfg.precision)
     usage = train_usage(cfg, groups, TrainLayout(tp=2, pp=1, ep=1), gpus=8)
     per_gpu = EMBED / 2 + (TOTAL - EMBED) / 2  # TP=2 shards everything, PP=1

@@ -1,0 +1,45 @@
+"""How a run prompts its model: the prompt format (chat template, system prompt, tools) and, with
+`task.tools`, the multi-turn rollout; checked against the data before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from miles.config.schema import RunCfg
+from miles.data.chat_template import TemplateError
+from miles.data.prompt_format import PromptFormat
+from miles.data.source import PromptSource
+from miles.data.tokenizer import TokenizerInfo
+from miles.rollout.multi_turn import MultiTurn, ToolTurns
+from miles.rollout.tools import build_toolbox
+
+
+def uses_chat(cfg: RunCfg, source: PromptSource) -> bool:
+    """Whether the run's prompts go through a chat template (a tiny model then gets the tiny one)."""
+    examples = source.train[:1] + source.eval[:1]
+    return cfg.task.apply_chat_template or bool(cfg.task.tools) or any(e.messages for e in examples)
+
+
+def prompt_setup(cfg: RunCfg, checkpoint_dir: Path, source: PromptSource) -> tuple[PromptFormat, MultiTurn | None]:
+    """The prompt format and multi-turn rollout (None: single-turn) of a run of `checkpoint_dir`;
+    every problem of the template with the data or the tools is a ConfigError naming the key to
+    change (the tools themselves were checked by miles.config.validate)."""
+    from miles.config.validate import ConfigError
+
+    t, r = cfg.task, cfg.rollout
+    tok = TokenizerInfo.load(checkpoint_dir)
+    max_context = json.loads((Path(checkpoint_dir) / "config.json").read_text())["max_position_embeddings"]
+    try:
+        toolbox = build_toolbox(t.tools, t.sandbox) if t.tools else None
+        fmt = PromptFormat(tok, t.apply_chat_template, t.system_prompt, toolbox.schemas() if toolbox else None)
+        multi = None
+        if toolbox is not None:
+            multi = MultiTurn(fmt, toolbox, ToolTurns(tok, fmt.template, r.max_tool_response_tokens), r.max_turns,
+                              r.max_new_tokens, max_context)
+            multi.turns.tokens(["0"], tok.eos_id)  # the template renders a tool turn
+        for example in source.train[:1] + source.eval[:1]:  # now, not at the first rollout
+            fmt(example)
+    except (ValueError, TemplateError) as error:
+        raise ConfigError([str(error)]) from None
+    return fmt, multi
