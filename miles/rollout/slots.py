@@ -128,7 +128,10 @@ class SlotDecoder:
         # One spare column: rows that already finished keep writing (pad) at a frozen column <= cap.
         self.out_tok = torch.full((self.slots, cap + 1), self.pad_id, dtype=torch.long, device=self.device)
         self.out_lp = torch.zeros(self.slots, cap + 1, device=self.device)
+        # Slots left from an earlier call ride along in the bucket: their step counters index this
+        # call's output columns, so they restart (a multi-turn call may have a smaller cap).
         self.live.zero_()
+        self.steps.zero_()
         results: list = [None] * (len(prompts) * n)
         owner = [-1] * self.slots  # sample index decoded in each slot
         waiting = deque(range(len(prompts)))

@@ -9,44 +9,17 @@
 Learning, so slow: each is a few minutes on 2 cores.
 """
 
-import json
+import sys
 
 import pytest
 
 from launch_cli import ROOT, run_launch
 from runs import journal_metrics
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from chat_checkpoint import jsonl_texts, write_chat_checkpoint  # noqa: E402
+
 pytestmark = pytest.mark.slow
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def _bpe_chat_checkpoint(path, texts):
-    """A random tiny Qwen3 (the qwen3_tiny sizes) saved by transformers, with a byte-level BPE
-    tokenizer trained on `texts` (digits kept apart, as Qwen's are) and a ChatML template."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
-    hf_tok.chat_template = CHATML
-    hf_tok.save_pretrained(path)
-    config = transformers.Qwen3Config(
-        vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=384, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-        tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|im_end|>"),
-        pad_token_id=tok.token_to_id("<|endoftext|>"))
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
 
 
 def _accuracy(metrics, task):
@@ -55,8 +28,7 @@ def _accuracy(metrics, task):
 
 def test_gsm8k_format_from_a_transformers_bpe_chat_model(tmp_path):
     data = ROOT / "examples" / "data" / "gsm8k_cpu"
-    records = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
-    _bpe_chat_checkpoint(tmp_path / "model", [r["question"] + " " + r["answer"] for r in records] * 5)
+    write_chat_checkpoint(tmp_path / "model", jsonl_texts(data / "test.jsonl") * 5)  # the qwen3_tiny sizes
     proc = run_launch(["+experiment=gsm8k_cpu", "ray.enabled=false", f"model.hf_checkpoint={tmp_path / 'model'}",
                        "warm_start.from_checkpoint=true", f"warm_start.cache_dir={tmp_path / 'cache'}",
                        f"task.train_file={data / 'train.parquet'}", f"task.eval_file={data / 'test.jsonl'}",

@@ -89,3 +89,16 @@ def test_slot_decode_refuses_families_without_gqa(compose, tmp_path):
     with pytest.raises(ValueError, match="rollout.slot_decode=true needs GQA"):
         engine(ckpt, slot_decode=True)
     assert engine(ckpt).slots is None  # null: the padded path on the CPU
+
+
+def test_a_shorter_budget_after_a_longer_one_leaves_no_stale_rows(ckpt):
+    """Multi-turn calls the engine with shrinking budgets and token-id contexts: slots left from a
+    longer call must not index past the shorter call's output columns."""
+    slots, padded = engine(ckpt, slot_decode=True), engine(ckpt, slot_decode=False)
+    slots.generate(PROMPTS[:12], ["?"] * 12, n=1, temperature=0.0, max_new_tokens=10)  # every slot used
+    # 5 rows run in the bucket of 6: slot 5 is left from the first call (10 tokens generated).
+    contexts = [slots.tok.tokenizer.encode(p).ids + [5, 6, 7] for p in PROMPTS[:5]]
+    a = slots.generate(PROMPTS[:5], ["?"] * 5, n=1, temperature=0.0, max_new_tokens=3, prompt_ids=contexts)
+    b = padded.generate(PROMPTS[:5], ["?"] * 5, n=1, temperature=0.0, max_new_tokens=3, prompt_ids=contexts)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b] and all(len(s.response_ids) == 3 for s in a)
+    assert [s.prompt_ids for s in a] == contexts
