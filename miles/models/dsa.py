@@ -23,7 +23,12 @@ RL post-training leaves alone), so `select_keys` runs under no_grad.
 Ties: torch.topk breaks ties arbitrarily and differently for different row lengths, which would
 let a padded prefill or a decode step pick other keys than the full forward when scores tie
 exactly at the cut (e.g. keys whose indexer heads are all zeroed by the ReLU). `topk_keep` breaks
-ties deterministically (earliest key first), so the same keys are selected on every path.
+ties deterministically (earliest key first), so the same keys are selected on every path. This is
+the one deliberate departure from transformers and DeepSeek's reference (both call torch.topk): a
+score is exactly 0.0 for about 2^-index_n_heads of the (query, key) pairs, so with few indexer heads
+ties at the cut are common and the logits past index_topk then differ from transformers' (whose own
+cache decode differs from its own forward by as much there). Tie-free, or with transformers given
+an earliest-first topk, the two agree to fp32 rounding (tests/unit/models/test_dsa_sparse_parity.py).
 
 Decode: the indexer keys of past positions live in the layer cache (`DSACache`, next to MLA's
 compressed latent). GLM's cross-layer index sharing (`dsa.shared_layers`): such a layer has no
