@@ -2,9 +2,11 @@
 
 `handle.submit(method, *args)` returns a future (a Ray ObjectRef, or the value itself in-process);
 futures can be passed as arguments to another handle's submit, so weights move trainer -> engine
-through Ray's object store without a copy through the driver. `handle.call` submits and waits.
-`handle.apply(fn, *args)` runs `fn(component, *args)` where the component lives (checkpoint state,
-debug checks), so such code needs no method on the component classes.
+through Ray's object store without a copy through the driver; tensors of every dtype (float8
+included, which torch's pickle cannot load) cross it as raw bytes (miles/transport/ray_tensors.py).
+`handle.call` submits and waits. `handle.apply(fn, *args)` runs `fn(component, *args)` where the
+component lives (checkpoint state, debug checks), so such code needs no method on the component
+classes.
 """
 
 from __future__ import annotations
@@ -85,13 +87,33 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     ray.init(**kwargs)
 
 
+def with_tensor_transport(cls: type) -> type:
+    """`cls` whose instances, built in a Ray worker, first install miles.transport.ray_tensors in
+    that process: what the actor returns or sends (FP8 / INT4 sync payloads, any tensor) then
+    crosses the object store as raw bytes + dtype, which torch's own pickle cannot do for float8.
+    Same name, so the actor's process title stays ray::<cls>."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from miles.transport.ray_tensors import register
+
+        register()
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls)(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+
 def spawn(cls: type, use_ray: bool, *args: Any, num_gpus: float = 0.0, **kwargs: Any) -> LocalHandle | RayHandle:
     """Instantiate `cls` in-process or as a Ray actor (one CPU each, so both fit a 2-core machine).
     num_gpus: the actor's share of a GPU. Ray hides every GPU from an actor that asks for none
-    (CUDA_VISIBLE_DEVICES=""), so components on a GPU ask for a fraction and share it."""
+    (CUDA_VISIBLE_DEVICES=""), so components on a GPU ask for a fraction and share it.
+    Tensors cross Ray as raw bytes + dtype in both directions (miles.transport.ray_tensors): the
+    actor installs the reducer when built, the driver here."""
     if not use_ray:
         return LocalHandle(cls(*args, **kwargs))
     import ray
 
-    actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus)(cls)
+    from miles.transport.ray_tensors import register
+
+    register()
+    actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus)(with_tensor_transport(cls))
     return RayHandle(actor_cls.remote(*args, **kwargs), respawn=lambda: actor_cls.remote(*args, **kwargs))

@@ -12,13 +12,21 @@ runs `loop(ctx)`; then:
 - any other failure (a trainer that dies or raises, ...) tears the components down, builds them
   again and resumes from the newest checkpoint (or from the start without one).
 
-Engine restarts and resumes together are bounded by `fault.max_retries`.
+Engine restarts and resumes together are bounded by `fault.max_retries`. A fault a retry can cure
+(`transient`: a dead actor, a lost node or object, a timeout, a broken connection) may use them all;
+any other failure is retried once, and if the retry fails with the same error at the same step
+(`Fault.signature`: root-cause type, message less pids / ids / addresses, where it was raised,
+step) the run stops at once with `RepeatedFault`, naming the cause and where it was raised,
+instead of repeating an identical restart until the budget is spent.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -71,18 +79,111 @@ class SignalFlag:
         self._previous.clear()
 
 
+def _transient_types() -> tuple[type, ...]:
+    """Faults a retry can cure: the process, node, object or connection is gone, not the code wrong."""
+    import ray.exceptions as rx
+
+    names = ("RayActorError", "NodeDiedError", "LocalRayletDiedError", "WorkerCrashedError", "ObjectLostError",
+             "GetTimeoutError", "RayChannelTimeoutError", "RpcError")
+    return (ConnectionError, TimeoutError, *(getattr(rx, n) for n in names if hasattr(rx, n)))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault)): ?(.*)$")
+_VOLATILE = [(re.compile(r"0x[0-9a-fA-F]+"), "0x?"), (re.compile(r"\b[0-9a-f]{16,}\b"), "<id>"),
+             (re.compile(r"\bpid=\d+"), "pid=?"), (re.compile(r"\bip=[\w.:]+"), "ip=?")]
+
+
+def _short_path(path: str) -> str:
+    """A source path as people read it: below site-packages, or relative to the checkout."""
+    if "site-packages" + os.sep in path:
+        return path.rsplit("site-packages" + os.sep, 1)[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What failed, told from the root cause: inside a Ray task error, the exception the remote
+    code raised (not Ray's wrapper) and the frame that raised it."""
+
+    type: str  # the root cause's exception type
+    message: str  # its first line
+    where: str  # "path:line in function", and the Ray task it ran in
+    transient: bool  # a retry can cure it (see _transient_types)
+    at: str = ""  # the run's position: "in step N", "before step N (restore, first weight sync)"
+
+    @classmethod
+    def of(cls, error: BaseException, at: str = "") -> "Fault":
+        transient = isinstance(error, _transient_types())
+        from ray.exceptions import RayTaskError
+
+        if isinstance(error, RayTaskError):
+            cause = error.cause if error.cause is not None else error
+            transient = transient or isinstance(cause, _transient_types())
+            text = _ANSI.sub("", str(error))  # the remote traceback, down to the innermost error
+            task = re.search(r"ray::[\w.]+\(\)", text)
+            lines = [line for line in text.splitlines() if line.strip()]
+            root = next((m for line in reversed(lines) if (m := _EXCEPTION_LINE.match(line))), None)
+            kind, message = (root.group(1).rsplit(".", 1)[-1], root.group(2)) if root else \
+                (type(cause).__name__, _first_line(str(cause)))
+            frames = _FRAME.findall(text)
+            where = f"{_short_path(frames[-1][0])}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
+            if task:
+                where = f"{where}, in {task.group(0)}" if where else f"in {task.group(0)}"
+            return cls(kind, message, where, transient, at)
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{_short_path(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        return cls(type(error).__name__, _first_line(str(error)), where, transient, at)
+
+    @property
+    def signature(self) -> tuple[str, str, str, str]:
+        """Equal for two failures of one deterministic fault (pids, actor ids, addresses removed)."""
+        message = self.message
+        for pattern, replacement in _VOLATILE:
+            message = pattern.sub(replacement, message)
+        return self.type, message, self.where, self.at
+
+    def describe(self) -> str:
+        return f"{self.type}: {self.message}" + (f" ({self.where})" if self.where else "")
+
+
+class RepeatedFault(RuntimeError):
+    """A failure that came back identical after a retry: deterministic, so no more retries."""
+
+    def __init__(self, fault: Fault):
+        super().__init__(f"the run failed again {fault.at} with the same error, so it was not retried: "
+                         f"{fault.describe()}")
+        self.fault = fault
+
+
 class FaultBudget:
     def __init__(self, max_retries: int, log: Callable[[str], None]):
         self.left, self.max, self.log = max_retries, max_retries, log
+        self.last: Fault | None = None  # the previous failure
 
-    def spend(self, what: str, error: BaseException, action: str) -> None:
-        """Use one retry to `action` after `what`, or re-raise `error` when none is left."""
+    def spend(self, what: str, error: BaseException, action: str, at: str = "") -> None:
+        """Use one retry to `action` after `what`, or re-raise `error` when none is left. A failure
+        that a retry does not cure (not transient, the same signature as the previous failure)
+        raises RepeatedFault from `error` without spending one."""
+        fault = Fault.of(error, at)
+        previous, self.last = self.last, fault
+        if not fault.transient and previous is not None and previous.signature == fault.signature:
+            self.log(f"{what} again {fault.at} with the same error: a fault a retry does not cure, so no more "
+                     f"retries ({self.max - self.left} of fault.max_retries={self.max} used)\n"
+                     f"  error: {fault.type}: {fault.message}\n  where: {fault.where or 'unknown'}")
+            raise RepeatedFault(fault) from error
         if self.left <= 0:
             self.log(f"{what}: no retries left (fault.max_retries={self.max})")
             raise error
         self.left -= 1
-        self.log(f"{what} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                 f"{action}, retry {self.max - self.left}/{self.max}")
+        self.log(f"{what} ({fault.type}: {fault.message}); {action}, retry {self.max - self.left}/{self.max}")
 
 
 @dataclass
@@ -153,6 +254,7 @@ class Checkpointer:
         self.cfg, self.store, self.ctx, self.flag = cfg, store, ctx, flag
         self.tokenizer_dir, self.run_info, self.log = tokenizer_dir, run_info, log
         self.saved_step = -1
+        self.done_step = ctx.start_step  # the last step the loop finished (where a failure happened)
         self.objective = 0.0  # the last eval accuracy seen by ctx.log, kept in the checkpoint
 
     def save(self, step: int) -> Path | None:
@@ -173,6 +275,7 @@ class Checkpointer:
         return path
 
     def after_step(self, step: int) -> None:
+        self.done_step = step
         if self.flag.signum is not None:
             raise Stopped(self.flag.signum, step, self.save(step))
         interval = self.cfg.checkpoint.interval
@@ -236,24 +339,29 @@ def supervise(cfg: RunCfg, store: CheckpointStore, build: Callable[[], LoopConte
                                               on_restart=lambda c=ctx: sync_weights(c, cfg.rollout.check_weight_sync))
             keeper = Checkpointer(cfg, store, ctx, flag, tokenizer_dir, run_info, log)
             ctx.log, ctx.after_step = keeper.observe(ctx.log), keeper.after_step
+            looping = False
             try:
                 latest = store.latest()
                 if latest is not None:
                     ctx.start_step, keeper.objective = restore(ctx, latest)
-                    keeper.saved_step = ctx.start_step
+                    keeper.saved_step = keeper.done_step = ctx.start_step
                     log(f"resuming from {latest} (step {ctx.start_step} of {cfg.steps})")
                 else:
                     ctx.source.load_state(initial_source)
                 # The engine starts from the trainer's weights; one checked sync proves the path works.
                 sync_weights(ctx, check=cfg.rollout.check_weight_sync)
+                looping = True
                 objective = loop(ctx) if ctx.start_step < cfg.steps else keeper.objective
                 keeper.save(cfg.steps)
                 return objective, ctx
             except Stopped:
                 raise
             except Exception as error:
+                step = keeper.done_step + 1
+                at = (f"in step {step}" if step <= cfg.steps else "after the last step") if looping else \
+                    f"before step {step} (restore, first weight sync)"
                 budget.spend("the run failed", error, "resuming from the last checkpoint" if store.latest()
-                             else "starting over (no checkpoint yet)")
+                             else "starting over (no checkpoint yet)", at)
                 if cfg.ray.enabled:
                     _teardown(ctx)
     finally:

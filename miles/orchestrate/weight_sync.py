@@ -1,7 +1,9 @@
 """Weight sync trainer -> rollout engine: dtype conversion and a checksum both sides compute.
 
 The checksum is a SHA-256 over parameter names, dtypes, shapes and raw bytes, so "equal checksum"
-means bitwise-equal weights in the engine's dtype.
+means bitwise-equal weights in the engine's dtype. Through Ray the payload travels as those raw
+bytes plus dtype and shape (miles/transport/ray_tensors.py), so the trainer's checksum of what it
+sent and the engine's of what it loaded hash the same bytes.
 """
 
 from __future__ import annotations

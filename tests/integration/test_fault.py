@@ -1,5 +1,6 @@
 """Fault tolerance on real parts: SIGTERM mid-run, a rollout engine actor killed, a trainer that
-fails, on local Ray actors started by the run; the MLflow server case is in test_mlflow_outage.py."""
+fails, on local Ray actors started by the run; a failure that repeats identically stops after one
+retry, in-process and from inside a Ray actor; the MLflow server case is in test_mlflow_outage.py."""
 
 import json
 import os
@@ -96,15 +97,96 @@ def test_trainer_failure_resumes_with_no_trace_in_the_results(tmp_path, monkeypa
 
 
 def test_retries_are_bounded(tmp_path, monkeypatch, compose):
+    """Failures that differ each time (not a repeat of the previous one) are retried up to the limit."""
     from miles.trainer.torch_trainer import TorchTrainer
 
     monkeypatch.chdir(tmp_path)
+    calls = {"n": 0}
 
     def always_failing(self, batch):
-        raise RuntimeError("broken trainer")
+        calls["n"] += 1
+        raise RuntimeError(f"broken trainer, call {calls['n']}")
 
     monkeypatch.setattr(TorchTrainer, "train_rl", always_failing)
-    with pytest.raises(RuntimeError, match="broken trainer"):
+    with pytest.raises(RuntimeError, match="broken trainer, call 2"):
         run_inprocess(compose, [*TINY, "steps=2", "fault.max_retries=1"], tmp_path / "run")
     journal = (tmp_path / "run" / "mlflow" / "journal.jsonl").read_text().splitlines()
     assert json.loads(journal[-1])["status"] == "FAILED"
+
+
+def test_an_identical_failure_is_reported_after_the_first_retry(tmp_path, monkeypatch, compose, capsys):
+    """The same error at the same step again: a deterministic fault, reported once with its cause
+    and where it was raised, not retried to fault.max_retries."""
+    from miles.orchestrate.supervise import RepeatedFault
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    monkeypatch.chdir(tmp_path)
+    calls = {"n": 0}
+
+    def always_failing(self, batch):
+        calls["n"] += 1
+        raise RuntimeError("broken trainer")
+
+    monkeypatch.setattr(TorchTrainer, "train_rl", always_failing)
+    with pytest.raises(RepeatedFault) as stop:
+        run_inprocess(compose, [*TINY, "steps=2"], tmp_path / "run")  # fault.max_retries=3
+    out = capsys.readouterr().out
+    assert calls["n"] == 2 and out.count("retry 1/3") == 1 and "retry 2/3" not in out
+    assert isinstance(stop.value.__cause__, RuntimeError)
+    assert str(stop.value).startswith("the run failed again in step 1 with the same error, so it was not retried: "
+                                      "RuntimeError: broken trainer (tests/integration/test_fault.py:")
+    assert ("the run failed again in step 1 with the same error: a fault a retry does not cure, so no more retries "
+            "(1 of fault.max_retries=3 used)\n  error: RuntimeError: broken trainer\n  where: tests/integration/"
+            "test_fault.py:") in out
+    journal = (tmp_path / "run" / "mlflow" / "journal.jsonl").read_text().splitlines()
+    assert json.loads(journal[-1])["status"] == "FAILED"
+
+
+def test_an_identical_failure_inside_a_ray_actor_is_reported_after_the_first_retry(tmp_path, compose):
+    """Through real actors: the root cause is read out of Ray's task error (not RayTaskError's pid
+    line), and the restarted actor's new pid does not make the repeat a new failure."""
+    import types
+
+    import ray
+    import torch
+
+    from miles.orchestrate.handles import spawn, start_ray
+    from miles.orchestrate.loop import LoopContext
+    from miles.orchestrate.resume import CheckpointStore
+    from miles.orchestrate.supervise import RepeatedFault, supervise
+
+    class Trainer:  # defined here: Ray pickles it by value
+        def get_weights(self):
+            return {"w": torch.ones(4, dtype=torch.float8_e4m3fn)}, "digest"
+
+    class Engine:
+        def update_weights(self, weights, digest):
+            assert weights["w"].dtype == torch.float8_e4m3fn
+            return digest
+
+        def generate(self):
+            raise ValueError(f"this engine cannot generate (pid={os.getpid()})")
+
+    cfg = compose(["steps=2"])
+    builds, lines = [], []
+
+    def build():
+        builds.append(1)
+        return LoopContext(engine=spawn(Engine, True), trainer=spawn(Trainer, True), tokenizer=None,
+                           source=types.SimpleNamespace(state=dict, load_state=lambda state: None),
+                           reward_fn=lambda *args: 0.0, log=lambda metrics, step: None)
+
+    start_ray(None, None)
+    try:
+        with pytest.raises(RepeatedFault) as stop:
+            supervise(cfg, CheckpointStore(tmp_path / "ckpt", 1, enabled=False), build,
+                      lambda ctx: ctx.engine.call("generate"), tmp_path, {}, log=lines.append)
+    finally:
+        ray.shutdown()
+    assert len(builds) == 2 and len(lines) == 2
+    assert lines[0].startswith("the run failed (ValueError: this engine cannot generate (pid=")
+    assert lines[0].endswith("); starting over (no checkpoint yet), retry 1/3")
+    fault = stop.value.fault
+    assert (fault.type, fault.at) == ("ValueError", "in step 1")
+    assert fault.where.startswith("tests/integration/test_fault.py:") and \
+        fault.where.endswith(" in generate, in ray::Engine.generate()")
