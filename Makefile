@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast sft bench wheelhouse clean
+.PHONY: run test test-fast test-learning sft bench wheelhouse clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +21,16 @@ run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
 
 # Unit tests only (seconds): skips the end-to-end tier marked slow.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The shipped example tasks learning through launch.py (tests/integration/test_rlvr_tasks.py):
+# ~10 minutes on 2 free cores, so not part of `make test`.
+test-learning: $(STAMP)
+	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_speed.py
