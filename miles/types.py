@@ -1,9 +1,19 @@
-"""The typed currency between components: what rollout produces and what the trainer consumes."""
+"""The typed currency between components: what rollout produces and what the trainer consumes.
+
+Routed experts (R3, `algo.routing_replay`): an int tensor [positions, moe_layers, top_k] per sample,
+the experts each MoE layer chose for each token, in the compact `routing_dtype`. The moe_layers axis
+lists the model's MoE layers in order (`moe_layers`); a sample's tensor covers its positions
+[0, len(prompt_ids) + len(response_ids) - 1): every token the engine fed through the model, that is
+every token whose hidden state reaches a loss position. The last response token was never an input
+(nothing was sampled after it) and predicts nothing, so it has no routing.
+"""
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Optional
 
 import torch
 
@@ -32,6 +42,9 @@ class Sample:
     # What the reward function gets as keyword info besides the prompt: the record's other fields
     # and, multi-turn, "trajectory" (the conversation as role / content messages).
     info: dict = field(default_factory=dict)
+    # R3: the experts the engine's MoE layers chose, [P + R - 1, moe_layers, top_k] (see the module
+    # docstring), or None when the engine did not record them.
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -49,6 +62,10 @@ class TrainBatch:
     # PPO only (empty otherwise): the critic's values at rollout time and its GAE targets, [N, T-1].
     values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     returns: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # R3 (empty without): the engine's experts [N, T, moe_layers, top_k] per token, laid out as
+    # `tokens`; positions without a record (each sample's last token, padding) hold expert 0,
+    # which no loss position depends on.
+    routed_experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -65,6 +82,7 @@ class TrainBatch:
             rewards=rows(self.rewards),
             values=rows(self.values),
             returns=rows(self.returns),
+            routed_experts=rows(self.routed_experts),
         )
 
 
@@ -84,4 +102,66 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: i
             rollout_lp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
     adv = advantages.to(torch.float32).unsqueeze(1) * mask
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards)
+    return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards,
+                      routed_experts=_batch_routing(samples, width))
+
+
+def _batch_routing(samples: list[Sample], width: int) -> torch.Tensor:
+    """The samples' routed experts as one [N, width, moe_layers, top_k] tensor (expert 0 where a
+    sample has none: its last token, padding); empty when no sample carries any."""
+    recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not recorded:
+        return torch.zeros(0)
+    if len(recorded) < len(samples):
+        raise ValueError(f"only {len(recorded)} of {len(samples)} samples carry routed experts: a batch "
+                         "mixes recording and non-recording rollouts")
+    first = recorded[0]
+    out = torch.zeros(len(samples), width, *first.shape[1:], dtype=first.dtype)
+    for i, s in enumerate(samples):
+        covered = len(s.prompt_ids) + len(s.response_ids) - 1
+        if s.routed_experts.shape[0] != covered:
+            raise ValueError(f"sample {i}: routed experts cover {s.routed_experts.shape[0]} positions, "
+                             f"its prompt + response has {covered} inputs")
+        out[i, :covered] = s.routed_experts
+    return out
+
+
+# ------------------------------------------------------------------------------ routed experts (R3)
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """Compact dtype of expert ids: uint8 up to 256 experts, int16 beyond."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def moe_layers(config) -> list[int]:
+    """Indices of an ArchConfig's MoE layers: the order of the moe_layers axis of routed experts."""
+    return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+
+
+def stack_routing(record: dict, layers: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A forward's `routing_record` (layer -> experts [..., k]) as one tensor [..., moe_layers, k]."""
+    out = torch.stack([record[layer] for layer in layers], dim=-2)
+    return out if dtype is None else out.to(dtype)
+
+
+def routing_replay(routing: torch.Tensor, layers: list[int]) -> dict:
+    """[..., moe_layers, k] -> the `routing_replay` dict a forward takes (layer -> [..., k])."""
+    return {layer: routing[..., j, :] for j, layer in enumerate(layers)}
+
+
+def routing_to_json(routing: torch.Tensor | None) -> dict | None:
+    """Routed experts in a JSON-able form (debug.save_rollouts): dtype, shape, base64 bytes."""
+    if routing is None:
+        return None
+    raw = routing.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"dtype": str(routing.dtype).removeprefix("torch."), "shape": list(routing.shape),
+            "data": base64.b64encode(raw).decode("ascii")}
+
+
+def routing_from_json(data: dict | None) -> torch.Tensor | None:
+    """Inverse of `routing_to_json`."""
+    if data is None:
+        return None
+    raw = bytearray(base64.b64decode(data["data"]))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, data["dtype"])).reshape(data["shape"]).clone()

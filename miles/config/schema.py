@@ -96,6 +96,9 @@ class AlgoCfg:
     lam: float = 0.95
     opd_kl_coef: float = 0.0
     teacher_checkpoint: Optional[str] = None
+    # MoE routing replay: none; r3 = the trainer routes by the experts the rollout engine chose
+    # (recorded per token in the rollout); r2 = the update forwards route as the old-log-prob pass did.
+    routing_replay: str = "none"
 
 
 @dataclass

@@ -179,6 +179,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += device_problems(cfg)
     problems += reward_problems(cfg)
     problems += tool_problems(cfg)
+    problems += routing_replay_problems(cfg)
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
     if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
@@ -212,6 +213,34 @@ def reward_problems(cfg: RunCfg) -> list[str]:
     if any(name == "code" for _, name in parse_spec(t.reward)):
         _positive(problems, **{f"task.sandbox.{f.name}": getattr(t.sandbox, f.name) for f in fields(t.sandbox)})
     return problems
+
+
+def routing_replay_problems(cfg: RunCfg) -> list[str]:
+    """algo.routing_replay: a known mode; r2 / r3 replay MoE routing, so they need RL and a model with
+    MoE layers (the sizes of model.hf_checkpoint's config.json when one is given)."""
+    import json
+
+    from miles.types import moe_layers
+
+    mode = cfg.algo.routing_replay
+    if mode not in ("none", "r2", "r3"):
+        return [f"algo.routing_replay={mode!r} is unknown; valid: none, r2, r3"]
+    if mode == "none":
+        return []
+    if cfg.algo.name == AlgoName.sft:
+        return [f"algo.routing_replay={mode} applies to RL, not algo=sft: set algo.routing_replay=none"]
+    arch = cfg.model
+    if arch.hf_checkpoint is not None:
+        from miles.models import from_hf_config
+
+        try:
+            arch = from_hf_config(json.loads((Path(arch.hf_checkpoint) / "config.json").read_text()))
+        except (OSError, ValueError):
+            return []  # an unreadable checkpoint is reported by the model.hf_checkpoint rules
+    if not moe_layers(arch):
+        return [f"algo.routing_replay={mode} replays MoE routing, but model={cfg.model.name} has no MoE layer: "
+                "set algo.routing_replay=none"]
+    return []
 
 
 def tool_problems(cfg: RunCfg) -> list[str]:

@@ -150,7 +150,8 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine = None if cfg.debug.train_only else spawn(
         NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg), num_gpus=gpu)
+        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg),
+        record_routing=cfg.algo.routing_replay == "r3", num_gpus=gpu)
     trainer = None if cfg.debug.rollout_only else spawn(
         TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
         cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,

@@ -17,6 +17,9 @@ assistant turn, so the model's text never has to re-tokenize the same way).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 from miles.data.arithmetic import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
@@ -43,6 +46,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     done: bool = False
+    routed_experts: Optional[torch.Tensor] = None  # R3: experts of the context's inputs so far
 
     @property
     def context(self) -> list[int]:
@@ -129,6 +133,10 @@ class MultiTurn:
         for t, s in zip(trajectories, turn):
             room = max_new - len(t.response_ids)
             ids, logprobs = s.response_ids[:room], s.rollout_logprobs[:room]
+            if s.routed_experts is not None:  # R3: this call's record of the inputs no earlier call fed
+                start = 0 if t.routed_experts is None else len(t.routed_experts)
+                new = s.routed_experts[start:len(t.context) + len(ids) - 1]
+                t.routed_experts = new if t.routed_experts is None else torch.cat([t.routed_experts, new])
             stopped = s.finish_reason == FinishReason.stop and len(ids) == len(s.response_ids)
             t.response_ids += ids
             t.logprobs += logprobs
@@ -156,10 +164,14 @@ class MultiTurn:
                 t.done, t.finish_reason = True, FinishReason.length
 
     def _sample(self, t: Trajectory) -> Sample:
+        routed = t.routed_experts
+        if routed is not None:  # a trailing tool turn no call read: expert 0, no loss position depends on it
+            missing = len(t.prompt_ids) + len(t.response_ids) - 1 - len(routed)
+            routed = torch.cat([routed, routed.new_zeros(missing, *routed.shape[1:])])
         return Sample(
             prompt=t.example.prompt, label=t.example.label, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
             rollout_logprobs=t.logprobs, response=t.final_text, finish_reason=t.finish_reason, group=t.group,
-            response_mask=t.mask, info={**t.example.fields, "trajectory": t.messages},
+            response_mask=t.mask, info={**t.example.fields, "trajectory": t.messages}, routed_experts=routed,
         )
 
 

@@ -13,6 +13,11 @@ Ray actor, tests and the GPU machine call it directly.
 
     engine = NativeEngine("ckpt_dir", RolloutCfg(), DType.fp32)
     samples = engine.generate(["12+30="], ["42"], n=4)
+
+Routing record (R3, `record_routing=True`, MoE models): both paths also return, per sample, the
+experts every MoE layer chose for each input token (`Sample.routed_experts`, layout in
+miles/types.py): prompt positions from the prefill of the distinct prompt (the same for its n
+samples, left / right padding removed), response positions from the decode step that fed each token.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
 from miles.transport.flat import FlatWeights
-from miles.types import FinishReason, Sample
+from miles.types import FinishReason, Sample, moe_layers, routing_dtype, stack_routing
 
 # Finished rows are dropped from the decode batch once they are at least this fraction of it:
 # fewer rows to compute per step, against one copy of the KV cache per compaction.
@@ -45,8 +50,10 @@ class NativeEngine:
         seed: int = 0,
         precision: PrecisionCfg | None = None,
         max_slots: int | None = None,
+        record_routing: bool = False,
     ):
-        """max_slots: sequences the planner's KV budget holds (caps rollout.max_running)."""
+        """max_slots: sequences the planner's KV budget holds (caps rollout.max_running).
+        record_routing: return each sample's routed experts (R3, algo.routing_replay=r3; MoE only)."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
@@ -76,6 +83,15 @@ class NativeEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Compact the decode batch once this fraction of its rows has finished (> 1: never).
         self.compact_at = COMPACT_AT
+        # R3: the MoE layers whose choices are recorded (None: no recording) and their id dtype.
+        self.routing_layers = None
+        if record_routing:
+            config = self.model.config
+            self.routing_layers = moe_layers(config)
+            if not self.routing_layers:
+                raise ValueError(f"routing record (algo.routing_replay=r3) needs an MoE model; "
+                                 f"{config.family} has no MoE layer")
+            self.routing_dtype = routing_dtype(config.moe.num_experts)
         self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
 
     def _use_slots(self) -> bool:
@@ -94,8 +110,11 @@ class NativeEngine:
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
+        # (So recording the routing, which only MoE models do, never meets a captured graph.)
         graphs = cfg.cuda_graphs and self.model.config.moe is None
-        return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every)
+        routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
+        return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
+                           routing=routing)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.tokenizer.decode(ids, skip_special_tokens=True)
@@ -130,7 +149,7 @@ class NativeEngine:
         else:
             decoded = self._generate_padded(distinct, n, temperature, max_new)
         samples = []
-        for i, (ids, (resp, logprobs, stopped)) in enumerate(zip(prompt_ids, decoded)):
+        for i, (ids, (resp, logprobs, stopped, routing)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
                 Sample(
                     prompt=prompts[i // n],
@@ -141,13 +160,15 @@ class NativeEngine:
                     response=self.decode(resp),
                     finish_reason=FinishReason.stop if stopped else FinishReason.length,
                     group=i // n,
+                    routed_experts=routing,
                 )
             )
         return samples
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float,
-                         max_new: int) -> list[tuple[list[int], list[float], bool]]:
-        """(response ids, log-probs, ended on a stop token) per sample: left-padded batch decode."""
+                         max_new: int) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
+        """(response ids, log-probs, ended on a stop token, routed experts or None) per sample:
+        left-padded batch decode."""
         cfg = self.cfg
         batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
@@ -161,7 +182,12 @@ class NativeEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = self.model.new_cache(len(distinct), width + max_new, dtype=self.dtype, device=self.device)
-        logits = self.model(tokens, attention_mask=mask, position_ids=positions, cache=cache)[:, -1]
+        record = None if self.routing_layers is None else {}
+        logits = self.model(tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                            routing_record=record)[:, -1]
+        if record is not None:  # prompts' experts [P, width, L, k]; each sample's decode steps fill its row
+            prompt_routing = stack_routing(record, self.routing_layers, self.routing_dtype)
+            response_routing = prompt_routing.new_zeros(batch, max_new, *prompt_routing.shape[2:])
         if n > 1:
             expand = torch.arange(len(distinct), device=self.device).repeat_interleave(n)
             cache = _select(cache, expand)
@@ -197,10 +223,20 @@ class NativeEngine:
                 mask, position = mask[keep], position[keep]
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=self.device)], dim=1)
             position = position + 1
-            logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache)[:, -1]
+            logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache,
+                                routing_record=record)[:, -1]
+            if record is not None:  # the input was response token t of each batch row's sample
+                response_routing[rows, t] = stack_routing(record, self.routing_layers, self.routing_dtype)[:, 0]
 
         out, out_lp, lengths, finished = out.cpu().tolist(), out_lp.cpu().tolist(), lengths.tolist(), finished.tolist()
-        return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i]) for i in range(batch)]
+        routing = [None] * batch
+        if record is not None:
+            prompt_routing, response_routing = prompt_routing.cpu(), response_routing.cpu()
+            for i in range(batch):
+                p = len(distinct[i // n])
+                # Fresh tensors (cat copies): a view would carry the whole buffer through pickling.
+                routing[i] = torch.cat([prompt_routing[i // n, width - p:], response_routing[i, : lengths[i] - 1]])
+        return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i], routing[i]) for i in range(batch)]
 
     def update_weights(self, weights: dict[str, torch.Tensor] | FlatWeights,
                        expected_checksum: str | None = None) -> str:

@@ -15,6 +15,11 @@ allocated once) hold the samples being decoded, each at its own length:
 Finished rows ride along until the next check; they write only into their own slot (at a frozen
 column) and their tokens are masked, so they change nothing. The model is the trainer's own
 `CausalLM`: a captured step runs exactly `CausalLM.forward` in slot-decode mode.
+
+Routing record (R3, `routing` given; MoE models, which never capture graphs): the prefill's experts
+of each prompt's real tokens, and per slot a [max_new, L, k] buffer where each step writes the
+experts of its input token (response token steps - 1) at column steps - 1. Finished rows keep
+writing at their frozen column, that of their last token, which has no routing (miles/types.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from miles.models.cache import SlotCache
 from miles.rollout.sampling import sample_next
+from miles.types import stack_routing
 
 
 def default_buckets(slots: int) -> list[int]:
@@ -58,8 +64,8 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.tokens[:b, None], cache=self.views[b])[:, 0]
+    def _forward(self, b: int, routing_record: dict | None = None) -> torch.Tensor:
+        return self.model(self.tokens[:b, None], cache=self.views[b], routing_record=routing_record)[:, 0]
 
     @torch.no_grad()
     def _capture(self) -> None:
@@ -82,17 +88,25 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, b: int) -> torch.Tensor:
+    def run(self, b: int, routing_record: dict | None = None) -> torch.Tensor:
+        """Logits [b, V] of one step; `routing_record` (eager steps only) receives the MoE choices."""
+        if routing_record is not None and b in self.graphs:
+            raise ValueError("a captured decode graph cannot record MoE routing")
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b]
-        return self._forward(b)
+        return self._forward(b, routing_record)
 
 
 class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None):
+                 pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None,
+                 routing: tuple[list[int], torch.dtype] | None = None):
+        """routing: (MoE layers, id dtype) to record each sample's routed experts (no graph capture)."""
         self.model, self.slots, self.max_len, self.device = model, slots, max_len, device
+        self.routing = routing
+        if routing is not None:
+            cuda_graphs = False
         self.pad_id, self.sync_every = pad_id, sync_every
         layers = [layer.attn.new_cache(slots, max_len, dtype, device) for layer in model.layers]
         self.cache = SlotCache(layers, max_len, slots)
@@ -120,14 +134,20 @@ class SlotDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, stop_ids: torch.Tensor,
-                 generator: torch.Generator) -> list[tuple[list[int], list[float], bool]]:
-        """(response ids, log-probs, ended on a stop token) per sample, row i*n+j answering prompts[i]."""
+                 generator: torch.Generator) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
+        """(response ids, log-probs, ended on a stop token, routed experts or None) per sample, row
+        i*n+j answering prompts[i]."""
         if n > self.slots:
             raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
         cap = sampling.max_new
         # One spare column: rows that already finished keep writing (pad) at a frozen column <= cap.
         self.out_tok = torch.full((self.slots, cap + 1), self.pad_id, dtype=torch.long, device=self.device)
         self.out_lp = torch.zeros(self.slots, cap + 1, device=self.device)
+        self.out_routing, self.prompt_routing = None, {}  # per slot [cap, L, k]; per prompt [len, L, k]
+        if self.routing is not None:
+            layers, dtype = self.routing
+            k = self.model.config.moe.num_experts_per_tok
+            self.out_routing = torch.zeros(self.slots, cap, len(layers), k, dtype=dtype, device=self.device)
         # Slots left from an earlier call ride along in the bucket: their step counters index this
         # call's output columns, so they restart (a multi-turn call may have a smaller cap).
         self.live.zero_()
@@ -145,19 +165,22 @@ class SlotDecoder:
                 for k, group in enumerate(admit):
                     for j in range(n):
                         owner[dst[k * n + j]] = group * n + j
-                self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator)
+                routing = self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator)
+                self.prompt_routing.update(zip(admit, routing))
             if not waiting:
                 self._compact(owner)
             rows = max(s for s in range(self.slots) if owner[s] >= 0) + 1
             bucket = self.graphs.bucket(rows)
             for _ in range(self.sync_every):
                 self._step(bucket, sampling, stop_ids, generator)
-            self._collect(owner, rows, results)
+            self._collect(owner, rows, results, n)
+        self.prompt_routing = {}
         return results
 
     def _admit(self, groups: list[list[int]], n: int, dst: list[int], sampling: Sampling,
-               stop_ids: torch.Tensor, generator: torch.Generator) -> None:
-        """Prefill each prompt once, copy its KV to its n slots, sample every slot's first token."""
+               stop_ids: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor | None]:
+        """Prefill each prompt once, copy its KV to its n slots, sample every slot's first token.
+        Returns each prompt's routed experts [len, L, k] (None each without recording)."""
         width = max(map(len, groups))
         if width + sampling.max_new > self.max_len:
             raise ValueError(f"prompt ({width} tokens) + max_new_tokens ({sampling.max_new}) exceeds the "
@@ -169,7 +192,8 @@ class SlotDecoder:
         tokens, lengths = tokens.to(self.device), lengths.to(self.device)
         prefill = self.model.new_cache(len(groups), width, dtype=self.cache.layers[0].keys.dtype, device=self.device)
         # Right padding: every real token precedes the pads, so plain causal attention is exact.
-        hidden = self.model(tokens, cache=prefill, return_hidden=True)
+        record = None if self.routing is None else {}
+        hidden = self.model(tokens, cache=prefill, return_hidden=True, routing_record=record)
         last = hidden[torch.arange(len(groups), device=self.device), lengths - 1]  # [P, hidden]
         logits = self.model.logits_from_hidden(last)
         src = torch.arange(len(groups), device=self.device).repeat_interleave(n)
@@ -182,10 +206,19 @@ class SlotDecoder:
         hit = torch.isin(token, stop_ids)
         self.stopped[slots], self.steps[slots], self.tokens[slots] = hit, 1, token
         self.live[slots] = ~hit & (sampling.max_new > 1)
+        if record is None:
+            return [None] * len(groups)
+        routing = stack_routing(record, self.routing[0], self.routing[1])  # [P, width, L, k]
+        return [routing[i, : len(ids)] for i, ids in enumerate(groups)]
 
     def _step(self, b: int, sampling: Sampling, stop_ids: torch.Tensor, generator: torch.Generator) -> None:
         """One token for rows [0, b): graph forward, then sampling and bookkeeping on the device."""
-        logits = self.graphs.run(b)
+        record = None if self.routing is None else {}
+        logits = self.graphs.run(b, record)
+        if record is not None:  # each row's input is its response token steps - 1 (slots never used: 0)
+            column = (self.steps[:b] - 1).clamp(min=0)
+            self.out_routing[torch.arange(b, device=self.device), column] = \
+                stack_routing(record, self.routing[0], self.routing[1])[:, 0]
         live = self.live[:b]
         self.cache.lengths[:b] += live  # the input token is now in the cache (finished rows stay put)
         token, logp = sample_next(logits, sampling.temperature, sampling.top_p, sampling.top_k, generator)
@@ -199,7 +232,7 @@ class SlotDecoder:
         self.live[:b] = live & ~hit & (self.steps[:b] < sampling.max_new)
         self.tokens[:b] = token
 
-    def _collect(self, owner: list[int], rows: int, results: list) -> None:
+    def _collect(self, owner: list[int], rows: int, results: list, n: int) -> None:
         """Hand finished slots' responses to `results` and free the slots (one host sync)."""
         live = self.live[:rows].tolist()
         done = [s for s in range(rows) if owner[s] >= 0 and not live[s]]
@@ -208,8 +241,12 @@ class SlotDecoder:
         index = torch.tensor(done, device=self.device)
         tok, lp = self.out_tok[index].tolist(), self.out_lp[index].tolist()
         steps, stopped = self.steps[index].tolist(), self.stopped[index].tolist()
+        routing = None if self.out_routing is None else self.out_routing[index].cpu()
         for k, s in enumerate(done):
-            results[owner[s]] = (tok[k][: steps[k]], lp[k][: steps[k]], stopped[k])
+            experts = None
+            if routing is not None:  # fresh tensors (cat copies): no view of the buffer travels
+                experts = torch.cat([self.prompt_routing[owner[s] // n].cpu(), routing[k, : steps[k] - 1]])
+            results[owner[s]] = (tok[k][: steps[k]], lp[k][: steps[k]], stopped[k], experts)
             owner[s] = -1
 
     def _compact(self, owner: list[int]) -> None:
@@ -224,8 +261,9 @@ class SlotDecoder:
         low = [s for s in range(target) if owner[s] < 0][: len(high)]
         dst, src = torch.tensor(low, device=self.device), torch.tensor(high, device=self.device)
         self.cache.move_rows(dst, src)
-        for state in (self.tokens, self.live, self.stopped, self.steps, self.out_tok, self.out_lp):
-            state[dst] = state[src]
+        for state in (self.tokens, self.live, self.stopped, self.steps, self.out_tok, self.out_lp, self.out_routing):
+            if state is not None:
+                state[dst] = state[src]
         self.live[src] = False
         for d, s in zip(low, high):
             owner[d], owner[s] = owner[s], -1

@@ -48,16 +48,21 @@ def head_outside(model: CausalLM, recipe: Recipe) -> bool:
 
 
 def token_logprobs_of(model: CausalLM, recipe: Recipe, mb: MicroBatch, temperature: float,
-                      with_entropy: bool = False, chunk_tokens: int = CHUNK_TOKENS
+                      with_entropy: bool = False, chunk_tokens: int = CHUNK_TOKENS,
+                      routing_replay: dict | None = None, routing_record: dict | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the targets (and entropies) of a micro-batch in its padded loss layout [n, T-1].
-    chunk_tokens 0: the model's own head over every position, logits whole (the reference path)."""
+    chunk_tokens 0: the model's own head over every position, logits whole (the reference path).
+    routing_replay / routing_record: MoE routing (layer -> experts [R, L, k] in the micro-batch's
+    input layout) to route by / to fill, as `CausalLM.forward` takes them."""
+    routing = {k: v for k, v in (("routing_replay", routing_replay), ("routing_record", routing_record))
+               if v is not None}
     if chunk_tokens > 0 and head_outside(model, recipe):
-        hidden = gather_outputs(functools.partial(recipe.forward, model), mb, return_hidden=True)
+        hidden = gather_outputs(functools.partial(recipe.forward, model), mb, return_hidden=True, **routing)
         logp, entropy = hidden_logprobs(hidden, model.output_weight, mb.targets, temperature, with_entropy,
                                         chunk_tokens)
     else:
-        logits = gather_outputs(functools.partial(recipe.forward, model), mb)
+        logits = gather_outputs(functools.partial(recipe.forward, model), mb, **routing)
         logp = token_logprobs(logits, mb.targets, temperature)
         entropy = entropy_from_logits(logits.float() / temperature) if with_entropy else None
     return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)

@@ -10,6 +10,8 @@ aggregation mode computes exactly what it computes without packing. Only the mod
   restart at 0 for each. Rows then fill micro-batches of at most `max_tokens` tokens.
 Both give, for every loss position, `src` (its flat index in the forward's [R * L] tokens), `dst`
 (its flat index in the micro-batch's [n * (T-1)] loss layout) and `targets` (the token it predicts).
+When the batch carries the engine's routed experts (R3), `routing` holds them laid out exactly as
+`input_ids` (gathered with the same index arithmetic; expert 0 on padding), ready to replay.
 Plans are built on the host; `MicroBatch.to` moves one to the device without a host sync.
 """
 
@@ -41,6 +43,7 @@ class MicroBatch:
     branch_ids: Optional[torch.Tensor] = None  # [R, L] shared prompts: 0 = a prompt, 1..n its responses
     cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] int32: row-major bounds of samples and tails
     max_seqlen: int = 0  # longest of those blocks
+    routing: Optional[torch.Tensor] = None  # [R, L, moe_layers, k] the engine's experts per input token (R3)
 
     @property
     def num_samples(self) -> int:
@@ -103,8 +106,21 @@ def padded_micro_batches(batch: TrainBatch, size: int) -> list[MicroBatch]:
 def _padded(batch: TrainBatch, start: int, end: int) -> MicroBatch:
     tokens, mask = batch.tokens[start:end], batch.loss_mask[start:end]
     src = (mask.reshape(-1) > 0).nonzero().squeeze(1)
+    routing = batch.routed_experts[start:end, :-1] if len(batch.routed_experts) else None
     return MicroBatch(index=torch.arange(start, end), input_ids=tokens[:, :-1], src=src, dst=src,
-                      targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1])
+                      targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1], routing=routing)
+
+
+def _gather_routing(batch: TrainBatch, shape: tuple[int, int], flat: torch.Tensor, sample: torch.Tensor,
+                    pos: torch.Tensor) -> Optional[torch.Tensor]:
+    """The batch's routed experts in a packed layout of `shape` (R, L): token (sample, pos) goes to
+    flat index `flat`, as input_ids; None when the batch has none."""
+    if not len(batch.routed_experts):
+        return None
+    experts = batch.routed_experts
+    out = experts.new_zeros(shape[0] * shape[1], *experts.shape[2:])
+    out[flat] = experts[sample, pos]
+    return out.view(*shape, *experts.shape[2:])
 
 
 def packed_micro_batches(batch: TrainBatch, max_tokens: int, row_tokens: int | None = None) -> list[MicroBatch]:
@@ -172,6 +188,7 @@ def _packed(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> Mic
         dst=(owner * width + pos)[is_loss], targets=batch.tokens[sample, pos + 1][is_loss], width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         cu_seqlens=bounds.to(torch.int32), max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
+        routing=_gather_routing(batch, (r, cols), flat, sample, pos),
     )
 
 
@@ -247,5 +264,5 @@ def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: li
         index=torch.tensor(samples), input_ids=input_ids.view(r, cols), src=torch.tensor(src),
         dst=torch.tensor(dst), targets=torch.tensor(targets), width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
-        branch_ids=branch_ids.view(r, cols),
+        branch_ids=branch_ids.view(r, cols), routing=_gather_routing(batch, (r, cols), flat, sample, pos),
     )

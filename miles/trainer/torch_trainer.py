@@ -19,6 +19,13 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   micro-batches the update uses, so the first step still has ppo_kl == 0 bit for bit.
 - bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
   the device until the end of the call, so no host sync per micro-batch.
+- MoE routing replay (`algo.routing_replay`): r3 routes the policy's old-log-prob and update forwards
+  (and its `kl_to_ref` / `logprobs`) by the experts the engine chose (`TrainBatch.routed_experts`,
+  laid out per micro-batch as its input_ids); r2 records the old-log-prob pass's own routing and
+  replays it in the update forwards (nothing to replay with one forward). The reference model and the
+  teacher route by their own routers. Whenever the batch carries the engine's experts, one more
+  no-grad forward by the policy's own router gives `mismatch/routing_agreement` (share of (loss
+  position, MoE layer) whose top-k sets equal the engine's) and `mismatch/logprob_abs_diff_no_replay`.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
 from miles.transport.flat import FlatLayout, FlatWeights
-from miles.types import TrainBatch
+from miles.types import TrainBatch, moe_layers, routing_replay, stack_routing
 
 
 class TorchTrainer:
@@ -78,6 +85,11 @@ class TorchTrainer:
         # The precision recipe: the forward sees the rollout's quantization (fp8 / int4_qat) and
         # weight sync carries the rollout format.
         self.recipe = Recipe.from_cfg(precision, self.model.config.num_layers)
+        # The MoE layers: the order of the moe_layers axis of routed experts (R3 / R2 replay).
+        self.routing_layers = moe_layers(self.model.config)
+        if algo.routing_replay != "none" and not self.routing_layers:
+            raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
+                             f"{self.model.config.family} has no MoE layer")
         self.ref_model = None
         if algo.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -111,18 +123,50 @@ class TorchTrainer:
         dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32
         return plan_micro_batches(batch, model, self.cfg, self.device, dtype)
 
-    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False):
-        """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1], 0 off its loss positions."""
+    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
+                 record: dict | None = None):
+        """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1], 0 off its loss positions.
+        replay / record: MoE routing to route by / to fill (layer -> experts in mb's input layout)."""
         with self._autocast():
-            return token_logprobs_of(model, self.recipe, mb, self.temperature, with_entropy, self.logits_chunk_tokens)
+            return token_logprobs_of(model, self.recipe, mb, self.temperature, with_entropy, self.logits_chunk_tokens,
+                                     routing_replay=replay, routing_record=record)
+
+    def _engine_replay(self, mb: MicroBatch) -> dict | None:
+        """R3: the engine's experts of the micro-batch as a routing_replay (None in other modes)."""
+        if self.algo.routing_replay != "r3" or mb.routing is None:
+            return None
+        return routing_replay(mb.routing, self.routing_layers)
 
     @torch.no_grad()
     def _full_logprobs(self, model, batch: TrainBatch, plan: list[MicroBatch] | None = None) -> torch.Tensor:
         """Log-probs [N, T-1] of a whole batch on the device (rows in the batch's order)."""
         out = torch.zeros(batch.loss_mask.shape, device=self.device)
         for mb in plan if plan is not None else self._plan(batch, model):
-            out.index_copy_(0, mb.index, self._forward(model, mb)[0])
+            replay = self._engine_replay(mb) if model is self.model else None
+            out.index_copy_(0, mb.index, self._forward(model, mb, replay=replay)[0])
         return out
+
+    @torch.no_grad()
+    def _routing_diagnostics(self, plans: list[list[MicroBatch]], bounds: list[int], rollout: torch.Tensor,
+                             mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The policy by its own router against the engine's recorded experts (device scalars):
+        `mismatch/routing_agreement`, the share of (loss position, MoE layer) whose top-k expert sets
+        are equal, and `mismatch/logprob_abs_diff_no_replay`, the log-prob mismatch without replay."""
+        agree = torch.zeros((), device=self.device)
+        diff = torch.zeros((), device=self.device)
+        total = 0
+        for s, plan in enumerate(plans):
+            for mb in plan:
+                record: dict = {}
+                lp = self._forward(self.model, mb, record=record)[0]
+                rows = mb.index + bounds[s]
+                diff += masked_sum((lp - rollout[rows]).abs(), mask[rows])
+                own = stack_routing(record, self.routing_layers).flatten(0, 1).index_select(0, mb.src)
+                engine = mb.routing.flatten(0, 1).index_select(0, mb.src).long()
+                agree += (own.sort(-1).values == engine.sort(-1).values).all(-1).sum()
+                total += own.shape[0] * own.shape[1]
+        return {"mismatch/routing_agreement": agree / max(total, 1),
+                "mismatch/logprob_abs_diff_no_replay": diff / mask.sum().clamp(min=1.0)}
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -210,6 +254,10 @@ class TorchTrainer:
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
         a = self.algo
+        engine_routing = len(batch.routed_experts) > 0
+        if a.routing_replay == "r3" and not engine_routing:
+            raise ValueError("algo.routing_replay=r3 but the rollout batch carries no routed experts "
+                             "(Sample.routed_experts): the engine must be built with record_routing=True")
         n_steps = a.num_steps_per_rollout
         bounds = [round(s * len(batch) / n_steps) for s in range(n_steps + 1)]
         # Planned from the batch as it came: MIS may drop loss tokens later, which only zeroes them.
@@ -220,6 +268,10 @@ class TorchTrainer:
         one_forward = (self.reuse_forward_for_old and n_steps == 1 and self.teacher is None
                        and a.tis == "none" and a.mis == "none")
         rollout, mask = to_device(batch.rollout_logprobs, self.device), to_device(batch.loss_mask, self.device)
+        routing_metrics = self._routing_diagnostics(plans, bounds, rollout, mask) if engine_routing else {}
+        # What each micro-batch's policy forwards route by: r3 the engine's experts, r2 the old pass's
+        # own (recorded below), None their router.
+        replays = [[self._engine_replay(mb) for mb in plan] for plan in plans]
         # Summed micro-batch by micro-batch in both paths, so that they give the same number.
         mismatch = torch.zeros((), device=self.device)
         extra: dict[str, float] = {}
@@ -228,9 +280,12 @@ class TorchTrainer:
             old = torch.zeros(batch.loss_mask.shape, device=self.device)
             with torch.no_grad():
                 for s, plan in enumerate(plans):
-                    for mb in plan:
+                    for k, mb in enumerate(plan):
                         rows = mb.index + bounds[s]
-                        lp = self._forward(self.model, mb)[0]
+                        record = {} if a.routing_replay == "r2" else None
+                        lp = self._forward(self.model, mb, replay=replays[s][k], record=record)[0]
+                        if record is not None:  # R2: the update forwards replay this pass's routing
+                            replays[s][k] = record
                         mismatch += masked_sum((lp - rollout[rows]).abs(), mask[rows])
                         old.index_copy_(0, rows, lp)
             policy_old = rollout if a.use_rollout_logprobs else old  # the engine's numbers define the old policy
@@ -246,11 +301,11 @@ class TorchTrainer:
         for s, plan in enumerate(plans):
             normalizers = self._normalizers(batch.loss_mask[bounds[s]:bounds[s + 1]])
 
-            def loss_fn(mb: MicroBatch, ref_logp, offset=bounds[s], normalizers=normalizers):
+            def loss_fn(mb: MicroBatch, ref_logp, replay, offset=bounds[s], normalizers=normalizers):
                 nonlocal mismatch
                 rows = mb.index + offset
                 samples = select(dev, rows)
-                logp, entropy = self._forward(self.model, mb, with_entropy=True)
+                logp, entropy = self._forward(self.model, mb, with_entropy=True, replay=replay)
                 if old is None:  # one forward: the old policy is this very forward
                     mismatch += masked_sum((logp.detach() - samples.rollout_logprobs).abs(), mask[rows])
                     old_logp = samples.rollout_logprobs if a.use_rollout_logprobs else logp.detach()
@@ -258,10 +313,11 @@ class TorchTrainer:
                     old_logp = old[rows]
                 return self._rl_loss(samples, logp, entropy, old_logp, ref_logp, normalizers)
 
-            for k, v in self._step(list(zip(plan, ref[s])), loss_fn).items():
+            for k, v in self._step(list(zip(plan, ref[s], replays[s])), loss_fn).items():
                 totals[k] += v / n_steps
-        names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff"]
-        values = torch.stack([*totals.values(), mismatch / max(float(batch.loss_mask.sum()), 1.0)]).tolist()
+        names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff", *routing_metrics]
+        values = torch.stack([*totals.values(), mismatch / max(float(batch.loss_mask.sum()), 1.0),
+                              *routing_metrics.values()]).tolist()
         return {**dict(zip(names, values)), **extra}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
