@@ -17,8 +17,8 @@ TINY = [
 ]
 
 
-def test_hf_checkpoint_written_by_transformers(tmp_path):
-    """model.hf_checkpoint=<dir> alone is enough: config.json + safetensors + tokenizer.json."""
+def _char_checkpoint(ckpt):
+    """A random tiny Qwen3 saved by transformers with the project's char tokenizer (no chat template)."""
     import torch
     import transformers
 
@@ -32,10 +32,14 @@ def test_hf_checkpoint_written_by_transformers(tmp_path):
         tie_word_embeddings=True, bos_token_id=info.bos_id, eos_token_id=info.eos_id, pad_token_id=info.pad_id,
     )
     torch.manual_seed(0)
-    ckpt = tmp_path / "hf"
     transformers.Qwen3ForCausalLM(config).save_pretrained(ckpt)
     save_tokenizer(tok, ckpt)
+    return ckpt
 
+
+def test_hf_checkpoint_written_by_transformers(tmp_path):
+    """model.hf_checkpoint=<dir> alone is enough: config.json + safetensors + tokenizer.json."""
+    ckpt = _char_checkpoint(tmp_path / "hf")
     proc = run_launch([*TINY, f"model.hf_checkpoint={ckpt}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "building the warm-start" not in proc.stdout  # a given checkpoint is used as is
@@ -143,6 +147,9 @@ def test_chat_template_prompts_from_a_transformers_checkpoint(tmp_path):
 
 
 def test_apply_chat_template_without_a_template_is_a_user_error(tmp_path):
-    proc = run_launch([*TINY, "warm_start.enabled=false", "task.apply_chat_template=true"], cwd=tmp_path)
+    """A checkpoint of yours without a template (the project's own random / warm-start models get the
+    tiny chat format instead)."""
+    ckpt = _char_checkpoint(tmp_path / "hf")
+    proc = run_launch([*TINY, f"model.hf_checkpoint={ckpt}", "task.apply_chat_template=true"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the tokenizer has no chat_template" in proc.stderr and "Traceback" not in proc.stderr
