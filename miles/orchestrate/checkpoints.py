@@ -78,7 +78,8 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     # Its own data stream, so RL's prompts do not depend on whether the cache existed.
     source = PromptSource(cfg.task, cfg.seed, stream=1)
-    from_hf = cfg.model.hf_checkpoint is not None  # warm_start.from_checkpoint: SFT the user's model
+    # SFT the user's model when there is one (warm_start.from_checkpoint, or the built-in OPD teacher).
+    from_hf = cfg.model.hf_checkpoint is not None
     init = Path(cfg.model.hf_checkpoint) if from_hf else \
         random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init", chat=uses_chat(cfg, source))
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
