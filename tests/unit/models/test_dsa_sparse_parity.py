@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from miles.models import from_pretrained
-from zoo_checks import check_decode_matches_forward, max_diff, random_ids, tiny_hf_model
+from zoo_checks import check_decode_matches_forward, left_padded, max_diff, random_ids, tiny_hf_model
 
 TOPK, LENGTH, VOCAB = 8, 40, 64
 ATOL = 1e-5  # fp32 logits
@@ -122,12 +122,8 @@ def test_cache_decode_matches_the_transformers_forward_past_index_topk(family, t
         gaps = _cut_gaps(ours, s[None])
         assert gaps.min() > MIN_GAP, f"near-tie at the top-k cut ({gaps.min():.3g}): pick another seed"
 
-    width = max(prompts)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, n in enumerate(prompts):
-        ids[i, width - n:], mask[i, width - n:] = seqs[i][:n], 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_padded(seqs, prompts)
+    width = ids.shape[1]
     cache = ours.new_cache(len(seqs), width + new)
     prefill = ours(ids, attention_mask=mask, position_ids=pos, cache=cache)
     worst = 0.0

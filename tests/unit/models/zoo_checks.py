@@ -87,12 +87,8 @@ def check_decode_matches_forward(model: CausalLM, prompt_lens=(3, 5, 7), new_tok
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(1, vocab, (n + new_tokens,), generator=gen) for n in prompt_lens]
     refs = [model(s[None])[0] for s in seqs]
-    width = max(prompt_lens)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, n in enumerate(prompt_lens):
-        ids[i, width - n:], mask[i, width - n:] = seqs[i][:n], 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_padded(seqs, prompt_lens)
+    width = ids.shape[1]
     cache = model.new_cache(len(seqs), width + new_tokens)
     prefill = model(ids, attention_mask=mask, position_ids=pos, cache=cache)
     for i, n in enumerate(prompt_lens):
@@ -109,3 +105,13 @@ def check_decode_matches_forward(model: CausalLM, prompt_lens=(3, 5, 7), new_tok
         for row, i in enumerate(order.tolist()):
             diff = max_diff(out[row], refs[i][prompt_lens[i] + step])
             assert diff < atol, f"decode step {step} row {i} differs from the full forward by {diff:.3g}"
+
+
+def left_padded(seqs, prompt_lens):
+    """(ids, attention mask, positions) of each sequence's first prompt_lens tokens, left-padded."""
+    width = max(prompt_lens)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, n in enumerate(prompt_lens):
+        ids[i, width - n:], mask[i, width - n:] = seqs[i][:n], 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
