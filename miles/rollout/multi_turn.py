@@ -17,6 +17,7 @@ assistant turn, so the model's text never has to re-tokenize the same way).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -64,9 +65,14 @@ class ToolTurns:
         ids = self.tok.tokenizer.encode(observation, add_special_tokens=False).ids
         return observation if len(ids) <= self.max_tokens else self.tok.tokenizer.decode(ids[: self.max_tokens])
 
+    @cached_property
+    def _base(self) -> str:
+        """The placeholder conversation before any tool turn (rendered once)."""
+        return self.template.render(_PROBE, add_generation_prompt=False)
+
     def tokens(self, observations: list[str], stop_id: int | None) -> list[int]:
         encode = self.tok.tokenizer.encode
-        base = self.template.render(_PROBE, add_generation_prompt=False)
+        base = self._base
         full = self.template.render(_PROBE + [{"role": "tool", "content": o} for o in observations], add_generation_prompt=True)
         if not full.startswith(base):
             raise TemplateError("the chat template renders earlier turns differently once a tool turn follows; "
