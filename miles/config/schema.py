@@ -305,4 +305,7 @@ class RunCfg:
     seed: int = 0
     dry_run: bool = False
     deterministic: bool = False  # deterministic kernels + seeded RNGs in every process (miles.orchestrate.determinism)
+    # The trainer's and the engine's log-probs equal bit for bit (batch-invariant kernels on both sides,
+    # miles/models/invariant.py): mismatch/logprob_abs_diff is exactly 0. Slower; see docs/precision.md.
+    true_on_policy: bool = False
     output_dir: Optional[str] = None  # filled by launch.py from Hydra's run dir

@@ -180,6 +180,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += reward_problems(cfg)
     problems += tool_problems(cfg)
     problems += routing_replay_problems(cfg)
+    problems += true_on_policy_problems(cfg)
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
     if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
@@ -241,6 +242,35 @@ def routing_replay_problems(cfg: RunCfg) -> list[str]:
         return [f"algo.routing_replay={mode} replays MoE routing, but model={cfg.model.name} has no MoE layer: "
                 "set algo.routing_replay=none"]
     return []
+
+
+def true_on_policy_problems(cfg: RunCfg) -> list[str]:
+    """true_on_policy=true is exact only where both sides can run the same kernels on the same layout."""
+    if not cfg.true_on_policy:
+        return []
+    p, r, m = cfg.precision, cfg.rollout, cfg.model
+    problems = []
+    if cfg.algo.name == AlgoName.sft:
+        problems.append("true_on_policy=true applies to RL (rollout log-probs), not algo=sft: set true_on_policy=false")
+    if p.train_quant.value != "none" or p.rollout_quant.value != "none":
+        problems.append(f"true_on_policy=true needs one set of kernels on both sides, but precision={p.name} "
+                        "runs quantized GEMMs in the engine and fake quantization in the trainer: "
+                        "use precision=bf16 or precision=fp32")
+    if r.top_p < 1.0 or r.top_k > 0:
+        problems.append("true_on_policy=true samples from the policy's own distribution; top-p / top-k "
+                        "truncate it: set rollout.top_p=1.0 rollout.top_k=0")
+    if r.engine != "native":
+        problems.append(f"true_on_policy=true runs the native engine's batch-invariant kernels; "
+                        f"rollout.engine={r.engine} has its own: set rollout.engine=native")
+    if cfg.hardware.device != "cpu":
+        # The CUDA kernels sum keys in blocks from column 0, so keys must sit at their positions:
+        # the slot decoder's layout, which only GQA attention layers have.
+        if m.mla is not None or m.dsa is not None or m.linear_attn is not None or m.llama4 is not None:
+            problems.append(f"true_on_policy=true on a GPU needs the slot decoder (GQA attention in every "
+                            f"layer); model={m.name} has other attention kinds: run it with hardware=cpu")
+        if r.slot_decode is False:
+            problems.append("true_on_policy=true on a GPU decodes in the slot layout: set rollout.slot_decode=null")
+    return problems
 
 
 def tool_problems(cfg: RunCfg) -> list[str]:

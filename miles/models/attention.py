@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models import invariant
 from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
@@ -77,6 +78,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContex
     on a GPU take SDPA's is_causal (flash kernels); everything else an explicit boolean mask."""
     if ctx.slot_decode:
         return grouped_decode_attention(q, k, v, ctx.mask())
+    if invariant.active():  # one masked kernel for every layout (packed rows included)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
     if ctx.segment_ids is not None:
         from miles.models.packed import packed_attention
 

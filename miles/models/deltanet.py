@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models import invariant
 from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
@@ -212,8 +213,11 @@ class GatedDeltaNet(nn.Module):
         g = -_wide(self.A_log).exp() * F.softplus(_wide(a.reshape(b, t, self.num_v_heads)) + _wide(self.dt_bias))
         if real is not None:  # pad steps leave the state untouched (no decay, no write)
             g, beta = g * _wide(real)[..., None], beta * _wide(real)[..., None]
+        # Batch-invariant kernels (true on-policy): one token per chunk, the recurrence a decode
+        # step runs, so a full forward and prefill + decode do the same arithmetic.
         out, state = gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
-                                      None if cache is None else cache.state)
+                                      None if cache is None else cache.state,
+                                      chunk=1 if invariant.active() else CHUNK)
         if cache is not None:
             cache.state = state
         out = self.norm(out.transpose(1, 2).to(x.dtype), z.reshape(b, t, self.num_v_heads, self.head_v_dim))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models import invariant
 from miles.models.config import ArchConfig, MoEConfig
 from miles.models.layers import SwiGLUMLP
 
@@ -127,8 +128,24 @@ class Experts(nn.Module):
         if not outs:
             return torch.zeros_like(x)
         y = torch.cat(outs) * weights.reshape(-1)[order, None]  # float32 weights: product in float32
+        if invariant.active():  # the same ascending-expert sum, without index_add_'s atomics on CUDA
+            return _sum_in_expert_order(y, order, experts).to(x.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
         return out.index_add_(0, tokens, y).to(x.dtype)
+
+
+def _sum_in_expert_order(y: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Per token, 0 + its contributions in ascending expert order (what index_add_ does on the CPU).
+    y: [N * k, H] in expert-sorted pair order, order: that sort, experts: [N, k] -> [N, H]."""
+    n, k = experts.shape
+    pairs = torch.empty_like(y)
+    pairs[order] = y  # back to (token, slot) order
+    by_expert = experts.argsort(dim=1, stable=True)  # each token's slots, ascending expert
+    pairs = pairs.view(n, k, -1).gather(1, by_expert[..., None].expand(-1, -1, y.shape[-1]))
+    out = torch.zeros_like(pairs[:, 0])
+    for j in range(k):
+        out = out + pairs[:, j]
+    return out
 
 
 class MoE(nn.Module):

@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from miles.algo.registry import TOKEN_ADVANTAGES
-from miles.config.schema import AlgoName, RunCfg
+from miles.config.schema import AlgoName, DType, RunCfg
 from miles.data.rewards import build_scorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
@@ -147,16 +147,20 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
                   runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
                   num_actors=3 if with_critic else 2)
     gpu = gpu_share(hw.device, 3 if with_critic else 2)
+    # True on-policy: the engine holds the trainer's fp32 masters (synced as they are) and computes
+    # under the trainer's autocast dtype, both sides with batch-invariant kernels.
+    precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine = None if cfg.debug.train_only else spawn(
-        NativeEngine, use_ray, str(init_dir), cfg.rollout, cfg.precision.rollout_dtype,
-        hw.device, hw.cpu_threads, cfg.seed, precision=cfg.precision, max_slots=_kv_slots(cfg),
-        record_routing=cfg.algo.routing_replay == "r3", num_gpus=gpu)
+        NativeEngine, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
+        hw.device, hw.cpu_threads, cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
+        record_routing=cfg.algo.routing_replay == "r3",
+        true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu)
     trainer = None if cfg.debug.rollout_only else spawn(
-        TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, cfg.precision,
+        TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, precision,
         cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
         max_response_len=cfg.rollout.max_new_tokens, teacher_dir=str(teacher_dir) if teacher_dir else None,
-        num_gpus=gpu)
+        true_on_policy=cfg.true_on_policy, num_gpus=gpu)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,

@@ -22,11 +22,13 @@ samples, left / right padding removed), response positions from the decode step 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles.config.schema import DType, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models import fused, from_pretrained
+from miles.models import fused, from_pretrained, invariant
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
@@ -51,19 +53,28 @@ class NativeEngine:
         precision: PrecisionCfg | None = None,
         max_slots: int | None = None,
         record_routing: bool = False,
+        true_on_policy: DType | None = None,
     ):
         """max_slots: sequences the planner's KV budget holds (caps rollout.max_running).
-        record_routing: return each sample's routed experts (R3, algo.routing_replay=r3; MoE only)."""
+        record_routing: return each sample's routed experts (R3, algo.routing_replay=r3; MoE only).
+        true_on_policy: the trainer's compute dtype (true on-policy mode): compute as the trainer
+        does, batch-invariant kernels under that autocast over weights in `dtype` (the trainer's
+        fp32 masters), no fused or graph-captured kernels."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.device = torch.device(device)
+        self.true_on_policy = true_on_policy is not None
+        self.autocast_dtype = TORCH_DTYPES[DType(true_on_policy)] if self.true_on_policy else None
         self.dtype = TORCH_DTYPES[DType(dtype)]
         self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device).eval()
         self.model.requires_grad_(False)
         # FP8 / INT4 recipes: quantized Linear layers hold the rollout format, built from the
         # checkpoint by the quantizer the trainer uses (later syncs replace it).
         self.recipe = Recipe.from_cfg(precision or PrecisionCfg(name="none"), self.model.config.num_layers)
+        if self.true_on_policy and self.recipe.rollout_quant != "none":
+            raise ValueError("true_on_policy=true needs the trainer's kernels in the engine; a quantized "
+                             f"rollout ({self.recipe.rollout_quant}) has others: use precision=bf16 or fp32")
         payload = self.recipe.sync_payload(self.model.state_dict()) if self.recipe.rollout_quant != "none" else None
         self.model.to(self.dtype)
         if payload is not None:
@@ -105,13 +116,13 @@ class NativeEngine:
 
     def _slot_decoder(self, max_slots: int | None) -> SlotDecoder:
         cfg = self.cfg
-        if cfg.compile and self.device.type == "cuda":
+        if cfg.compile and self.device.type == "cuda" and not self.true_on_policy:
             fused.enable()  # before graph capture: the captured step runs the fused kernels
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
         # (So recording the routing, which only MoE models do, never meets a captured graph.)
-        graphs = cfg.cuda_graphs and self.model.config.moe is None
+        graphs = cfg.cuda_graphs and self.model.config.moe is None and not self.true_on_policy
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
                            routing=routing)
@@ -143,11 +154,16 @@ class NativeEngine:
                 f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"max_position_embeddings ({limit}); lower rollout.max_new_tokens"
             )
-        if self.slots is not None and width + max_new <= self.slots.max_len:
-            sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
-            decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator)
-        else:
-            decoded = self._generate_padded(distinct, n, temperature, max_new)
+        with self._numerics():
+            if self.slots is not None and width + max_new <= self.slots.max_len:
+                sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
+                decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator)
+            else:
+                if self.true_on_policy and self.device.type == "cuda":
+                    raise ValueError("true_on_policy=true on CUDA decodes in the slot layout (keys at their "
+                                     "positions, as the trainer lays them out); this batch does not fit its "
+                                     "cache: raise rollout.max_prompt_len")
+                decoded = self._generate_padded(distinct, n, temperature, max_new)
         samples = []
         for i, (ids, (resp, logprobs, stopped, routing)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
@@ -164,6 +180,16 @@ class NativeEngine:
                 )
             )
         return samples
+
+    def _numerics(self):
+        """True on-policy: the trainer's numerics (its autocast, batch-invariant kernels); else nothing."""
+        if not self.true_on_policy:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(invariant.kernels())
+        stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                           enabled=self.autocast_dtype != torch.float32))
+        return stack
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float,
                          max_new: int) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:

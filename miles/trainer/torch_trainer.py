@@ -42,7 +42,7 @@ from miles.algo.distill import reverse_kl_advantages
 from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
-from miles.models import from_pretrained, save_pretrained
+from miles.models import from_pretrained, invariant, save_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import NONE, Recipe
 from miles.trainer.chunked_ce import CHUNK_TOKENS
@@ -67,14 +67,18 @@ class TorchTrainer:
         teacher_dir: str | None = None,
         logits_chunk_tokens: int = CHUNK_TOKENS,
         reuse_forward_for_old: bool = True,
+        true_on_policy: bool = False,
     ):
         """`logits_chunk_tokens` (0: whole logits from the model's own head) and
         `reuse_forward_for_old` (False: always a separate old-log-prob forward) select the
-        reference paths, for A/B checks and benchmarks: same numbers, more memory and time."""
+        reference paths, for A/B checks and benchmarks: same numbers, more memory and time.
+        `true_on_policy`: the policy's forwards run batch-invariant kernels on padded rows, the
+        numerics the engine reproduces in its decode (miles/models/invariant.py)."""
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.algo, self.cfg, self.precision = algo, cfg, precision
+        self.true_on_policy = true_on_policy
         self.max_response_len = max_response_len  # the generation budget: loss_agg=constant divides by it
         self.device = torch.device(device)
         self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
@@ -121,13 +125,16 @@ class TorchTrainer:
 
     def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
         dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32
-        return plan_micro_batches(batch, model, self.cfg, self.device, dtype)
+        # True on-policy: each sample in a row of its own from column 0, the layout of the engine's
+        # cache (the CUDA kernels sum keys in blocks from column 0).
+        cfg = replace(self.cfg, pack_sequences=False) if self.true_on_policy else self.cfg
+        return plan_micro_batches(batch, model, cfg, self.device, dtype)
 
     def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
                  record: dict | None = None):
         """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1], 0 off its loss positions.
         replay / record: MoE routing to route by / to fill (layer -> experts in mb's input layout)."""
-        with self._autocast():
+        with self._autocast(), invariant.kernels(self.true_on_policy and model is self.model):
             return token_logprobs_of(model, self.recipe, mb, self.temperature, with_entropy, self.logits_chunk_tokens,
                                      routing_replay=replay, routing_record=record)
 
