@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from miles.models import invariant
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
@@ -31,7 +33,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 EAGER = {"rms_norm": rms_norm, "rotate": rotate, "silu_mul": silu_mul}
-ops = dict(EAGER)  # what the modules call: ops["rms_norm"](...)
+
+
+class _Ops(dict):
+    """The eager versions inside batch-invariant kernels (true on-policy), whose fixed reduction
+    order a compiled kernel would not keep."""
+
+    def __getitem__(self, name):
+        return EAGER[name] if invariant.active() else super().__getitem__(name)
+
+
+ops = _Ops(EAGER)  # what the modules call: ops["rms_norm"](...)
 
 
 def enable() -> None:
