@@ -37,8 +37,9 @@ class KVBuffer:
         column, T = 1, and the whole buffer comes back (the slot mask hides unwritten columns)."""
         if isinstance(start, torch.Tensor):
             rows = torch.arange(k.shape[0], device=k.device)
-            self.keys[rows, :, start] = k[:, :, 0]
-            self.values[rows, :, start] = v[:, :, 0]
+            # An index put does not cast (a slice copy does): k / v may be in the autocast dtype.
+            self.keys[rows, :, start] = k[:, :, 0].to(self.keys.dtype)
+            self.values[rows, :, start] = v[:, :, 0].to(self.values.dtype)
             return self.keys, self.values
         end = start + k.shape[2]
         if end > self.keys.shape[2]:

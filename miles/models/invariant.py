@@ -152,6 +152,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     """SDPA: softmax(q k^T * scale + mask) v with q [..., H, T, D], k / v [..., Hkv, S, D]."""
     if dropout_p:
         raise ValueError("batch-invariant attention has no dropout")
+    dtype = _compute_dtype(q, k, v)  # autocast casts SDPA's inputs (QK-norm may leave q, k in fp32)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if k.shape[-3] != q.shape[-3]:  # grouped query heads: query head h reads KV head h // (H / Hkv)
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)

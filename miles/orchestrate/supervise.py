@@ -81,11 +81,21 @@ class SignalFlag:
 
 def _transient_types() -> tuple[type, ...]:
     """Faults a retry can cure: the process, node, object or connection is gone, not the code wrong."""
-    import ray.exceptions as rx
-
+    try:
+        import ray.exceptions as rx
+    except ImportError:  # an in-process run on a machine without Ray: no Ray faults to cure
+        return (ConnectionError, TimeoutError)
     names = ("RayActorError", "NodeDiedError", "LocalRayletDiedError", "WorkerCrashedError", "ObjectLostError",
              "GetTimeoutError", "RayChannelTimeoutError", "RpcError")
     return (ConnectionError, TimeoutError, *(getattr(rx, n) for n in names if hasattr(rx, n)))
+
+
+def _is_ray_task_error(error: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:  # without Ray nothing ran remotely
+        return False
+    return isinstance(error, RayTaskError)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -122,9 +132,7 @@ class Fault:
     @classmethod
     def of(cls, error: BaseException, at: str = "") -> "Fault":
         transient = isinstance(error, _transient_types())
-        from ray.exceptions import RayTaskError
-
-        if isinstance(error, RayTaskError):
+        if _is_ray_task_error(error):
             cause = error.cause if error.cause is not None else error
             transient = transient or isinstance(cause, _transient_types())
             text = _ANSI.sub("", str(error))  # the remote traceback, down to the innermost error
@@ -311,10 +319,10 @@ def restore(ctx: LoopContext, path: Path) -> tuple[int, float]:
 
 
 def _teardown(ctx: LoopContext) -> None:
-    import ray
-
     for _, handle in components(ctx):
-        if hasattr(handle, "actor"):
+        if hasattr(handle, "actor"):  # a Ray actor (so Ray is there)
+            import ray
+
             try:
                 ray.kill(handle.actor, no_restart=True)
             except Exception:  # already gone: nothing to free
