@@ -82,9 +82,9 @@ def reduce_sum(x: torch.Tensor, dim: int, keepdim: bool = False, dtype: torch.dt
     """Sum over one dim in the fixed order (float32 accumulation), as `matmul` with a ones vector."""
     dim = dim % x.dim()
     moved = x.movedim(dim, -1)
-    if x.is_cuda:
+    if x.is_cuda:  # every other dim as rows of one matmul with a ones column
         ones = torch.ones(moved.shape[-1], 1, dtype=moved.dtype, device=x.device)
-        out = matmul(moved.unsqueeze(-2), ones, torch.float32)[..., 0, 0]
+        out = matmul(moved.reshape(-1, moved.shape[-1]), ones, torch.float32).view(moved.shape[:-1])
     else:
         out = moved[..., 0].float().clone()
         for k in range(1, moved.shape[-1]):

@@ -21,7 +21,9 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                    sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m, pid_n, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Axis 0 walks (batch, M tile) pairs: CUDA caps grid axes 1 and 2 at 65535, axis 0 at 2^31 - 1.
+    m_tiles = tl.cdiv(M, BM)
+    pid_m, pid_n, batch = tl.program_id(0) % m_tiles, tl.program_id(1), tl.program_id(0) // m_tiles
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -50,7 +52,7 @@ def triton_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> t
     a3 = a.expand(*batch, m, k).reshape(-1, m, k)  # a view where the batch dims allow it
     b3 = b.expand(*batch, k, n).reshape(-1, k, n)
     out = torch.empty(a3.shape[0], m, n, dtype=out_dtype, device=a.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), a3.shape[0])
+    grid = (triton.cdiv(m, BLOCK_M) * a3.shape[0], triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](a3, b3, out, m, n, k, *a3.stride(), *b3.stride(), *out.stride(),
                          IEEE=a.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
                          num_warps=4, num_stages=3)
