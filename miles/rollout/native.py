@@ -18,6 +18,10 @@ Routing record (R3, `record_routing=True`, MoE models): both paths also return, 
 experts every MoE layer chose for each input token (`Sample.routed_experts`, layout in
 miles/types.py): prompt positions from the prefill of the distinct prompt (the same for its n
 samples, left / right padding removed), response positions from the decode step that fed each token.
+
+True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
+autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
+so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   update (no TIS / MIS, no teacher) they are the training forward's own, detached, so ppo_kl == 0
   exactly and the separate no-grad forward is saved. Otherwise they are recomputed first with the
   micro-batches the update uses, so the first step still has ppo_kl == 0 bit for bit.
+- True on-policy (`true_on_policy`): the policy's forwards run batch-invariant kernels
+  (miles/models/invariant.py) on padded rows, what the engine computes in its decode.
 - bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
   the device until the end of the call, so no host sync per micro-batch.
 - MoE routing replay (`algo.routing_replay`): r3 routes the policy's old-log-prob and update forwards
