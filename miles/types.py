@@ -6,6 +6,11 @@ lists the model's MoE layers in order (`moe_layers`); a sample's tensor covers i
 [0, len(prompt_ids) + len(response_ids) - 1): every token the engine fed through the model, that is
 every token whose hidden state reaches a loss position. The last response token was never an input
 (nothing was sampled after it) and predicts nothing, so it has no routing.
+
+Selected keys (R3 of DSA models): the key positions each DSA indexer layer kept for each query
+position, an int tensor [positions, index_layers, index_topk] per sample over the same positions,
+ascending, -1 where fewer keys were visible than index_topk. `index_layers` lists the layers with an
+indexer of their own (GLM-5's shared layers reuse an earlier selection).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Sample:
     # R3: the experts the engine's MoE layers chose, [P + R - 1, moe_layers, top_k] (see the module
     # docstring), or None when the engine did not record them.
     routed_experts: Optional[torch.Tensor] = None
+    # R3 of DSA models: the keys the engine's indexers kept, [P + R - 1, index_layers, index_topk]
+    # (see the module docstring), or None.
+    selected_keys: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -66,6 +74,9 @@ class TrainBatch:
     # `tokens`; positions without a record (each sample's last token, padding) hold expert 0,
     # which no loss position depends on.
     routed_experts: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # R3 of DSA models (empty without): the engine's selected keys [N, T, index_layers, index_topk],
+    # laid out as `tokens`; -1 where nothing was recorded.
+    selected_keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -83,6 +94,7 @@ class TrainBatch:
             values=rows(self.values),
             returns=rows(self.returns),
             routed_experts=rows(self.routed_experts),
+            selected_keys=rows(self.selected_keys),
         )
 
 
@@ -103,26 +115,29 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: i
     adv = advantages.to(torch.float32).unsqueeze(1) * mask
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards,
-                      routed_experts=_batch_routing(samples, width))
+                      routed_experts=_batch_record(samples, width, "routed_experts", 0),
+                      selected_keys=_batch_record(samples, width, "selected_keys", -1))
 
 
-def _batch_routing(samples: list[Sample], width: int) -> torch.Tensor:
-    """The samples' routed experts as one [N, width, moe_layers, top_k] tensor (expert 0 where a
-    sample has none: its last token, padding); empty when no sample carries any."""
-    recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
+def _batch_record(samples: list[Sample], width: int, name: str, fill: int) -> torch.Tensor:
+    """The samples' per-position records `name` (routed experts, selected keys) as one
+    [N, width, ...] tensor (`fill` where a sample has none: its last token, padding); empty when no
+    sample carries any."""
+    recorded = [getattr(s, name) for s in samples if getattr(s, name) is not None]
     if not recorded:
         return torch.zeros(0)
+    what = name.replace("_", " ")
     if len(recorded) < len(samples):
-        raise ValueError(f"only {len(recorded)} of {len(samples)} samples carry routed experts: a batch "
+        raise ValueError(f"only {len(recorded)} of {len(samples)} samples carry {what}: a batch "
                          "mixes recording and non-recording rollouts")
     first = recorded[0]
-    out = torch.zeros(len(samples), width, *first.shape[1:], dtype=first.dtype)
+    out = torch.full((len(samples), width, *first.shape[1:]), fill, dtype=first.dtype)
     for i, s in enumerate(samples):
         covered = len(s.prompt_ids) + len(s.response_ids) - 1
-        if s.routed_experts.shape[0] != covered:
-            raise ValueError(f"sample {i}: routed experts cover {s.routed_experts.shape[0]} positions, "
+        if getattr(s, name).shape[0] != covered:
+            raise ValueError(f"sample {i}: {what} cover {getattr(s, name).shape[0]} positions, "
                              f"its prompt + response has {covered} inputs")
-        out[i, :covered] = s.routed_experts
+        out[i, :covered] = getattr(s, name)
     return out
 
 
@@ -147,6 +162,31 @@ def stack_routing(record: dict, layers: list[int], dtype: torch.dtype | None = N
 def routing_replay(routing: torch.Tensor, layers: list[int]) -> dict:
     """[..., moe_layers, k] -> the `routing_replay` dict a forward takes (layer -> [..., k])."""
     return {layer: routing[..., j, :] for j, layer in enumerate(layers)}
+
+
+def index_layers(config) -> list[int]:
+    """DSA layers with an indexer of their own: the order of the index_layers axis of selected keys."""
+    if config.dsa is None:
+        return []
+    linear = config.linear_attn
+    return [i for i in range(config.num_layers) if i not in config.dsa.shared_layers
+            and not (linear is not None and linear.is_linear_layer(i))]
+
+
+def keys_dtype(max_positions: int) -> torch.dtype:
+    """Compact dtype of key positions (and -1): int16 below 32768 positions, int32 beyond."""
+    return torch.int16 if max_positions < 2 ** 15 else torch.int32
+
+
+def stack_keys(record: dict, layers: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A forward's record of selected keys (("keys", layer) -> [..., index_topk]) as [..., index_layers, index_topk]."""
+    out = torch.stack([record[("keys", layer)] for layer in layers], dim=-2)
+    return out if dtype is None else out.to(dtype)
+
+
+def keys_replay(keys: torch.Tensor, layers: list[int]) -> dict:
+    """[..., index_layers, index_topk] -> the entries a forward's `routing_replay` takes for DSA."""
+    return {("keys", layer): keys[..., j, :] for j, layer in enumerate(layers)}
 
 
 def routing_to_json(routing: torch.Tensor | None) -> dict | None:

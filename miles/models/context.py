@@ -77,6 +77,7 @@ class ForwardContext:
     cache: Optional[ModelCache] = None
     # MoE layers write the experts they chose here (layer -> LongTensor [B, T, k]) when it is a
     # dict, and route by `routing_replay[layer]` instead of their router when that is given (R3).
+    # DSA indexers do the same with the positions of the keys they keep, under ("keys", layer).
     routing_record: Optional[dict] = None
     routing_replay: Optional[dict] = None
     segment_ids: Optional[torch.Tensor] = None  # [B, T] packed sequences (0 = padding); no cache

@@ -33,6 +33,10 @@ an earliest-first topk, the two agree to fp32 rounding (tests/unit/models/test_d
 Decode: the indexer keys of past positions live in the layer cache (`DSACache`, next to MLA's
 compressed latent). GLM's cross-layer index sharing (`dsa.shared_layers`): such a layer has no
 indexer and reuses the selection of the nearest earlier indexer layer from the same forward call.
+
+R3 (`algo.routing_replay`): with a `routing_record` dict each indexer writes the positions of the keys
+it kept (`("keys", layer)` -> [B, T, index_topk], -1 past the kept ones); with such an entry in
+`routing_replay` it keeps exactly those keys instead of its own top-k (miles/types.py, selected keys).
 """
 
 from __future__ import annotations
@@ -142,11 +146,52 @@ class LightningIndexer(nn.Module):
                 cache: DSACache | None = None) -> torch.Tensor:
         """The selected keys: bool [B, 1, T, S], True = kept; each query keeps its index_topk
         best visible keys (ctx.mask() decides visibility), or all of them when fewer are visible."""
-        scores = self.scores(x, q_latent, ctx, cache)
         visible = ctx.mask()[:, 0]  # [B|1, T, S]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        # & visible: rows with fewer visible keys than topk fill up with masked (-inf) columns
-        return (topk_keep(scores, min(self.topk, scores.shape[-1])) & visible)[:, None]
+        replay = None if ctx.routing_replay is None else ctx.routing_replay.get(("keys", self.layer_idx))
+        if replay is not None:  # R3: the keys the rollout engine's indexer kept
+            keep = keys_from_positions(replay, visible, ctx)
+            if cache is not None:  # the indexer keys still go into the cache for later steps
+                self.scores(x, q_latent, ctx, cache)
+        else:
+            scores = self.scores(x, q_latent, ctx, cache).masked_fill(~visible, float("-inf"))
+            # & visible: rows with fewer visible keys than topk fill up with masked (-inf) columns
+            keep = topk_keep(scores, min(self.topk, scores.shape[-1])) & visible
+        if ctx.routing_record is not None:
+            ctx.routing_record[("keys", self.layer_idx)] = kept_positions(keep, ctx, self.topk)
+        return keep[:, None]
+
+
+def key_positions(ctx: ForwardContext, s: int) -> torch.Tensor:
+    """Token position of each of the S key columns: [B, S] (left padding: a row's pads come first)
+    or [1, S] without a mask."""
+    if ctx.attention_mask is None:
+        return torch.arange(s, device=ctx.device)[None]
+    return ctx.attention_mask.long().cumsum(-1) - 1
+
+
+def kept_positions(keep: torch.Tensor, ctx: ForwardContext, topk: int) -> torch.Tensor:
+    """keep bool [B, T, S] -> the kept keys' positions [B, T, topk], ascending, -1 past the kept ones."""
+    k = min(topk, keep.shape[-1])
+    order = keep.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]  # kept columns first
+    positions = key_positions(ctx, keep.shape[-1]).expand(keep.shape[0], -1)[:, None].expand_as(keep)
+    out = positions.gather(-1, order).masked_fill(~keep.gather(-1, order), -1)
+    return torch.nn.functional.pad(out, (0, topk - k), value=-1)
+
+
+def keys_from_positions(positions: torch.Tensor, visible: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """Replayed key positions [B, T, topk] (-1 = none) -> keep bool [B, T, S]. Positions are columns
+    here: replay runs on the trainer's rows, which start at column 0 and carry no mask."""
+    if ctx.attention_mask is not None or ctx.past != 0:
+        raise ValueError("replayed DSA keys apply to unpadded, uncached rows (the trainer's layout)")
+    b, t, s = positions.shape[0], positions.shape[1], visible.shape[-1]
+    cols = positions.to(device=visible.device, dtype=torch.long)
+    cols = torch.where(cols < 0, s, cols)  # -1 -> an extra column, dropped below
+    keep = torch.zeros(b, t, s + 1, dtype=torch.bool, device=visible.device).scatter_(-1, cols, True)
+    keep = keep[..., :s] & visible
+    # Positions without a record (padding, a sample's last token) keep what they see: a query with
+    # no key would give NaN, and NaN activations poison weight gradients even where the loss is 0.
+    unrecorded = (positions < 0).all(-1, keepdim=True).to(visible.device)
+    return torch.where(unrecorded, visible, keep)
 
 
 class SparseMLAttention(MLAttention):

@@ -72,7 +72,8 @@ def problems(cfg: RunCfg) -> list[str]:
 def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
     data = {"step": step, "metrics": metrics,
             "samples": [{**asdict(s), "finish_reason": s.finish_reason.value,
-                         "routed_experts": routing_to_json(s.routed_experts)} for s in samples]}
+                         "routed_experts": routing_to_json(s.routed_experts),
+                         "selected_keys": routing_to_json(s.selected_keys)} for s in samples]}
     tmp = _step_file(root, step).with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, _step_file(root, step))  # a replay never reads a half-written batch
@@ -81,7 +82,8 @@ def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, 
 def load_batch(root: Path, step: int) -> tuple[list[Sample], dict[str, float]]:
     data = json.loads(_step_file(root, step).read_text())
     samples = [Sample(**{**s, "finish_reason": FinishReason(s["finish_reason"]),
-                         "routed_experts": routing_from_json(s.get("routed_experts"))}) for s in data["samples"]]
+                         "routed_experts": routing_from_json(s.get("routed_experts")),
+                         "selected_keys": routing_from_json(s.get("selected_keys"))}) for s in data["samples"]]
     return samples, data["metrics"]
 
 

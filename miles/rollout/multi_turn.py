@@ -48,6 +48,7 @@ class Trajectory:
     tool_errors: int = 0
     done: bool = False
     routed_experts: Optional[torch.Tensor] = None  # R3: experts of the context's inputs so far
+    selected_keys: Optional[torch.Tensor] = None  # R3 of DSA models: keys their indexers kept so far
 
     @property
     def context(self) -> list[int]:
@@ -139,10 +140,11 @@ class MultiTurn:
         for t, s in zip(trajectories, turn):
             room = max_new - len(t.response_ids)
             ids, logprobs = s.response_ids[:room], s.rollout_logprobs[:room]
-            if s.routed_experts is not None:  # R3: this call's record of the inputs no earlier call fed
-                start = 0 if t.routed_experts is None else len(t.routed_experts)
-                new = s.routed_experts[start:len(t.context) + len(ids) - 1]
-                t.routed_experts = new if t.routed_experts is None else torch.cat([t.routed_experts, new])
+            for name in ("routed_experts", "selected_keys"):  # R3: this call's record of the inputs no earlier call fed
+                if getattr(s, name) is not None:
+                    held = getattr(t, name)
+                    new = getattr(s, name)[0 if held is None else len(held):len(t.context) + len(ids) - 1]
+                    setattr(t, name, new if held is None else torch.cat([held, new]))
             stopped = s.finish_reason == FinishReason.stop and len(ids) == len(s.response_ids)
             t.response_ids += ids
             t.logprobs += logprobs
@@ -170,15 +172,22 @@ class MultiTurn:
                 t.done, t.finish_reason = True, FinishReason.length
 
     def _sample(self, t: Trajectory) -> Sample:
-        routed = t.routed_experts
-        if routed is not None:  # a trailing tool turn no call read: expert 0, no loss position depends on it
-            missing = len(t.prompt_ids) + len(t.response_ids) - 1 - len(routed)
-            routed = torch.cat([routed, routed.new_zeros(missing, *routed.shape[1:])])
+        # A trailing tool turn no call read: expert 0 / no key (-1); no loss position depends on it.
+        routed, keys = _cover(t.routed_experts, t, 0), _cover(t.selected_keys, t, -1)
         return Sample(
             prompt=t.example.prompt, label=t.example.label, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
             rollout_logprobs=t.logprobs, response=t.final_text, finish_reason=t.finish_reason, group=t.group,
             response_mask=t.mask, info={**t.example.fields, "trajectory": t.messages}, routed_experts=routed,
+            selected_keys=keys,
         )
+
+
+def _cover(record: Optional[torch.Tensor], t: Trajectory, fill: int) -> Optional[torch.Tensor]:
+    """A per-position record extended with `fill` to every input position of the trajectory."""
+    if record is None:
+        return None
+    missing = len(t.prompt_ids) + len(t.response_ids) - 1 - len(record)
+    return torch.cat([record, record.new_full((missing, *record.shape[1:]), fill)])
 
 
 def _metrics(trajectories: list[Trajectory]) -> dict[str, float]:

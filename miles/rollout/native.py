@@ -18,6 +18,7 @@ Routing record (R3, `record_routing=True`, MoE models): both paths also return, 
 experts every MoE layer chose for each input token (`Sample.routed_experts`, layout in
 miles/types.py): prompt positions from the prefill of the distinct prompt (the same for its n
 samples, left / right padding removed), response positions from the decode step that fed each token.
+DSA models (padded path) also return the key positions each indexer kept (`Sample.selected_keys`).
 
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
@@ -38,7 +39,8 @@ from miles.precision.recipe import Recipe
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
 from miles.transport.flat import FlatWeights
-from miles.types import FinishReason, Sample, moe_layers, routing_dtype, stack_routing
+from miles.types import (FinishReason, Sample, index_layers, keys_dtype, moe_layers, routing_dtype, stack_keys,
+                         stack_routing)
 
 # Finished rows are dropped from the decode batch once they are at least this fraction of it:
 # fewer rows to compute per step, against one copy of the KV cache per compaction.
@@ -107,6 +109,9 @@ class NativeEngine:
                 raise ValueError(f"routing record (algo.routing_replay=r3) needs an MoE model; "
                                  f"{config.family} has no MoE layer")
             self.routing_dtype = routing_dtype(config.moe.num_experts)
+            # DSA models: the keys each indexer kept are recorded next to the experts.
+            self.key_layers = index_layers(config)
+            self.keys_dtype = keys_dtype(config.max_position_embeddings)
         self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
 
     def _use_slots(self) -> bool:
@@ -169,7 +174,7 @@ class NativeEngine:
                                      "cache: raise rollout.max_prompt_len")
                 decoded = self._generate_padded(distinct, n, temperature, max_new)
         samples = []
-        for i, (ids, (resp, logprobs, stopped, routing)) in enumerate(zip(prompt_ids, decoded)):
+        for i, (ids, (resp, logprobs, stopped, routing, *keys)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
                 Sample(
                     prompt=prompts[i // n],
@@ -181,6 +186,7 @@ class NativeEngine:
                     finish_reason=FinishReason.stop if stopped else FinishReason.length,
                     group=i // n,
                     routed_experts=routing,
+                    selected_keys=keys[0] if keys else None,  # the padded path's DSA record
                 )
             )
         return samples
@@ -196,9 +202,10 @@ class NativeEngine:
         return stack
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float,
-                         max_new: int) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
-        """(response ids, log-probs, ended on a stop token, routed experts or None) per sample:
-        left-padded batch decode."""
+                         max_new: int) -> list[tuple[list[int], list[float], bool, torch.Tensor | None,
+                                                     torch.Tensor | None]]:
+        """(response ids, log-probs, ended on a stop token, routed experts or None, DSA selected keys
+        or None) per sample: left-padded batch decode."""
         cfg = self.cfg
         batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
@@ -218,6 +225,10 @@ class NativeEngine:
         if record is not None:  # prompts' experts [P, width, L, k]; each sample's decode steps fill its row
             prompt_routing = stack_routing(record, self.routing_layers, self.routing_dtype)
             response_routing = prompt_routing.new_zeros(batch, max_new, *prompt_routing.shape[2:])
+        keys = record is not None and bool(self.key_layers)
+        if keys:  # DSA: the same for the indexers' kept key positions
+            prompt_keys = stack_keys(record, self.key_layers, self.keys_dtype)
+            response_keys = prompt_keys.new_full((batch, max_new, *prompt_keys.shape[2:]), -1)
         if n > 1:
             expand = torch.arange(len(distinct), device=self.device).repeat_interleave(n)
             cache = _select(cache, expand)
@@ -257,16 +268,24 @@ class NativeEngine:
                                 routing_record=record)[:, -1]
             if record is not None:  # the input was response token t of each batch row's sample
                 response_routing[rows, t] = stack_routing(record, self.routing_layers, self.routing_dtype)[:, 0]
+            if keys:
+                response_keys[rows, t] = stack_keys(record, self.key_layers, self.keys_dtype)[:, 0]
 
         out, out_lp, lengths, finished = out.cpu().tolist(), out_lp.cpu().tolist(), lengths.tolist(), finished.tolist()
-        routing = [None] * batch
+        routing, selected = [None] * batch, [None] * batch
         if record is not None:
             prompt_routing, response_routing = prompt_routing.cpu(), response_routing.cpu()
             for i in range(batch):
                 p = len(distinct[i // n])
                 # Fresh tensors (cat copies): a view would carry the whole buffer through pickling.
                 routing[i] = torch.cat([prompt_routing[i // n, width - p:], response_routing[i, : lengths[i] - 1]])
-        return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i], routing[i]) for i in range(batch)]
+        if keys:
+            prompt_keys, response_keys = prompt_keys.cpu(), response_keys.cpu()
+            for i in range(batch):
+                p = len(distinct[i // n])
+                selected[i] = torch.cat([prompt_keys[i // n, width - p:], response_keys[i, : lengths[i] - 1]])
+        return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i], routing[i], selected[i])
+                for i in range(batch)]
 
     def update_weights(self, weights: dict[str, torch.Tensor] | FlatWeights,
                        expected_checksum: str | None = None) -> str:

@@ -44,6 +44,7 @@ class MicroBatch:
     cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] int32: row-major bounds of samples and tails
     max_seqlen: int = 0  # longest of those blocks
     routing: Optional[torch.Tensor] = None  # [R, L, moe_layers, k] the engine's experts per input token (R3)
+    selected_keys: Optional[torch.Tensor] = None  # [R, L, index_layers, index_topk] DSA keys kept (R3; padded)
 
     @property
     def num_samples(self) -> int:
@@ -107,8 +108,10 @@ def _padded(batch: TrainBatch, start: int, end: int) -> MicroBatch:
     tokens, mask = batch.tokens[start:end], batch.loss_mask[start:end]
     src = (mask.reshape(-1) > 0).nonzero().squeeze(1)
     routing = batch.routed_experts[start:end, :-1] if len(batch.routed_experts) else None
+    keys = batch.selected_keys[start:end, :-1] if len(batch.selected_keys) else None
     return MicroBatch(index=torch.arange(start, end), input_ids=tokens[:, :-1], src=src, dst=src,
-                      targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1], routing=routing)
+                      targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1], routing=routing,
+                      selected_keys=keys)
 
 
 def _gather_routing(batch: TrainBatch, shape: tuple[int, int], flat: torch.Tensor, sample: torch.Tensor,

@@ -51,7 +51,8 @@ from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
 from miles.transport.flat import FlatLayout, FlatWeights
-from miles.types import TrainBatch, moe_layers, routing_replay, stack_routing
+from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, routing_replay, stack_keys,
+                         stack_routing)
 
 
 class TorchTrainer:
@@ -93,6 +94,7 @@ class TorchTrainer:
         self.recipe = Recipe.from_cfg(precision, self.model.config.num_layers)
         # The MoE layers: the order of the moe_layers axis of routed experts (R3 / R2 replay).
         self.routing_layers = moe_layers(self.model.config)
+        self.key_layers = index_layers(self.model.config)  # DSA: the indexer layers of selected keys
         if algo.routing_replay != "none" and not self.routing_layers:
             raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
                              f"{self.model.config.family} has no MoE layer")
@@ -141,10 +143,14 @@ class TorchTrainer:
                                      routing_replay=replay, routing_record=record)
 
     def _engine_replay(self, mb: MicroBatch) -> dict | None:
-        """R3: the engine's experts of the micro-batch as a routing_replay (None in other modes)."""
+        """R3: the engine's experts (and DSA selected keys) of the micro-batch as a routing_replay
+        (None in other modes)."""
         if self.algo.routing_replay != "r3" or mb.routing is None:
             return None
-        return routing_replay(mb.routing, self.routing_layers)
+        replay = routing_replay(mb.routing, self.routing_layers)
+        if mb.selected_keys is not None:
+            replay.update(keys_replay(mb.selected_keys, self.key_layers))
+        return replay
 
     @torch.no_grad()
     def _full_logprobs(self, model, batch: TrainBatch, plan: list[MicroBatch] | None = None) -> torch.Tensor:
@@ -160,10 +166,11 @@ class TorchTrainer:
                              mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The policy by its own router against the engine's recorded experts (device scalars):
         `mismatch/routing_agreement`, the share of (loss position, MoE layer) whose top-k expert sets
-        are equal, and `mismatch/logprob_abs_diff_no_replay`, the log-prob mismatch without replay."""
-        agree = torch.zeros((), device=self.device)
+        are equal, `mismatch/logprob_abs_diff_no_replay`, the log-prob mismatch without replay, and
+        for DSA models `mismatch/index_agreement`, the share whose indexers kept the same keys."""
+        agree, keys_agree = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         diff = torch.zeros((), device=self.device)
-        total = 0
+        total = keys_total = 0
         for s, plan in enumerate(plans):
             for mb in plan:
                 record: dict = {}
@@ -174,8 +181,16 @@ class TorchTrainer:
                 engine = mb.routing.flatten(0, 1).index_select(0, mb.src).long()
                 agree += (own.sort(-1).values == engine.sort(-1).values).all(-1).sum()
                 total += own.shape[0] * own.shape[1]
-        return {"mismatch/routing_agreement": agree / max(total, 1),
-                "mismatch/logprob_abs_diff_no_replay": diff / mask.sum().clamp(min=1.0)}
+                if mb.selected_keys is not None:  # both sides list kept positions ascending, -1 after
+                    own = stack_keys(record, self.key_layers).flatten(0, 1).index_select(0, mb.src)
+                    engine = mb.selected_keys.flatten(0, 1).index_select(0, mb.src).to(own.dtype)
+                    keys_agree += (own == engine).all(-1).sum()
+                    keys_total += own.shape[0] * own.shape[1]
+        out = {"mismatch/routing_agreement": agree / max(total, 1),
+               "mismatch/logprob_abs_diff_no_replay": diff / mask.sum().clamp(min=1.0)}
+        if keys_total:
+            out["mismatch/index_agreement"] = keys_agree / keys_total
+        return out
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

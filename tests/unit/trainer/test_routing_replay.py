@@ -15,7 +15,7 @@ from miles.rollout.native import NativeEngine
 from miles.trainer import torch_trainer
 from miles.trainer.packing import packed_micro_batches, padded_micro_batches, shared_prompt_micro_batches
 from miles.trainer.torch_trainer import TorchTrainer
-from miles.types import build_train_batch, moe_layers, routing_replay, stack_routing
+from miles.types import build_train_batch, index_layers, keys_replay, moe_layers, routing_replay, stack_keys, stack_routing
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 PROMPTS = ["1+2=", "35+47=", "9*9=", "(12-3)*4="]
@@ -164,3 +164,39 @@ def test_replay_modes_need_moe_and_r3_needs_the_record(checkpoints, tmp_path, co
     assert not [p for p in validate(compose(["model=qwen3_moe_tiny", "algo.routing_replay=r3"])) if "routing" in p]
     assert any("no MoE layer" in p for p in validate(compose(["algo.routing_replay=r2"])))
     assert any("unknown" in p and "routing_replay" in p for p in validate(compose(["algo.routing_replay=r4"])))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_2_tiny", "glm5_tiny"])
+def test_dsa_indexer_selection_is_recorded_and_replayed(checkpoints, name):
+    """DSA models (index_topk 8, so prompts + responses run past it): the engine records the keys each
+    indexer kept; in fp32 the trainer's own indexers keep the same keys at every loss position, replaying
+    the record changes nothing, and a different selection is honoured by every indexer layer."""
+    ckpt = checkpoints(name)
+    batch = rollout(ckpt, FP32, DType.fp32)
+    model = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(), FP32).model.eval()
+    layers = index_layers(model.config)
+    assert batch.selected_keys.shape[2:] == (len(layers), model.config.dsa.index_topk)
+    for mb in padded_micro_batches(batch, 3):
+        record: dict = {}
+        logits = model(mb.input_ids, routing_record=record)
+        own = stack_keys(record, layers).flatten(0, 1)[mb.src]
+        engine = mb.selected_keys.flatten(0, 1)[mb.src].to(own.dtype)
+        assert torch.equal(own, engine)
+        assert (engine[..., -1] >= 0).any()  # some queries see more keys than index_topk: sparse regime
+        replayed = model(mb.input_ids, routing_replay=keys_replay(mb.selected_keys, layers))
+        torch.testing.assert_close(replayed.flatten(0, 1)[mb.src], logits.flatten(0, 1)[mb.src])
+        forced = mb.selected_keys.clone()
+        forced[..., 1:] = -1  # only the earliest kept key
+        record = {}
+        model(mb.input_ids, routing_replay=keys_replay(forced, layers), routing_record=record)
+        assert torch.equal(stack_keys(record, layers).flatten(0, 1)[mb.src], forced.flatten(0, 1)[mb.src].long())
+
+
+def test_fp8_flips_dsa_selections_and_r3_replays_them(checkpoints):
+    ckpt = checkpoints("deepseek_v3_2_tiny")
+    batch = rollout(ckpt, FP8, DType.bf16)
+    plain = trainer(ckpt, "none", FP8, pack=False).train_rl(batch)
+    r3 = trainer(ckpt, "r3", FP8, pack=False).train_rl(batch)
+    assert plain["mismatch/index_agreement"] < 1  # the trainer's own indexers keep other keys at times
+    assert r3["train/ppo_kl"] == 0.0
+    assert r3["mismatch/logprob_abs_diff"] < plain["mismatch/logprob_abs_diff"]
