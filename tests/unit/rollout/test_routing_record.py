@@ -13,7 +13,8 @@ from miles.config.schema import ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
-from miles.types import build_train_batch, moe_layers, routing_from_json, routing_to_json, stack_routing
+from miles.types import (build_train_batch, index_layers, moe_layers, routing_from_json, routing_to_json, stack_keys,
+                         stack_routing)
 
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
 # Every tiny config with MoE layers (DSA families too: their MoE routing is recorded alike).
@@ -114,3 +115,26 @@ def test_samples_carry_routing_through_pickle_json_and_the_train_batch(checkpoin
     assert torch.equal(batch.slice(2, 5).routed_experts, batch.routed_experts[2:5])
     with pytest.raises(ValueError, match="mixes"):
         build_train_batch([samples[0], replace(samples[1], routed_experts=None)], torch.zeros(2), engine.pad_id)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_2_tiny", "glm5_tiny"])
+def test_dsa_engines_record_the_keys_a_full_forward_selects(checkpoints, name):
+    """Left-padded prefill + decode record, per input position and indexer layer, the positions of the
+    keys the indexer kept: those of a plain forward of the sample's tokens, through pickle and JSON too."""
+    engine = NativeEngine(checkpoints(name), RolloutCfg(max_new_tokens=8), seed=1, record_routing=True)
+    layers, topk = index_layers(engine.model.config), engine.model.config.dsa.index_topk
+    samples = engine.generate(PROMPTS, ["?"] * 4, n=2)
+    for s in samples:
+        keys = s.selected_keys
+        assert keys.dtype == torch.int16 and keys.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, len(layers), topk)
+        ids = torch.tensor([s.prompt_ids + s.response_ids])[:, :-1]
+        record: dict = {}
+        engine.model(ids, routing_record=record)
+        assert torch.equal(keys, stack_keys(record, layers, torch.int16)[0])
+        assert torch.equal(pickle.loads(pickle.dumps(s)).selected_keys, keys)
+        assert torch.equal(routing_from_json(routing_to_json(keys)), keys)
+    assert any((s.selected_keys[-1] >= 0).all() for s in samples)  # past index_topk keys: every slot used
+    batch = build_train_batch(samples, torch.zeros(len(samples)), engine.pad_id)
+    assert batch.selected_keys.shape == (*batch.tokens.shape, len(layers), topk)
+    covered = len(samples[0].prompt_ids) + len(samples[0].response_ids) - 1
+    assert (batch.selected_keys[0, covered:] == -1).all()  # last token and padding: no record
