@@ -201,11 +201,17 @@ class RolloutCfg:
     compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)
     max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens
+    num_engines: int = 1  # rollout engines; > 1: a fleet behind a router, samples as one engine gives (router.py)
+    # object_store: weights through Ray's object store (in-process runs copy them directly);
+    # broadcast: over a gloo / NCCL group of the trainer and every engine, in buckets (transport/broadcast.py)
+    weight_sync: str = "object_store"
+    weight_sync_bucket_mb: float = 64.0  # rollout.weight_sync=broadcast: bytes per collective
 
 
 @dataclass
 class TrainerCfg:
-    backend: str = "torch"
+    backend: str = "torch"  # torch: one process; fsdp: num_ranks FSDP2 ranks as Ray actors (miles/trainer/fsdp.py)
+    num_ranks: int = 1  # trainer.backend=fsdp: ranks that shard the model and split each batch
     lr: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

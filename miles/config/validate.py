@@ -91,8 +91,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append(f"rollout.top_k must be >= 0 (got {r.top_k}; 0 turns it off)")
     if r.engine != "native":
         problems.append(f"rollout.engine={r.engine!r} is not available; valid: native")
-    if t.backend != "torch":
-        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch")
+    problems += scale_out_problems(cfg)
     if cfg.tracking.backend != "mlflow":
         problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
@@ -181,6 +180,11 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += tool_problems(cfg)
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
+    if cfg.rollout.num_engines < 1:
+        problems.append(f"rollout.num_engines must be >= 1 (got {cfg.rollout.num_engines})")
+    elif cfg.rollout.num_engines > 1 and cfg.rollout.max_turns > 1:
+        problems.append("rollout.num_engines > 1 does not combine with multi-turn rollouts (task.tools) yet: "
+                        "set rollout.num_engines=1")
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
     if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
@@ -242,6 +246,41 @@ def routing_replay_problems(cfg: RunCfg) -> list[str]:
         return [f"algo.routing_replay={mode} replays MoE routing, but model={cfg.model.name} has no MoE layer: "
                 "set algo.routing_replay=none"]
     return []
+
+
+def scale_out_problems(cfg: RunCfg) -> list[str]:
+    """trainer.backend / num_ranks and rollout.weight_sync: what each combination needs."""
+    t, r = cfg.trainer, cfg.rollout
+    problems = []
+    if t.backend not in ("torch", "fsdp"):
+        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch, fsdp")
+    if t.num_ranks < 1:
+        problems.append(f"trainer.num_ranks must be >= 1 (got {t.num_ranks})")
+    if t.backend == "torch" and t.num_ranks > 1:
+        problems.append("trainer.num_ranks > 1 needs the sharded trainer: set trainer.backend=fsdp")
+    if t.backend == "fsdp":
+        if not cfg.ray.enabled:
+            problems.append("trainer.backend=fsdp runs its ranks as Ray actors: set ray.enabled=true")
+        unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",
+                       f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
+                       "true_on_policy=true": cfg.true_on_policy}
+        problems += [f"trainer.backend=fsdp does not support {what} yet: use trainer.backend=torch"
+                     for what, bad in unsupported.items() if bad]
+    if r.weight_sync not in ("object_store", "broadcast"):
+        problems.append(f"rollout.weight_sync={r.weight_sync!r} is unknown; valid: object_store, broadcast")
+    elif r.weight_sync == "broadcast":
+        if not cfg.ray.enabled:
+            problems.append("rollout.weight_sync=broadcast joins the trainer and the engines as Ray actors: "
+                            "set ray.enabled=true (in-process runs copy the weights directly)")
+        if t.backend == "fsdp":
+            problems.append("rollout.weight_sync=broadcast sends from one trainer process, not FSDP ranks yet: "
+                            "set rollout.weight_sync=object_store")
+        if cfg.hardware.device != "cpu":
+            problems.append("rollout.weight_sync=broadcast on a GPU uses NCCL, one GPU per member; this run "
+                            "shares one: set rollout.weight_sync=object_store")
+        if r.weight_sync_bucket_mb <= 0:
+            problems.append(f"rollout.weight_sync_bucket_mb must be > 0 (got {r.weight_sync_bucket_mb})")
+    return problems
 
 
 def true_on_policy_problems(cfg: RunCfg) -> list[str]:

@@ -7,6 +7,7 @@ follow DESIGN.md.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,12 +21,13 @@ from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate.returns import make_train_batch
+from miles.rollout.router import EngineFleet
 from miles.types import Sample, build_train_batch
 
 
 @dataclass
 class LoopContext:
-    engine: object  # handle to a NativeEngine
+    engine: object  # handle to a NativeEngine, or an EngineFleet of several (rollout.num_engines)
     trainer: object  # handle to a TorchTrainer
     source: PromptSource
     tokenizer: TokenizerInfo
@@ -43,6 +45,7 @@ class LoopContext:
     prompt_format: PromptFormat | None = None  # example -> engine prompt (None: the text as it is)
     multi_turn: object = None  # a miles.rollout.multi_turn.MultiTurn (task.tools), else single-turn
     sft_target_key: str | None = None  # SFT trains on this record field when present (a worked solution)
+    weight_sync: object = None  # a miles.transport.broadcast.LoopBroadcast (rollout.weight_sync=broadcast)
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
@@ -60,8 +63,11 @@ def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: flo
     """n samples per example (grouped), single- or multi-turn; with the multi-turn tool metrics."""
     if ctx.multi_turn is not None:
         return ctx.multi_turn.generate(ctx.engine, examples, n, temperature, max_new_tokens)
+    # A fleet of engines samples each prompt group from its own seed (drawn from the driver's
+    # checkpointed RNG), so the samples do not depend on which engine ran which group.
+    seeds = {"seeds": [random.getrandbits(62) for _ in examples]} if isinstance(ctx.engine, EngineFleet) else {}
     samples = ctx.engine.call("generate", [ctx.fmt(e) for e in examples], [e.label for e in examples], n,
-                              temperature, max_new_tokens)
+                              temperature, max_new_tokens, **seeds)
     for s in samples:
         s.info = examples[s.group].fields
     return samples, {}
@@ -82,6 +88,10 @@ def sync_weights(ctx: LoopContext, check: bool) -> float:
     tensors through the handles (Ray's object store)."""
     if ctx.engine is None or ctx.trainer is None:  # debug.rollout_only / debug.train_only
         return 0.0
+    if ctx.weight_sync is not None:  # rollout.weight_sync=broadcast: a collective, not the object store
+        elapsed = ctx.weight_sync.sync(check)
+        ctx.after_sync(ctx)
+        return elapsed
     start = time.perf_counter()
     in_process = ctx.engine.in_process and ctx.trainer.in_process
     weights, digest = ctx.trainer.submit("get_weights", num_returns=2, **({"in_process": True} if in_process else {}))

@@ -143,6 +143,10 @@ def save_component_state(component, path: str, name: str) -> None:
     engine) saves that; each saves the torch RNG of its process."""
     from miles.models import CausalLM, save_pretrained
 
+    if hasattr(component, "save_state"):  # an FSDP rank: its shards, collectively (every rank runs this)
+        component.save_state(str(Path(path) / name))
+        component.save(str(Path(path) / "model"))  # the HF-format policy, as the native trainer writes it
+        return
     state: dict = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -160,6 +164,9 @@ def save_component_state(component, path: str, name: str) -> None:
 def load_component_state(component, path: str, name: str) -> None:
     from miles.models import from_pretrained
 
+    if hasattr(component, "load_state"):  # an FSDP rank (see save_component_state)
+        component.load_state(str(Path(path) / name))
+        return
     state = torch.load(Path(path) / f"{name}.pt", weights_only=True)
     torch.set_rng_state(state["torch_rng"])
     if "cuda_rng" in state and torch.cuda.is_available():

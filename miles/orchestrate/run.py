@@ -93,6 +93,10 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         )
         if cfg.debug.check_weight_sync:
             ctx.after_sync = check_sync_tensors
+        if cfg.rollout.weight_sync == "broadcast" and engine is not None and trainer is not None:
+            from miles.transport.broadcast import LoopBroadcast
+
+            ctx.weight_sync = LoopBroadcast(trainer, engine, "gloo", cfg.rollout.weight_sync_bucket_mb)
         return ctx
 
     if cfg.algo.name == AlgoName.sft:
@@ -137,30 +141,43 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
     or in-process objects; the critic is None when the advantages need none."""
     from miles.rollout.native import NativeEngine
+    from miles.rollout.router import EngineFleet
     from miles.trainer.critic import TorchCritic
+    from miles.trainer.fsdp_group import FSDPGroup
     from miles.trainer.torch_trainer import TorchTrainer
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
+    engines = 0 if cfg.debug.train_only else cfg.rollout.num_engines
+    ranks = 0 if cfg.debug.rollout_only else cfg.trainer.num_ranks if cfg.trainer.backend == "fsdp" else 1
+    actors = engines + ranks + with_critic
     if use_ray:
         start_ray(cfg.ray.address, cfg.ray.num_cpus,
                   runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
-                  num_actors=3 if with_critic else 2)
-    gpu = gpu_share(hw.device, 3 if with_critic else 2)
+                  num_actors=max(actors, 2))
+    gpu = gpu_share(hw.device, max(actors, 2))
     # True on-policy: the engine holds the trainer's fp32 masters (synced as they are) and computes
     # under the trainer's autocast dtype, both sides with batch-invariant kernels.
     precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
-    engine = None if cfg.debug.train_only else spawn(
-        NativeEngine, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
-        hw.device, hw.cpu_threads, cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
-        record_routing=cfg.algo.routing_replay == "r3",
-        true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu)
-    trainer = None if cfg.debug.rollout_only else spawn(
-        TorchTrainer, use_ray, str(init_dir), cfg.algo, cfg.trainer, precision,
-        cfg.rollout.temperature, hw.device, hw.cpu_threads, cfg.seed,
-        max_response_len=cfg.rollout.max_new_tokens, teacher_dir=str(teacher_dir) if teacher_dir else None,
-        true_on_policy=cfg.true_on_policy, num_gpus=gpu)
+    fleet = [spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
+                   hw.device, hw.cpu_threads, cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
+                   record_routing=cfg.algo.routing_replay == "r3",
+                   true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu)
+             for _ in range(engines)]
+    # Several engines: one router in front (seeded per prompt group, so they sample as one engine).
+    engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
+        EngineFleet(fleet, max_restarts=cfg.fault.max_retries, log=console.print)
+    trainer_args = (str(init_dir), cfg.algo, cfg.trainer, precision, cfg.rollout.temperature, hw.device,
+                    hw.cpu_threads, cfg.seed)
+    trainer_kwargs = dict(max_response_len=cfg.rollout.max_new_tokens, true_on_policy=cfg.true_on_policy,
+                          teacher_dir=str(teacher_dir) if teacher_dir else None)
+    if cfg.debug.rollout_only:
+        trainer = None
+    elif cfg.trainer.backend == "fsdp":  # its ranks: Ray actors in a placement group of their own
+        trainer = FSDPGroup(cfg.trainer.num_ranks, *trainer_args, **trainer_kwargs)
+    else:
+        trainer = spawn(TorchTrainer, use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,

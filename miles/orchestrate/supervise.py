@@ -319,14 +319,18 @@ def restore(ctx: LoopContext, path: Path) -> tuple[int, float]:
 
 
 def _teardown(ctx: LoopContext) -> None:
-    for _, handle in components(ctx):
-        if hasattr(handle, "actor"):  # a Ray actor (so Ray is there)
-            import ray
+    for _, component in components(ctx):
+        if hasattr(component, "shutdown"):  # an FSDP group: its rank actors and placement group
+            component.shutdown()
+            continue
+        for handle in getattr(component, "engines", [component]):  # an EngineFleet: each engine
+            if hasattr(handle, "actor"):  # a Ray actor (so Ray is there)
+                import ray
 
-            try:
-                ray.kill(handle.actor, no_restart=True)
-            except Exception:  # already gone: nothing to free
-                pass
+                try:
+                    ray.kill(handle.actor, no_restart=True)
+                except Exception:  # already gone: nothing to free
+                    pass
 
 
 def supervise(cfg: RunCfg, store: CheckpointStore, build: Callable[[], LoopContext],

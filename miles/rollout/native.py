@@ -20,6 +20,13 @@ miles/types.py): prompt positions from the prefill of the distinct prompt (the s
 samples, left / right padding removed), response positions from the decode step that fed each token.
 DSA models (padded path) also return the key positions each indexer kept (`Sample.selected_keys`).
 
+Per-group seeds (`seeds=[...]`, one int per prompt): each group's samples draw their sampling noise
+from a generator seeded by its value, one [n, vocab] draw per decode step, so a group's samples do
+not depend on which prompts share its batch, nor on the engine that runs it (a fleet of engines,
+miles/rollout/router.py). Without seeds, one engine generator draws for the whole batch.
+
+    samples = engine.generate(["12+30=", "7*6="], ["42", "42"], n=4, seeds=[101, 102])
+
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
 so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
@@ -148,9 +155,11 @@ class NativeEngine:
         temperature: float | None = None,
         max_new_tokens: int | None = None,
         prompt_ids: list[list[int]] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Sample]:
         """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]. `prompt_ids`:
-        the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`."""
+        the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`.
+        `seeds`: one per prompt; its group's sampling noise comes from a generator seeded by it."""
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or cfg.max_new_tokens
@@ -163,16 +172,17 @@ class NativeEngine:
                 f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"max_position_embeddings ({limit}); lower rollout.max_new_tokens"
             )
+        generators = self._group_generators(seeds, len(distinct))
         with self._numerics():
             if self.slots is not None and width + max_new <= self.slots.max_len:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
-                decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator)
+                decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator, generators)
             else:
                 if self.true_on_policy and self.device.type == "cuda":
                     raise ValueError("true_on_policy=true on CUDA decodes in the slot layout (keys at their "
                                      "positions, as the trainer lays them out); this batch does not fit its "
                                      "cache: raise rollout.max_prompt_len")
-                decoded = self._generate_padded(distinct, n, temperature, max_new)
+                decoded = self._generate_padded(distinct, n, temperature, max_new, generators)
         samples = []
         for i, (ids, (resp, logprobs, stopped, routing, *keys)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
@@ -191,6 +201,14 @@ class NativeEngine:
             )
         return samples
 
+    def _group_generators(self, seeds: list[int] | None, groups: int) -> list[torch.Generator] | None:
+        """One generator per prompt group, seeded by its seed (None without seeds: the engine's own)."""
+        if seeds is None:
+            return None
+        if len(seeds) != groups:
+            raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {groups} prompts")
+        return [torch.Generator(device=self.device).manual_seed(int(seed)) for seed in seeds]
+
     def _numerics(self):
         """True on-policy: the trainer's numerics (its autocast, batch-invariant kernels); else nothing."""
         if not self.true_on_policy:
@@ -201,11 +219,11 @@ class NativeEngine:
                                            enabled=self.autocast_dtype != torch.float32))
         return stack
 
-    def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float,
-                         max_new: int) -> list[tuple[list[int], list[float], bool, torch.Tensor | None,
-                                                     torch.Tensor | None]]:
+    def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float, max_new: int,
+                         generators: list[torch.Generator] | None = None
+                         ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None, DSA selected keys
-        or None) per sample: left-padded batch decode."""
+        or None) per sample: left-padded batch decode. `generators`: one per prompt group (seeds)."""
         cfg = self.cfg
         batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
@@ -245,7 +263,7 @@ class NativeEngine:
         for t in range(max_new):
             noise = None
             if temperature > 0:  # noise for every sample, live or not: the draws do not depend on compaction
-                noise = torch.empty(batch, logits.shape[-1], device=self.device).exponential_(generator=self.generator)
+                noise = self._noise(batch, n, logits.shape[-1], generators)
                 noise = noise if len(rows) == batch else noise[rows]
             next_tok, next_lp = sample_next(logits, temperature, cfg.top_p, cfg.top_k, noise=noise)
             next_tok = next_tok.masked_fill(done, self.pad_id)
@@ -286,6 +304,13 @@ class NativeEngine:
                 selected[i] = torch.cat([prompt_keys[i // n, width - p:], response_keys[i, : lengths[i] - 1]])
         return [(out[i][: lengths[i]], out_lp[i][: lengths[i]], finished[i], routing[i], selected[i])
                 for i in range(batch)]
+
+    def _noise(self, batch: int, n: int, vocab: int, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Exp(1) sampling noise [batch, vocab] for one decode step: from the engine's generator, or
+        n rows from each group's own (so a group's draws do not depend on the rest of the batch)."""
+        if generators is None:
+            return torch.empty(batch, vocab, device=self.device).exponential_(generator=self.generator)
+        return torch.cat([torch.empty(n, vocab, device=self.device).exponential_(generator=g) for g in generators])
 
     def update_weights(self, weights: dict[str, torch.Tensor] | FlatWeights,
                        expected_checksum: str | None = None) -> str:

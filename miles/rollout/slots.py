@@ -16,6 +16,11 @@ Finished rows ride along until the next check; they write only into their own sl
 column) and their tokens are masked, so they change nothing. The model is the trainer's own
 `CausalLM`: a captured step runs exactly `CausalLM.forward` in slot-decode mode.
 
+Per-group seeds (`generators`, one per prompt): a group draws one [n, vocab] block of sampling
+noise from its own generator at admission and at every step while any of its slots is held, so the
+t-th draw of a group always feeds token t of its samples, whichever slots, bucket or neighbours they
+have. The draws per step are one small kernel per group held, planned at each host check.
+
 Routing record (R3, `routing` given; MoE models, which never capture graphs): the prefill's experts
 of each prompt's real tokens, and per slot a [max_new, L, k] buffer where each step writes the
 experts of its input token (response token steps - 1) at column steps - 1. Finished rows keep
@@ -98,6 +103,33 @@ class DecodeGraphs:
         return self._forward(b, routing_record)
 
 
+class GroupNoise:
+    """Sampling noise for rows of seeded groups: `samples[r]` is the sample (g*n + j) row r decodes,
+    or < 0 for a free row (noise 1: its token is masked anyway). Each draw takes one [n, vocab] block
+    from the generator of every group present and gives row r row j of its group's block."""
+
+    def __init__(self, generators: list[torch.Generator], n: int, samples: list[int], temperature: float,
+                 device: torch.device):
+        self.generators, self.n, self.temperature, self.size = generators, n, temperature, len(samples)
+        self.groups = sorted({s // n for s in samples if s >= 0})
+        block = {g: k for k, g in enumerate(self.groups)}
+        rows = [r for r, s in enumerate(samples) if s >= 0]
+        # Index tensors made once per plan (at a host check), not per decode step.
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.source = torch.tensor([block[samples[r] // n] * n + samples[r] % n for r in rows], dtype=torch.long,
+                                   device=device)
+
+    def draw(self, vocab: int) -> torch.Tensor | None:
+        if self.temperature == 0:  # greedy: sample_next uses no noise, so none is drawn
+            return None
+        device = self.rows.device
+        blocks = torch.cat([torch.empty(self.n, vocab, device=device).exponential_(generator=self.generators[g])
+                            for g in self.groups])
+        noise = torch.ones(self.size, vocab, device=device)
+        noise[self.rows] = blocks[self.source]
+        return noise
+
+
 class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None,
@@ -134,9 +166,10 @@ class SlotDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, stop_ids: torch.Tensor,
-                 generator: torch.Generator) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
+                 generator: torch.Generator, generators: list[torch.Generator] | None = None
+                 ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None) per sample, row
-        i*n+j answering prompts[i]."""
+        i*n+j answering prompts[i]. `generators`: one per prompt, its group's noise (else `generator`)."""
         if n > self.slots:
             raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
         cap = sampling.max_new
@@ -165,20 +198,27 @@ class SlotDecoder:
                 for k, group in enumerate(admit):
                     for j in range(n):
                         owner[dst[k * n + j]] = group * n + j
-                routing = self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator)
+                noise = None if generators is None else \
+                    GroupNoise(generators, n, [g * n + j for g in admit for j in range(n)], sampling.temperature,
+                               self.device)
+                routing = self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator, noise)
                 self.prompt_routing.update(zip(admit, routing))
             if not waiting:
                 self._compact(owner)
             rows = max(s for s in range(self.slots) if owner[s] >= 0) + 1
             bucket = self.graphs.bucket(rows)
+            # Slots keep their owners until the next host check: one noise plan serves these steps.
+            noise = None if generators is None else GroupNoise(generators, n, owner[:bucket], sampling.temperature,
+                                                                 self.device)
             for _ in range(self.sync_every):
-                self._step(bucket, sampling, stop_ids, generator)
+                self._step(bucket, sampling, stop_ids, generator, noise)
             self._collect(owner, rows, results, n)
         self.prompt_routing = {}
         return results
 
     def _admit(self, groups: list[list[int]], n: int, dst: list[int], sampling: Sampling,
-               stop_ids: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor | None]:
+               stop_ids: torch.Tensor, generator: torch.Generator,
+               noise: GroupNoise | None = None) -> list[torch.Tensor | None]:
         """Prefill each prompt once, copy its KV to its n slots, sample every slot's first token.
         Returns each prompt's routed experts [len, L, k] (None each without recording)."""
         width = max(map(len, groups))
@@ -200,7 +240,8 @@ class SlotDecoder:
         slots = torch.tensor(dst, device=self.device)
         self.cache.load_prefill(slots, prefill, src, width)
         self.cache.lengths[slots] = lengths[src]
-        token, logp = sample_next(logits[src], sampling.temperature, sampling.top_p, sampling.top_k, generator)
+        token, logp = sample_next(logits[src], sampling.temperature, sampling.top_p, sampling.top_k, generator,
+                                  noise=None if noise is None else noise.draw(logits.shape[-1]))
         self.out_tok[slots] = self.pad_id
         self.out_tok[slots, 0], self.out_lp[slots, 0] = token, logp
         hit = torch.isin(token, stop_ids)
@@ -211,7 +252,8 @@ class SlotDecoder:
         routing = stack_routing(record, self.routing[0], self.routing[1])  # [P, width, L, k]
         return [routing[i, : len(ids)] for i, ids in enumerate(groups)]
 
-    def _step(self, b: int, sampling: Sampling, stop_ids: torch.Tensor, generator: torch.Generator) -> None:
+    def _step(self, b: int, sampling: Sampling, stop_ids: torch.Tensor, generator: torch.Generator,
+              noise: GroupNoise | None = None) -> None:
         """One token for rows [0, b): graph forward, then sampling and bookkeeping on the device."""
         record = None if self.routing is None else {}
         logits = self.graphs.run(b, record)
@@ -221,7 +263,8 @@ class SlotDecoder:
                 stack_routing(record, self.routing[0], self.routing[1])[:, 0]
         live = self.live[:b]
         self.cache.lengths[:b] += live  # the input token is now in the cache (finished rows stay put)
-        token, logp = sample_next(logits, sampling.temperature, sampling.top_p, sampling.top_k, generator)
+        token, logp = sample_next(logits, sampling.temperature, sampling.top_p, sampling.top_k, generator,
+                                  noise=None if noise is None else noise.draw(logits.shape[-1]))
         token = torch.where(live, token, self.pad_id)
         column = self.steps[:b, None]
         self.out_tok[:b].scatter_(1, column, token[:, None])

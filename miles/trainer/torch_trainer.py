@@ -71,12 +71,16 @@ class TorchTrainer:
         logits_chunk_tokens: int = CHUNK_TOKENS,
         reuse_forward_for_old: bool = True,
         true_on_policy: bool = False,
+        optimizer: str = "adamw",
     ):
         """`logits_chunk_tokens` (0: whole logits from the model's own head) and
         `reuse_forward_for_old` (False: always a separate old-log-prob forward) select the
         reference paths, for A/B checks and benchmarks: same numbers, more memory and time.
         `true_on_policy`: the policy's forwards run batch-invariant kernels on padded rows, the
-        numerics the engine reproduces in its decode (miles/models/invariant.py)."""
+        numerics the engine reproduces in its decode (miles/models/invariant.py).
+        `optimizer`: "adamw" (trainer.adam_*), or "sgd" (plain SGD at trainer.lr, weight decay
+        trainer.weight_decay), whose update is linear in the gradient: the tight reference for
+        comparing backends (miles.trainer.fsdp against this trainer)."""
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -111,15 +115,36 @@ class TorchTrainer:
                 raise ValueError("trainer.recompute=true does not combine with a fake-quantizing precision "
                                  f"recipe (train_quant={self.recipe.train_quant}) yet")
             enable_recompute(self.model)
+        self._shard_models()  # a no-op here (see the data-parallel hooks)
         kernel = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay,
-            **kernel,
-        )
+        if optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=cfg.lr,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                weight_decay=cfg.weight_decay,
+                **kernel,
+            )
+        elif optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                             **kernel)
+        else:
+            raise ValueError(f"unknown optimizer {optimizer!r}; valid: adamw, sgd")
         self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights)
+
+    # ----------------------------------------------------------------------------- data-parallel hooks
+    # No-ops here: this trainer holds the whole batch and the whole model. miles.trainer.fsdp
+    # overrides them (with `_plan`, `_step`, `_full_logprobs`) to train on its share of the batch.
+    def _shard_models(self) -> None:
+        """Hook: shard the built models in place, before the optimizer takes their parameters."""
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Hook: the sum of `t` over the ranks that share this batch (each filled its own rows)."""
+        return t
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Hook: clip the gradients to `max_norm` in total; returns their norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     # ----------------------------------------------------------------------------- forward passes
     def _autocast(self):
@@ -219,7 +244,7 @@ class TorchTrainer:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        sums["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        sums["grad_norm"] = self._clip_grad_norm(max_norm)
         self.optimizer.step()
         return sums
 
@@ -312,6 +337,7 @@ class TorchTrainer:
                             replays[s][k] = record
                         mismatch += masked_sum((lp - rollout[rows]).abs(), mask[rows])
                         old.index_copy_(0, rows, lp)
+            old = self._sum_over_ranks(old)  # every rank's rows: corrections and metrics see the whole batch
             policy_old = rollout if a.use_rollout_logprobs else old  # the engine's numbers define the old policy
             if self.teacher is not None:
                 batch, m = self._distill(batch, policy_old)
@@ -340,8 +366,8 @@ class TorchTrainer:
             for k, v in self._step(list(zip(plan, ref[s], replays[s])), loss_fn).items():
                 totals[k] += v / n_steps
         names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff", *routing_metrics]
-        values = torch.stack([*totals.values(), mismatch / max(float(batch.loss_mask.sum()), 1.0),
-                              *routing_metrics.values()]).tolist()
+        mismatch = self._sum_over_ranks(mismatch) / max(float(batch.loss_mask.sum()), 1.0)
+        values = torch.stack([*totals.values(), mismatch, *routing_metrics.values()]).tolist()
         return {**dict(zip(names, values)), **extra}
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
@@ -370,10 +396,14 @@ class TorchTrainer:
                 self._flat_sync = FlatWeights.like(layout, self.device)
             self._flat_sync.fill_from(state)
             return self._flat_sync, self._flat_sync.checksum()
+        return self._weights_of(self.model.state_dict())
+
+    def _weights_of(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+        """(what weight sync carries, its checksum) for the policy's whole state dict `state`."""
         if self.recipe.rollout_quant == "none":
-            weights = to_dtype(self.model.state_dict(), self.precision.rollout_dtype)
+            weights = to_dtype(state, self.precision.rollout_dtype)
             return weights, checksum(weights)
-        payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in state.items()})
         return payload, self.recipe.expected_checksum(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
 
     def save(self, path: str) -> None:

@@ -1,0 +1,196 @@
+"""One rank of the FSDP2 trainer: the native TorchTrainer with its models sharded by `fully_shard`.
+
+    trainer = FSDPTrainer(rank, world_size, master_addr, master_port,
+                          checkpoint_dir, algo, trainer_cfg, precision, device="cpu")
+    metrics = trainer.train_rl(batch)   # every rank, at once, with the same global TrainBatch
+    weights, digest = trainer.get_weights()   # rank 0: the full state dict; the others ({}, "")
+    trainer.save_state(path); trainer.load_state(path)   # sharded, torch.distributed.checkpoint
+
+miles.trainer.fsdp_group.FSDPGroup runs one per Ray actor. Everything TorchTrainer does (policy
+losses, micro-batches, the chunked log-prob head, metrics) runs unchanged; this class fills its
+data-parallel hooks:
+- Process group and sharding (`_shard_models`): gloo on CPU, NCCL on CUDA; `fully_shard` on each
+  decoder layer and on the root of the policy (and of the KL reference and the teacher), with
+  param bf16 / reduce fp32 when precision.train_dtype is bf16.
+- The batch (`_plan`): every rank receives the whole global batch and trains on a contiguous range
+  of its samples with about equal tokens. Losses keep the whole step's normalizer (TorchTrainer
+  computes it from the whole batch), so the ranks' gradients add up to the 1-rank gradient: FSDP
+  sums them (gradient divide factor 1) instead of averaging. Ranks with fewer micro-batches run
+  idle ones (one token, no loss position) so that all meet in the same all-gathers and
+  reduce-scatters.
+- Whole-batch results (`_sum_over_ranks`): log-probs of every row (each rank fills its own),
+  metric sums and the grad norm over all shards (`_clip_grad_norm`) are reduced over ranks, so
+  every rank returns the same numbers as the 1-rank trainer.
+Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights) and MoE
+routing replay (its agreement metrics are per-rank ratios).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from miles.config.schema import DType
+from miles.models import CausalLM, save_pretrained
+from miles.precision.recipe import NONE
+from miles.trainer.packing import MicroBatch
+from miles.trainer.torch_trainer import TorchTrainer
+from miles.types import TrainBatch
+
+
+def token_balanced_bounds(loss_mask: torch.Tensor, parts: int) -> list[int]:
+    """Sample bounds [0, b_1, ..., N] cutting the batch into `parts` contiguous ranges of about equal
+    tokens; a sample counts the tokens up to its last loss target (what its packed forward
+    computes), 0 without any. A range may be empty when there are fewer samples than parts."""
+    mask = loss_mask > 0
+    tokens = torch.where(mask.any(-1), mask.shape[1] - mask.flip(-1).int().argmax(-1), 0)
+    cum = torch.cat([torch.zeros(1, dtype=torch.long), tokens.cumsum(0)]).double()
+    bounds = [0]
+    for r in range(1, parts):  # the sample boundary nearest to r / parts of the tokens
+        nearest = int((cum - cum[-1] * r / parts).abs().argmin())
+        bounds.append(max(bounds[-1], nearest))
+    return bounds + [len(loss_mask)]
+
+
+def shard(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 units: each decoder layer (its parameters gathered only around its own forward and
+    backward), then the root (embedding, final norm, head)."""
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    for unit in [*model.layers, model]:
+        # Each rank's loss is already its share of the whole step's loss: sum the ranks' gradients,
+        # with a plain SUM (any other factor than the world size is NCCL's PREMUL_SUM, not in gloo).
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+class FSDPTrainer(TorchTrainer):
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, *args, **kwargs):
+        """`rank` of `world_size` ranks, which meet at master_addr:master_port (rank 0's host and a
+        port free there); the rest are TorchTrainer's arguments, the same on every rank."""
+        self.rank, self.world_size = rank, world_size
+        self._init_method = f"tcp://{master_addr}:{master_port}"
+        super().__init__(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------- TorchTrainer hooks
+    def _shard_models(self) -> None:
+        if self.recipe.train_quant != NONE:
+            raise ValueError(f"the FSDP trainer does not fake-quantize yet (precision.train_quant="
+                             f"{self.recipe.train_quant}): Recipe.forward replaces whole weights")
+        if self.algo.routing_replay != "none":
+            raise ValueError(f"the FSDP trainer has no MoE routing replay yet (algo.routing_replay="
+                             f"{self.algo.routing_replay})")
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self._init_method,
+                                rank=self.rank, world_size=self.world_size)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        bf16 = self.precision.train_dtype == DType.bf16
+        # bf16: gathered parameters and the forward in bf16, gradients reduced and kept in fp32.
+        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+                     else MixedPrecisionPolicy())
+        for model in (self.model, self.ref_model, self.teacher):
+            if model is not None:
+                shard(model, mesh, mp_policy)
+
+    def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+        """This rank's micro-batches of `batch` (indices into the whole batch), as many as the rank
+        with the most: the others are idle."""
+        bounds = token_balanced_bounds(batch.loss_mask, self.world_size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        plan = [] if lo == hi else [replace(mb, index=mb.index + lo)
+                                    for mb in super()._plan(batch.slice(lo, hi), model)]
+        most = torch.tensor(len(plan), device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return plan + [self._idle_micro_batch(batch.loss_mask.shape[1])] * (int(most) - len(plan))
+
+    def _idle_micro_batch(self, width: int) -> MicroBatch:
+        """A forward / backward of one token and no loss position: this rank's part of the collectives."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return MicroBatch(index=empty, input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                          src=empty, dst=empty, targets=empty, width=width)
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out)
+        return out
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm over every rank's gradient shards (a DTensor made whole), then the clip."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
+        """TorchTrainer's step; the metric sums (its micro-batches' shares of the step's) summed over
+        ranks; the grad norm is already the whole one."""
+        sums = super()._step(items, loss_fn)
+        grad_norm = sums.pop("grad_norm")
+        totals = self._sum_over_ranks(torch.stack(list(sums.values())))
+        return {**dict(zip(sums, totals)), "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def _full_logprobs(self, model, batch: TrainBatch, plan: list[MicroBatch] | None = None) -> torch.Tensor:
+        return self._sum_over_ranks(super()._full_logprobs(model, batch, plan))
+
+    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        if len(batch.routed_experts):
+            raise ValueError("the FSDP trainer takes no routed experts yet: its routing agreement "
+                             "metrics are not reduced over ranks")
+        return super().train_rl(batch)
+
+    # ----------------------------------------------------------------------------- weights, state
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the policy's whole fp32 state dict on rank 0's CPU ({} on the other ranks)."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+        """Collective. Rank 0: what TorchTrainer.get_weights returns (the rollout dtype or format,
+        its checksum); the other ranks ({}, ""). Never in-process: no engine shares a rank's process."""
+        if in_process:
+            raise ValueError("the FSDP trainer syncs weights through Ray only (in_process=False)")
+        state = self._full_state()
+        return self._weights_of(state) if self.rank == 0 else ({}, "")
+
+    def save(self, path: str) -> None:
+        """Collective: the policy as an HF-format dir, written by rank 0."""
+        state = self._full_state()
+        if self.rank == 0:
+            with torch.device("meta"):  # the structure only; the gathered tensors become its weights
+                model = CausalLM(self.model.config)
+            model.load_state_dict(state, assign=True)
+            save_pretrained(model, path)
+
+    def save_state(self, path: str) -> None:
+        """Collective: the sharded policy and optimizer state into the directory `path` (each rank
+        writes its shards; the path must be one that every rank sees), and each rank's torch RNG.
+        The KL reference and the teacher are frozen: rebuilt from their checkpoints, never saved."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+        torch.save(self._rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+
+    def load_state(self, path: str) -> None:
+        """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        rng = torch.load(Path(path) / f"rng_rank{self.rank}.pt", weights_only=True)
+        torch.set_rng_state(rng["torch_rng"])
+        if "cuda_rng" in rng:
+            torch.cuda.set_rng_state(rng["cuda_rng"])
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"torch_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        return state
