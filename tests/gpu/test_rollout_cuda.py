@@ -80,22 +80,12 @@ def test_sampled_logprobs_match_the_full_forward(checkpoint):
 def test_grpo_smoke_run_on_cuda(compose, tmp_path, monkeypatch):
     """3 GRPO steps in-process on the GPU: first-step ppo_kl == 0, a checked sync, small mismatch."""
     pytest.importorskip("hydra")
-    from omegaconf import OmegaConf
-
-    from miles.orchestrate.run import run
+    from gpu_runs import run_inprocess
 
     monkeypatch.chdir(tmp_path)
-    overrides = ["hardware=gpu", "ray.enabled=false", "precision=bf16", "steps=3", "warm_start.enabled=false",
-                 "eval.interval=3", "task.eval_size=16", "rollout.batch_size=8", "trainer.global_batch_size=64",
-                 "trainer.micro_batch_size=32", "tracking.uri=sqlite:///" + str(tmp_path / "mlflow.db")]
-    cfg = compose(overrides)
-    cfg.output_dir = str(tmp_path / "run")
-    run(cfg, tmp_path / "run", overrides, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    metrics: dict[int, dict] = {}
-    for line in (tmp_path / "run" / "mlflow" / "journal.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        if entry["op"] == "metrics":
-            metrics.setdefault(entry["step"], {}).update(entry["metrics"])
+    metrics = run_inprocess(compose, tmp_path, [
+        "hardware=gpu", "precision=bf16", "steps=3", "warm_start.enabled=false", "eval.interval=3",
+        "task.eval_size=16", "rollout.batch_size=8", "trainer.global_batch_size=64", "trainer.micro_batch_size=32"])
     assert metrics[1]["train/ppo_kl"] == 0.0 and metrics[1]["train/pg_clipfrac"] == 0.0
     assert all(metrics[s]["mismatch/logprob_abs_diff"] < 2e-2 for s in (1, 2, 3))  # bf16 on both sides
     assert all(metrics[s]["perf/weight_sync_s"] > 0 for s in (1, 2, 3))  # checked (rollout.check_weight_sync)

@@ -4,8 +4,6 @@ MoE models in bf16 whose trainer and engine log-probs are equal bit for bit on e
 Skipped without a GPU (CI). On a GPU machine: `pytest tests/gpu` (the runs need Hydra and OmegaConf;
 MLflow is optional: the runs log to their local journal)."""
 
-import json
-
 import pytest
 import torch
 
@@ -37,23 +35,13 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
 @pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_moe_tiny"])
 def test_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model):
     pytest.importorskip("hydra")
-    from omegaconf import OmegaConf
-
-    from miles.orchestrate.run import run
+    from gpu_runs import run_inprocess
 
     monkeypatch.chdir(tmp_path)
-    overrides = [f"model={model}", "hardware=gpu", "ray.enabled=false", "precision=bf16", "true_on_policy=true",
-                 f"steps={STEPS}", "warm_start.enabled=false", f"eval.interval={STEPS}", "task.eval_size=16",
-                 "rollout.batch_size=8", "trainer.global_batch_size=64", "trainer.micro_batch_size=32",
-                 "algo.entropy_coef=0.01", "tracking.uri=sqlite:///" + str(tmp_path / "mlflow.db")]
-    cfg = compose(overrides)
-    cfg.output_dir = str(tmp_path / "run")
-    run(cfg, tmp_path / "run", overrides, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    metrics: dict[int, dict] = {}
-    for line in (tmp_path / "run" / "mlflow" / "journal.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        if entry["op"] == "metrics":
-            metrics.setdefault(entry["step"], {}).update(entry["metrics"])
+    metrics = run_inprocess(compose, tmp_path, [
+        f"model={model}", "hardware=gpu", "precision=bf16", "true_on_policy=true", f"steps={STEPS}",
+        "warm_start.enabled=false", f"eval.interval={STEPS}", "task.eval_size=16", "rollout.batch_size=8",
+        "trainer.global_batch_size=64", "trainer.micro_batch_size=32", "algo.entropy_coef=0.01"])
     diffs = [metrics[s]["mismatch/logprob_abs_diff"] for s in range(1, STEPS + 1)]
     assert diffs == [0.0] * STEPS, diffs
     assert metrics[1]["train/ppo_kl"] == 0.0

@@ -5,25 +5,15 @@ The components' own equalities (2 ranks = 1 rank, 2 engines = 1 engine, broadcas
 are tested in tests/unit/trainer/test_fsdp.py, tests/unit/rollout/test_router.py and
 tests/unit/transport/test_broadcast.py."""
 
-import json
-
 import pytest
 from launch_cli import run_launch
+from runs import journal_metrics  # asserts too that no step was logged twice (the resumed run)
 
 pytestmark = pytest.mark.slow
 SMALL = ["warm_start.enabled=false", "eval.interval=100", "task.eval_size=8", "tracking.log_samples=0",
          "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16",
          "trainer.micro_batch_size=8", "checkpoint.interval=1"]
 FSDP_FLEET = ["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"]
-
-
-def step_metrics(run_dir) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run_dir / "mlflow" / "journal.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        if entry["op"] == "metrics":
-            out.setdefault(entry["step"], {}).update(entry["metrics"])
-    return out
 
 
 def check_steps(metrics: dict[int, dict], steps) -> None:
@@ -43,7 +33,7 @@ def test_fsdp_ranks_with_an_engine_fleet_run_and_resume(tmp_path):
     resumed = run_launch([*args, "steps=3"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    check_steps(step_metrics(run_dir), (1, 2, 3))
+    check_steps(journal_metrics(run_dir), (1, 2, 3))
 
 
 def test_broadcast_weight_sync_to_an_engine_fleet(tmp_path):
@@ -51,4 +41,4 @@ def test_broadcast_weight_sync_to_an_engine_fleet(tmp_path):
     proc = run_launch([*SMALL, "rollout.num_engines=2", "rollout.weight_sync=broadcast", "steps=2",
                        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_steps(step_metrics(run_dir), (1, 2))
+    check_steps(journal_metrics(run_dir), (1, 2))
