@@ -9,7 +9,7 @@ CASES = {
     "trainer.lr=abc": "bad value for 'trainer.lr'",
     "rollout.n_samples_per_prompt=0": "rollout.n_samples_per_prompt must be > 0",
     "trainer.global_batch_size=128": "batch invariant broken",
-    "trainer.foo=1": "unknown key 'trainer.foo'; valid keys of trainer: backend, lr",
+    "trainer.foo=1": "unknown key 'trainer.foo'; valid keys of trainer: backend, num_ranks, lr",
     "algo.name=nope": "expected one of [grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, cispo, ppo, opd, sft]",
     "task.kind=file": "task.train_file must be set when task.kind=file",
     "task.reward=nope_module.score": "task.reward=nope_module.score: cannot import it",
