@@ -259,6 +259,10 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
     if t.backend == "torch" and t.num_ranks > 1:
         problems.append("trainer.num_ranks > 1 needs the sharded trainer: set trainer.backend=fsdp")
     if t.backend == "fsdp":
+        gpus = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
+        if cfg.hardware.device != "cpu" and t.num_ranks > gpus:
+            problems.append(f"trainer.num_ranks={t.num_ranks} FSDP ranks take a GPU each, and hardware={cfg.hardware.name} "
+                            f"has {gpus}: lower trainer.num_ranks")
         if not cfg.ray.enabled:
             problems.append("trainer.backend=fsdp runs its ranks as Ray actors: set ray.enabled=true")
         unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",

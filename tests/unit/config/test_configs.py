@@ -152,3 +152,27 @@ def test_trainer_packing_and_recompute_rules(compose):
         "trainer.max_tokens_per_micro_batch must be >= 1 (got 0)"]
     assert "set trainer.recompute=false" in validate(compose(["trainer.recompute=true", "precision=fp8"]))[0]
     assert validate(compose(["trainer.recompute=true"])) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["true_on_policy=true", "precision=fp8"], "use precision=bf16 or precision=fp32"),
+    (["true_on_policy=true", "rollout.top_p=0.9"], "set rollout.top_p=1.0 rollout.top_k=0"),
+    (["true_on_policy=true", "algo=sft"], "set true_on_policy=false"),
+    (["trainer.num_ranks=2"], "set trainer.backend=fsdp"),
+    (["trainer.backend=fsdp", "ray.enabled=false"], "set ray.enabled=true"),
+    (["trainer.backend=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer.backend=torch"),
+    (["trainer.backend=megatron"], "valid: torch, fsdp"),
+    (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
+    (["rollout.weight_sync=nope"], "valid: object_store, broadcast"),
+    (["rollout.weight_sync=broadcast", "ray.enabled=false"], "set ray.enabled=true"),
+    (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
+])
+def test_true_on_policy_and_scale_out_rules_name_the_fix(compose, overrides, message):
+    problems = validate(compose(overrides))
+    assert any(message in p for p in problems), problems
+
+
+def test_true_on_policy_and_scale_out_defaults_validate(compose):
+    assert validate(compose(["true_on_policy=true", "precision=bf16"])) == []
+    assert validate(compose(["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
+    assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
