@@ -9,7 +9,8 @@ number of keys, a vectorized loop evaluates `exp` with another routine in its sc
 on nothing but the reduced values themselves, in the idea of Thinking Machines' batch-invariant ops:
 
 - matmuls (`F.linear`, `@`, `bmm`), sums and means, softmax / log_softmax, attention (SDPA), layer
-  norms and the depthwise conv reduce along their axis from index 0 in fixed steps, in float32.
+  norms and the depthwise conv reduce along their axis from index 0 in fixed steps (float32
+  accumulation on CUDA, a double accumulator on the CPU).
   Terms that are exactly zero (masked keys past a query, padding) leave such a sum unchanged, so a
   decode step over the cache and a full forward over the sequence give the same bits. On the CPU
   the step is one element (exact elementwise products, summed by ATen's sequential cumsum); on CUDA a
@@ -64,7 +65,7 @@ def kernels(enabled: bool = True):
 
 # ------------------------------------------------------------------------------ exact primitives
 def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] (batch dims broadcast), accumulated in float32 along K from 0,
+    """a [..., M, K] @ b [..., K, N] (batch dims broadcast), accumulated along K from 0 in one order,
     each output element independent of M, N, the batch and trailing zero terms; -> out_dtype
     (default: a's dtype)."""
     out_dtype = out_dtype or a.dtype
