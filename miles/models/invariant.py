@@ -9,11 +9,10 @@ number of keys, a vectorized loop evaluates `exp` with another routine in its sc
 on nothing but the reduced values themselves, in the idea of Thinking Machines' batch-invariant ops:
 
 - matmuls (`F.linear`, `@`, `bmm`), sums and means, softmax / log_softmax, attention (SDPA), layer
-  norms and the depthwise conv reduce along their axis from index 0 in fixed steps (float32
-  accumulation on CUDA, a double accumulator on the CPU).
+  norms and the depthwise conv reduce along their axis from index 0 in fixed steps, in float32.
   Terms that are exactly zero (masked keys past a query, padding) leave such a sum unchanged, so a
   decode step over the cache and a full forward over the sequence give the same bits. On the CPU
-  the step is one element (exact elementwise products, summed by ATen's sequential cumsum); on CUDA a
+  the step is one element (a loop of elementwise multiplies and adds, IEEE-exact); on CUDA a
   Triton matmul with one fixed tile shape (miles/models/invariant_triton.py), which needs the keys of
   position p at column p on both sides (the slot decoder's and the padded trainer's layout).
 - elementwise transcendental ops (exp, sigmoid, silu, softplus, log, cos, sin, tanh) on the CPU
@@ -38,7 +37,6 @@ from torch.overrides import TorchFunctionMode
 # Elementwise CPU chunks: a multiple of 64 elements (two AVX-512 bf16 vectors) and below
 # ATen's parallel grain (32768), so one thread runs each chunk and no scalar tail remains.
 _ALIGN, _CHUNK = 64, 16384
-_PRODUCTS = 1 << 23  # CPU matmul: products held at once (32 MB of float32)
 
 _depth = 0
 
@@ -73,14 +71,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
         from miles.models.invariant_triton import triton_matmul
 
         return triton_matmul(a, b, out_dtype)
-    # All products at once (exact elementwise), then ATen's CPU cumsum, which runs each line in order
-    # from index 0 with a double accumulator: one fixed order, any CPU. In row chunks that keep the
-    # [rows, K, N] products below _PRODUCTS elements.
+    # One product per step, then one rounding add: each element's sum runs in order from k = 0 in
+    # float32. (Products summed by ATen's cumsum are one op, but were not invariant: qwen3_next_tiny
+    # in fp32 then missed by ~1e-10 at the default batch size.)
     a32, b32 = a.float(), b.float()
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel()
-    rows = max(1, _PRODUCTS // max(1, batch * a.shape[-1] * b.shape[-1]))
-    out = [(chunk.unsqueeze(-1) * b32.unsqueeze(-3)).cumsum(-2)[..., -1, :] for chunk in a32.split(rows, dim=-2)]
-    return (out[0] if len(out) == 1 else torch.cat(out, dim=-2)).to(out_dtype)
+    acc = a32[..., :, 0:1] * b32[..., 0:1, :]
+    for k in range(1, a.shape[-1]):
+        acc.add_(a32[..., :, k:k + 1] * b32[..., k:k + 1, :])
+    return acc.to(out_dtype)
 
 
 def reduce_sum(x: torch.Tensor, dim: int, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -90,8 +88,10 @@ def reduce_sum(x: torch.Tensor, dim: int, keepdim: bool = False, dtype: torch.dt
     if x.is_cuda:  # every other dim as rows of one matmul with a ones column
         ones = torch.ones(moved.shape[-1], 1, dtype=moved.dtype, device=x.device)
         out = matmul(moved.reshape(-1, moved.shape[-1]), ones, torch.float32).view(moved.shape[:-1])
-    else:  # in order from index 0, double accumulator (see matmul)
-        out = moved.float().cumsum(-1)[..., -1]
+    else:  # in order from index 0 (see matmul)
+        out = moved[..., 0].float().clone()
+        for k in range(1, moved.shape[-1]):
+            out.add_(moved[..., k])
     out = out.to(dtype or (x.dtype if x.is_floating_point() else torch.float32))
     return out.unsqueeze(dim) if keepdim else out
 
