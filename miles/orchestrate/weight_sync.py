@@ -24,11 +24,17 @@ def to_dtype(state_dict: dict[str, torch.Tensor], dtype: DType) -> dict[str, tor
 
 def checksum(state_dict: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu").contiguous()
+    hash_tensors(h, state_dict)
+    return h.hexdigest()
+
+
+def hash_tensors(h, tensors: dict[str, torch.Tensor]) -> None:
+    """Feed `checksum`'s bytes of these tensors into `h` (names sorted): a sender that hashes its
+    buckets one by one, in name order, ends with the checksum of the whole state dict."""
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.flatten().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class WeightSyncError(RuntimeError):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
-from miles.orchestrate.weight_sync import TORCH_DTYPES
+from miles.orchestrate.weight_sync import TORCH_DTYPES, hash_tensors
 
 ALIGN = 16  # bytes: every tensor's offset in a bucket, so that a byte slice views as any dtype
 DIGEST_BYTES = 64  # a SHA-256 hex digest, broadcast after the last bucket
@@ -74,7 +75,7 @@ def plan_buckets(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], bucket
     end = 0
     for name in sorted(tensors):
         dtype, shape = tensors[name]
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         offset = -(-end // ALIGN) * ALIGN
         if slots and offset + nbytes > bucket_bytes:
             buckets.append(Bucket(tuple(slots), end))
@@ -185,19 +186,12 @@ def _send(trainer, group_name: str, check: bool) -> str:
         torch._foreach_copy_([targets[n] for n in names], [tensors[n].detach() for n in names])
         member.broadcast(packed)
         if hasher is not None:  # one host copy per bucket (none on the CPU)
-            _hash(hasher, views(packed.cpu(), bucket))
+            hash_tensors(hasher, views(packed.cpu(), bucket))
     if not check:
         return ""
     digest = digest if hasher is None else hasher.hexdigest()
     member.broadcast(torch.frombuffer(bytearray(digest.encode()), dtype=torch.uint8).to(member.device))
     return digest
-
-
-def _hash(hasher, tensors: dict[str, torch.Tensor]) -> None:
-    """Feed weight_sync.checksum's bytes of these host tensors (sorted names, across calls)."""
-    for name, t in tensors.items():
-        hasher.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        hasher.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _receive(engine, group_name: str, check: bool) -> str:
@@ -257,11 +251,6 @@ class BroadcastWeightSync:
         return [f.result() for f in futures]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class LoopBroadcast:
