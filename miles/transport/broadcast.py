@@ -251,8 +251,6 @@ class BroadcastWeightSync:
         return [f.result() for f in futures]
 
 
-
-
 class LoopBroadcast:
     """`rollout.weight_sync=broadcast` for the RL loop: the trainer and every engine handle (an
     EngineFleet's engines one by one) in one `BroadcastWeightSync`, set up at the first sync and
