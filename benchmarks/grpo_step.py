@@ -1,12 +1,14 @@
 """GRPO step breakdown on one GPU: the real loop (`launch.py`, in-process), per precision recipe.
 
-    python benchmarks/grpo_step.py [--recipes bf16 fp8] [--steps 4] [--model qwen3_0_6b]
+    python benchmarks/grpo_step.py [--recipes bf16 fp8] [--steps 4] [--model qwen3_0_6b] [--modes sync async]
 
 Each recipe runs `launch.py hardware=gpu ray.enabled=false model=<model> warm_start.enabled=false
 precision=<recipe> rollout.max_new_tokens=256 steps=<steps>` (64 prompts x 8 samples, random
 weights: responses run to the 256-token budget) and reads the per-step `perf/*` metrics from the
 run's journal. Step 1 includes first-use costs (kernel selection, compiles) and is reported apart;
-the table gives the median of the later steps.
+the table gives the median of the later steps. `--modes sync async` runs each recipe also with
+`rollout.asynchronous=true` (batch k+1 generated while step k trains; its rollout time is hidden,
+so the step time is what to compare).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/we
         "rollout/tokens_per_s", "mismatch/logprob_abs_diff"]
 
 
-def run(recipe: str, model: str, steps: int, work: Path) -> dict[int, dict]:
-    out = work / recipe
+def run(recipe: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
+    out = work / f"{recipe}_{mode}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "hardware=gpu", "ray.enabled=false", f"model={model}",
            "warm_start.enabled=false", f"precision={recipe}", "rollout.max_new_tokens=256", f"steps={steps}",
            "eval.interval=1000", "task.eval_size=16", f"tracking.uri=sqlite:///{work}/mlflow.db",
-           f"hydra.run.dir={out}"]
+           f"hydra.run.dir={out}", *(["rollout.asynchronous=true"] if mode == "async" else [])]
     subprocess.run(cmd, check=True, cwd=work)
     metrics: dict[int, dict] = {}
     for line in (out / "mlflow" / "journal.jsonl").read_text().splitlines():
@@ -44,14 +46,17 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--model", default="qwen3_0_6b")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=["sync"], choices=["sync", "async"])
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for recipe in args.recipes:
-            metrics = run(recipe, args.model, args.steps, Path(work))
-            later = [metrics[s] for s in range(2, args.steps + 1)]
-            rows.append((recipe, {k: statistics.median(m[k] for m in later) for k in KEYS},
-                         metrics[1]["perf/step_time_s"]))
+            for mode in args.modes:
+                metrics = run(recipe, args.model, args.steps, Path(work), mode)
+                later = [metrics[s] for s in range(2, args.steps + 1)]
+                label = recipe if args.modes == ["sync"] else f"{recipe} {mode}"
+                rows.append((label, {k: statistics.median(m[k] for m in later) for k in KEYS},
+                             metrics[1]["perf/step_time_s"]))
     print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for recipe, m, first in rows:

@@ -5,8 +5,9 @@
 Each layout runs `launch.py` for the same steps and seed on the default task (no warm start); the
 figure is the median `perf/step_time_s` over the steps after the first (start-up and first-call
 costs excluded), with its ratio to the in-process run. Layouts: in-process (one process), Ray (a
-trainer and an engine actor), 2 engines, 2 FSDP2 trainer ranks, broadcast weight sync. On a 2-core
-machine several actors share the cores, so more processes mostly measure the overhead, not a gain.
+trainer and an engine actor), 2 engines, 2 FSDP2 trainer ranks, broadcast and shared-memory weight sync,
+asynchronous rollout (Ray and in-process). On a 2-core machine several actors share the cores, so more
+processes mostly measure the overhead, not a gain.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ LAYOUTS = {
     "ray, 2 engines": ["rollout.num_engines=2"],
     "ray, 2 FSDP2 ranks": ["trainer.backend=fsdp", "trainer.num_ranks=2"],
     "ray, broadcast sync": ["rollout.weight_sync=broadcast"],
+    "ray, shared-memory sync": ["rollout.weight_sync=shared_memory"],
+    "ray, asynchronous": ["rollout.asynchronous=true"],
+    "in-process, asynchronous": ["ray.enabled=false", "rollout.asynchronous=true"],
 }
 
 

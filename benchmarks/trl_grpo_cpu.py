@@ -136,7 +136,8 @@ class MilesSide:
 
     def step(self) -> dict[str, float]:
         """One step of rl_loop (without eval and logging): rollout, train, sync."""
-        from miles.orchestrate.loop import collect_rollout, sync_weights
+        from miles.orchestrate.loop import collect_rollout
+        from miles.orchestrate.sync import sync_weights
         from miles.orchestrate.returns import make_train_batch
 
         ctx, cfg = self.ctx, self.cfg

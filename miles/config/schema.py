@@ -203,9 +203,14 @@ class RolloutCfg:
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens
     num_engines: int = 1  # rollout engines; > 1: a fleet behind a router, samples as one engine gives (router.py)
     # object_store: weights through Ray's object store (in-process runs copy them directly);
-    # broadcast: over a gloo / NCCL group of the trainer and every engine, in buckets (transport/broadcast.py)
+    # broadcast: over a gloo / NCCL group of the trainer and every engine, in buckets (transport/broadcast.py);
+    # shared_memory: colocated on one node, one buffer the engines map (/dev/shm, or CUDA IPC on a GPU)
     weight_sync: str = "object_store"
     weight_sync_bucket_mb: float = 64.0  # rollout.weight_sync=broadcast: bytes per collective
+    # Generate the next steps' batches while the trainer trains (miles/orchestrate/rollout_ahead.py);
+    # not `async`: a Python keyword cannot name a dataclass field.
+    asynchronous: bool = False
+    max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
 
 
 @dataclass

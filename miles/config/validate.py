@@ -92,6 +92,7 @@ def validate(cfg: RunCfg) -> list[str]:
     if r.engine != "native":
         problems.append(f"rollout.engine={r.engine!r} is not available; valid: native")
     problems += scale_out_problems(cfg)
+    problems += asynchronous_problems(cfg)
     if cfg.tracking.backend != "mlflow":
         problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
@@ -270,8 +271,19 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
                        "true_on_policy=true": cfg.true_on_policy}
         problems += [f"trainer.backend=fsdp does not support {what} yet: use trainer.backend=torch"
                      for what, bad in unsupported.items() if bad]
-    if r.weight_sync not in ("object_store", "broadcast"):
-        problems.append(f"rollout.weight_sync={r.weight_sync!r} is unknown; valid: object_store, broadcast")
+    if r.weight_sync not in ("object_store", "broadcast", "shared_memory"):
+        problems.append(f"rollout.weight_sync={r.weight_sync!r} is unknown; valid: object_store, broadcast, "
+                        "shared_memory")
+    elif r.weight_sync == "shared_memory":
+        if not cfg.ray.enabled:
+            problems.append("rollout.weight_sync=shared_memory maps one buffer into the engines' Ray actors: "
+                            "set ray.enabled=true (in-process runs copy the weights directly)")
+        if t.backend == "fsdp":
+            problems.append("rollout.weight_sync=shared_memory packs from one trainer process, not FSDP ranks: "
+                            "set rollout.weight_sync=object_store")
+        if cfg.hardware.device != "cpu" and not r.colocate:
+            problems.append("rollout.weight_sync=shared_memory on a GPU shares the trainer's GPU with the engines "
+                            "(CUDA IPC); rollout.colocate=false gives them other GPUs: set rollout.weight_sync=broadcast")
     elif r.weight_sync == "broadcast":
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=broadcast joins the trainer and the engines as Ray actors: "
@@ -284,6 +296,28 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
                             "shares one: set rollout.weight_sync=object_store")
         if r.weight_sync_bucket_mb <= 0:
             problems.append(f"rollout.weight_sync_bucket_mb must be > 0 (got {r.weight_sync_bucket_mb})")
+    return problems
+
+
+def asynchronous_problems(cfg: RunCfg) -> list[str]:
+    """rollout.asynchronous overlaps generating and training an RL run's batches."""
+    r, d = cfg.rollout, cfg.debug
+    if r.max_staleness < 0:
+        return [f"rollout.max_staleness must be >= 0 (got {r.max_staleness})"]
+    if not r.asynchronous:
+        return []
+    problems = []
+    if cfg.algo.name == AlgoName.sft:
+        problems.append("rollout.asynchronous=true overlaps RL rollouts with training; algo=sft has none: "
+                        "set rollout.asynchronous=false")
+    for key, on in (("debug.rollout_only", d.rollout_only), ("debug.train_only", d.train_only),
+                    ("debug.load_rollouts", bool(d.load_rollouts))):
+        if on:
+            problems.append(f"rollout.asynchronous=true needs both an engine and a trainer generating and training; "
+                            f"{key} runs without one of them: set rollout.asynchronous=false")
+    if d.check_weight_sync:
+        problems.append("debug.check_weight_sync compares the engine's weights with the trainer's right after a sync; "
+                        "with rollout.asynchronous=true the trainer has moved on by then: set one of them false")
     return problems
 
 

@@ -7,6 +7,7 @@ follow DESIGN.md.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate.returns import make_train_batch
+from miles.orchestrate.rollout_ahead import RolloutAhead
+from miles.orchestrate.sync import sync_weights
 from miles.rollout.router import EngineFleet
 from miles.types import Sample, build_train_batch
 
@@ -46,6 +49,8 @@ class LoopContext:
     multi_turn: object = None  # a miles.rollout.multi_turn.MultiTurn (task.tools), else single-turn
     sft_target_key: str | None = None  # SFT trains on this record field when present (a worked solution)
     weight_sync: object = None  # a miles.transport.broadcast.LoopBroadcast (rollout.weight_sync=broadcast)
+    # rollout.asynchronous: the data position a checkpoint records (before the first untrained batch)
+    source_state: Callable[[], dict] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
@@ -80,25 +85,6 @@ def score(ctx: LoopContext, samples: list[Sample], extra: list[float] | None = N
     for i, (s, r) in enumerate(zip(samples, scores)):
         s.reward = r + (extra[i] if extra else 0.0)
     return errors
-
-
-def sync_weights(ctx: LoopContext, check: bool) -> float:
-    """Push the trainer's weights to the engine; with `check`, the engine verifies the checksum.
-    Both in this process: one flat device-to-device copy (miles/transport/flat.py); else host
-    tensors through the handles (Ray's object store)."""
-    if ctx.engine is None or ctx.trainer is None:  # debug.rollout_only / debug.train_only
-        return 0.0
-    if ctx.weight_sync is not None:  # rollout.weight_sync=broadcast: a collective, not the object store
-        elapsed = ctx.weight_sync.sync(check)
-        ctx.after_sync(ctx)
-        return elapsed
-    start = time.perf_counter()
-    in_process = ctx.engine.in_process and ctx.trainer.in_process
-    weights, digest = ctx.trainer.submit("get_weights", num_returns=2, **({"in_process": True} if in_process else {}))
-    ctx.engine.get(ctx.engine.submit("update_weights", weights, digest if check else None))
-    elapsed = time.perf_counter() - start
-    ctx.after_sync(ctx)
-    return elapsed
 
 
 def greedy_accuracy(ctx: LoopContext, examples: list[Example]) -> tuple[float, list[Sample], dict[str, float]]:
@@ -167,44 +153,60 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
 
 
 def rl_loop(ctx: LoopContext, cfg) -> float:
-    """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps)."""
+    """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps).
+    rollout.asynchronous: the batches come from a RolloutAhead, generated while the trainer trains."""
     last = {}
     if ctx.start_step == 0:
         last = evaluate(ctx, 0)
         ctx.log(last, 0)
-    for step in range(ctx.start_step + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        samples, rollout_metrics = ctx.collect(ctx, cfg, step) if ctx.collect else collect_rollout(ctx, cfg)
-        t1 = time.perf_counter()
-        batch, metrics = make_train_batch(ctx, cfg, samples)
-        # The critic trains on the same batch, one after the other with the policy: run concurrently
-        # on CPU, the two updates fight over the same cores and both slow down several-fold. During
-        # the critic's warm-up the policy waits (and its weights need no sync).
-        if ctx.critic is not None:
-            metrics.update(ctx.critic.call("train", batch))
-        policy_update = ctx.critic is None or step > cfg.critic.warmup_steps
-        if policy_update and ctx.trainer is not None:
-            metrics.update(ctx.trainer.call("train_rl", batch))
-        t2 = time.perf_counter()
-        if policy_update:
-            metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
-        response_tokens = sum(len(s.response_ids) for s in samples)
-        metrics.update(
-            {
-                **rollout_metrics,
-                "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
-                "rollout/response_len_mean": response_tokens / len(samples),
-                "rollout/tokens_per_s": response_tokens / (t1 - t0),
-                "perf/rollout_time_s": t1 - t0,
-                "perf/train_time_s": t2 - t1,
-            }
-        )
-        if step % cfg.eval.interval == 0 or step == cfg.steps:
-            last = evaluate(ctx, step)
-            metrics.update(last)
-        metrics["perf/step_time_s"] = time.perf_counter() - t0
-        ctx.log(metrics, step)
-        ctx.after_step(step)
+    collect = ctx.collect or (lambda ctx, cfg, step: collect_rollout(ctx, cfg))
+    ahead = RolloutAhead(ctx, cfg, collect) if cfg.rollout.asynchronous else None
+    if ahead is not None:
+        ctx.source_state = ahead.source_state
+    try:
+        for step in range(ctx.start_step + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            if ahead is not None:
+                samples, rollout_metrics = ahead.next(step)
+            else:
+                samples, rollout_metrics = collect(ctx, cfg, step)
+                generated = time.perf_counter() - t0
+                rollout_metrics = {**rollout_metrics, "rollout/staleness": 0.0, "perf/rollout_time_s": generated,
+                                   "rollout/tokens_per_s": sum(len(s.response_ids) for s in samples) / generated}
+            t1 = time.perf_counter()
+            batch, metrics = make_train_batch(ctx, cfg, samples)
+            # The critic trains on the same batch, one after the other with the policy: run concurrently
+            # on CPU, the two updates fight over the same cores and both slow down several-fold. During
+            # the critic's warm-up the policy waits (and its weights need no sync).
+            if ctx.critic is not None:
+                metrics.update(ctx.critic.call("train", batch))
+            policy_update = ctx.critic is None or step > cfg.critic.warmup_steps
+            if policy_update and ctx.trainer is not None:
+                metrics.update(ctx.trainer.call("train_rl", batch))
+            t2 = time.perf_counter()
+            if ahead is not None:
+                metrics["perf/weight_sync_s"] = ahead.publish(step, updated=policy_update)
+            elif policy_update:
+                metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
+            metrics.update(
+                {
+                    **rollout_metrics,
+                    "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
+                    "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+                    "perf/train_time_s": t2 - t1,
+                }
+            )
+            if step % cfg.eval.interval == 0 or step == cfg.steps:
+                with ahead.engine_idle() if ahead is not None else contextlib.nullcontext():
+                    last = evaluate(ctx, step)
+                metrics.update(last)
+            metrics["perf/step_time_s"] = time.perf_counter() - t0
+            ctx.log(metrics, step)
+            ctx.after_step(step)
+    finally:
+        if ahead is not None:
+            ahead.close()
+            ctx.source_state = None
     return next(iter(last.values()), 0.0)
 
 

@@ -97,6 +97,10 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
             from miles.transport.broadcast import LoopBroadcast
 
             ctx.weight_sync = LoopBroadcast(trainer, engine, "gloo", cfg.rollout.weight_sync_bucket_mb)
+        if cfg.rollout.weight_sync == "shared_memory" and engine is not None and trainer is not None:
+            from miles.transport.shared_memory import LoopSharedMemory
+
+            ctx.weight_sync = LoopSharedMemory(trainer, engine)
         return ctx
 
     if cfg.algo.name == AlgoName.sft:

@@ -34,7 +34,8 @@ from typing import Callable
 from miles.config.schema import RunCfg
 from miles.orchestrate.checkpoints import copy_tokenizer
 from miles.orchestrate.handles import RayHandle
-from miles.orchestrate.loop import LoopContext, sync_weights
+from miles.orchestrate.loop import LoopContext
+from miles.orchestrate.sync import sync_weights
 from miles.orchestrate.resume import (CheckpointStore, flat_config, load_component_state, load_driver_rng,
                                       read_meta, save_component_state)
 
@@ -275,8 +276,8 @@ class Checkpointer:
                 handle.apply(save_component_state, str(tmp), name)
             copy_tokenizer(self.tokenizer_dir, tmp / "model")
 
-        meta = {"objective": self.objective, "source": ctx.source.state(), "config": flat_config(self.cfg),
-                **self.run_info}
+        meta = {"objective": self.objective, "source": (ctx.source_state or ctx.source.state)(),
+                "config": flat_config(self.cfg), **self.run_info}
         path = self.store.save(step, write, meta)
         self.saved_step = step
         self.log(f"checkpoint: {path}")

@@ -93,6 +93,22 @@ def views(buffer: torch.Tensor, bucket: Bucket) -> dict[str, torch.Tensor]:
             for s in bucket.slots}
 
 
+def pack(buffer: torch.Tensor, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy (and cast) the bucket's tensors into their places in `buffer`: one foreach call."""
+    targets = views(buffer, bucket)
+    names = [s.name for s in bucket.slots]
+    torch._foreach_copy_([targets[n] for n in names], [tensors[n].detach() for n in names])
+
+
+def check_plan(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, buckets: tuple[Bucket, ...]) -> None:
+    """Raise if these tensors (cast to `dtype` when given) are not the ones the buckets were planned for."""
+    planned = {s.name: (s.dtype, s.shape) for b in buckets for s in b.slots}
+    sent = {n: (str(dtype or t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+    if sent != planned:
+        raise ValueError(f"the trainer's weights no longer match the plan made at setup: "
+                         f"{sorted(set(sent.items()) ^ set(planned.items()))[:3]}")
+
+
 # ----------------------------------------------------------------------------- inside each member
 @dataclass
 class _Member:
@@ -120,7 +136,7 @@ def _member(component: Any, group_name: str) -> _Member:
         raise RuntimeError(f"no weight update group {group_name!r} here: BroadcastWeightSync sets it up") from None
 
 
-def _sender_tensors(trainer) -> tuple[dict[str, torch.Tensor], torch.dtype | None, str | None]:
+def sender_tensors(trainer) -> tuple[dict[str, torch.Tensor], torch.dtype | None, str | None]:
     """(what the trainer sends, the dtype to cast it to while packing or None, its checksum if known).
     Plain recipes: the master weights where they live, cast per bucket; quantized rollouts: the
     payload and checksum get_weights builds (the quantization lives there)."""
@@ -134,7 +150,7 @@ def _listen(trainer, group_name: str, bucket_bytes: int, timeout_s: float) -> tu
     """Rank 0, first: host the store on a free port and plan the buckets; (address, port, plan)."""
     import ray
 
-    tensors, dtype, _ = _sender_tensors(trainer)
+    tensors, dtype, _ = sender_tensors(trainer)
     plan = plan_buckets({n: (dtype or t.dtype, tuple(t.shape)) for n, t in tensors.items()}, bucket_bytes)
     store = TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                      wait_for_workers=False)
@@ -171,19 +187,14 @@ def _join(component, group_name: str, address: str, port: int, rank: int, world_
 def _send(trainer, group_name: str, check: bool) -> str:
     """Pack and broadcast every bucket, then (check) the digest; returns the digest ("" unchecked)."""
     member = _member(trainer, group_name)
-    tensors, dtype, digest = _sender_tensors(trainer)
-    planned = {s.name: (s.dtype, s.shape) for b in member.buckets for s in b.slots}
-    sent = {n: (str(dtype or t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
-    if sent != planned:  # raised before any collective; the engines then fail at the group's timeout
-        raise ValueError(f"the trainer's weights no longer match the group's plan: "
-                         f"{sorted(set(sent.items()) ^ set(planned.items()))[:3]}")
+    tensors, dtype, digest = sender_tensors(trainer)
+    # Raised before any collective; the engines then fail at the group's timeout.
+    check_plan(tensors, dtype, member.buckets)
     hasher = hashlib.sha256() if check and digest is None else None
     buffer = torch.empty(max(b.nbytes for b in member.buckets), dtype=torch.uint8, device=member.device)
     for bucket in member.buckets:
         packed = buffer[: bucket.nbytes]
-        targets = views(packed, bucket)
-        names = [s.name for s in bucket.slots]
-        torch._foreach_copy_([targets[n] for n in names], [tensors[n].detach() for n in names])
+        pack(packed, bucket, tensors)
         member.broadcast(packed)
         if hasher is not None:  # one host copy per bucket (none on the CPU)
             hash_tensors(hasher, views(packed.cpu(), bucket))
@@ -270,7 +281,7 @@ class LoopBroadcast:
 
     def sync(self, check: bool) -> float:
         members = [self.trainer, *self.engines()]
-        actors = tuple(id(_actor(handle)) for handle in members)
+        actors = tuple(id(actor_of(handle)) for handle in members)
         if self.group is None or actors != self.actors:
             self.generation += 1
             self.group = BroadcastWeightSync(self.trainer, self.engines(), self.backend, self.bucket_mb,
@@ -283,7 +294,7 @@ class LoopBroadcast:
             self.group.close()
 
 
-def _actor(handle):
+def actor_of(handle):
     """The Ray actor behind a handle (a RestartingEngine wraps one), or the handle itself in-process."""
     inner = getattr(handle, "handle", handle)
     return getattr(inner, "actor", inner)

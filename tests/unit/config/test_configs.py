@@ -163,9 +163,15 @@ def test_trainer_packing_and_recompute_rules(compose):
     (["trainer.backend=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer.backend=torch"),
     (["trainer.backend=megatron"], "valid: torch, fsdp"),
     (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
-    (["rollout.weight_sync=nope"], "valid: object_store, broadcast"),
+    (["rollout.weight_sync=nope"], "valid: object_store, broadcast, shared_memory"),
+    (["rollout.weight_sync=shared_memory", "ray.enabled=false"], "set ray.enabled=true"),
+    (["rollout.weight_sync=shared_memory", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.weight_sync=broadcast", "ray.enabled=false"], "set ray.enabled=true"),
     (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
+    (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
+    (["rollout.asynchronous=true", "algo=sft"], "set rollout.asynchronous=false"),
+    (["rollout.asynchronous=true", "debug.rollout_only=true"], "debug.rollout_only runs without"),
+    (["rollout.asynchronous=true", "debug.check_weight_sync=true"], "set one of them false"),
 ])
 def test_true_on_policy_and_scale_out_rules_name_the_fix(compose, overrides, message):
     problems = validate(compose(overrides))
@@ -176,3 +182,5 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["true_on_policy=true", "precision=bf16"])) == []
     assert validate(compose(["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
+    assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
+    assert validate(compose(["rollout.asynchronous=true", "rollout.max_staleness=2", "rollout.num_engines=2"])) == []

@@ -7,7 +7,8 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.debug import check_sync_tensors
 from miles.orchestrate.handles import LocalHandle
-from miles.orchestrate.loop import LoopContext, sync_weights
+from miles.orchestrate.loop import LoopContext
+from miles.orchestrate.sync import sync_weights
 from miles.orchestrate.weight_sync import WeightSyncError
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
