@@ -6,13 +6,15 @@ Each mode runs `launch.py` (the default task, warm start and model; Ray actors u
 for the same steps and seeds. Reported per mode: the median `perf/step_time_s` over the steps after
 the first, and the held-out accuracy at step 0 and at the last step (the gain is the RL part).
 Asynchronous: `rollout.asynchronous=true rollout.max_staleness=1`, batch k+1 generated while step k
-trains.
+trains; once with PPO's ratio against the behaviour policy (the default), once against the
+trainer's own recomputed log-probs (`algo.use_rollout_logprobs=false`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -20,11 +22,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"synchronous": [], "asynchronous": ["rollout.asynchronous=true", "rollout.max_staleness=1"]}
+MODES = {
+    "synchronous": [],
+    "asynchronous": ["rollout.asynchronous=true", "rollout.max_staleness=1"],
+    # PPO's ratio against the trainer's recomputed log-probs instead of the behaviour policy's
+    "asynchronous, ratio to the trainer's log-probs": ["rollout.asynchronous=true", "algo.use_rollout_logprobs=false"],
+}
 
 
 def run(mode: str, seed: int, steps: int, extra: list[str], tmp: Path) -> dict[int, dict]:
-    run_dir = tmp / f"{mode}_{seed}"
+    run_dir = tmp / f"{re.sub(r'[^a-z]+', '_', mode)}_{seed}"
     args = [f"steps={steps}", f"seed={seed}", "tracking.log_samples=0", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
             f"hydra.run.dir={run_dir}", *MODES[mode], *extra]
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT, capture_output=True, text=True)
@@ -43,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--in-process", action="store_true", help="ray.enabled=false")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
     extra = ["ray.enabled=false"] if args.in_process else []
     key = "eval/arithmetic/accuracy"
@@ -51,7 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             base = None
-            for mode in MODES:
+            for mode in args.modes:
                 metrics = run(mode, seed, args.steps, extra, Path(tmp))
                 median = statistics.median(m["perf/step_time_s"] for s, m in metrics.items()
                                            if s > 1 and "perf/step_time_s" in m)

@@ -81,7 +81,9 @@ class AlgoCfg:
     num_steps_per_rollout: int = 1
     loss_agg: str = "token_mean"
     dual_clip_c: Optional[float] = None
-    use_rollout_logprobs: bool = False
+    # the engine's log-probs are the old policy (PPO's ratio and clip against the behaviour policy);
+    # None: true with rollout.asynchronous and max_staleness > 0 (batches from a policy behind)
+    use_rollout_logprobs: Optional[bool] = None
     tis: str = "none"
     tis_clip: float = 2.0
     mis: str = "none"
@@ -210,6 +212,8 @@ class RolloutCfg:
     # Generate the next steps' batches while the trainer trains (miles/orchestrate/rollout_ahead.py);
     # not `async`: a Python keyword cannot name a dataclass field.
     asynchronous: bool = False
+    # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py)
+    offload: bool = False
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
 
 
@@ -230,6 +234,7 @@ class TrainerCfg:
     cp: int = 1
     recompute: bool = False
     offload_optimizer: Optional[bool] = None
+    offload: bool = False  # GPU, colocated: parameters, gradients, optimizer state in host memory during rollout
     pack_sequences: bool = True  # several samples per row, no padding computed (families that support it)
     max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
     share_prompts: bool = True  # packed rows on the masked kernel: a prompt's tokens computed once for its n samples

@@ -93,6 +93,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append(f"rollout.engine={r.engine!r} is not available; valid: native")
     problems += scale_out_problems(cfg)
     problems += asynchronous_problems(cfg)
+    problems += offload_problems(cfg)
     if cfg.tracking.backend != "mlflow":
         problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
@@ -296,6 +297,27 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
                             "shares one: set rollout.weight_sync=object_store")
         if r.weight_sync_bucket_mb <= 0:
             problems.append(f"rollout.weight_sync_bucket_mb must be > 0 (got {r.weight_sync_bucket_mb})")
+    return problems
+
+
+def offload_problems(cfg: RunCfg) -> list[str]:
+    """rollout.offload / trainer.offload: the sides of a colocated GPU run give their memory back in turn."""
+    problems = []
+    for key, on in (("rollout.offload", cfg.rollout.offload), ("trainer.offload", cfg.trainer.offload)):
+        if not on:
+            continue
+        if cfg.hardware.device == "cpu":
+            problems.append(f"{key}=true frees GPU memory between phases; on the CPU everything is in host memory "
+                            f"already: set {key}=false")
+        elif not cfg.rollout.colocate:
+            problems.append(f"{key}=true is for the sides taking turns on the same GPUs: set rollout.colocate=true "
+                            f"or {key}=false")
+        if cfg.rollout.asynchronous:
+            problems.append(f"{key}=true takes turns on the GPU; rollout.asynchronous=true overlaps the turns: "
+                            "set one of them false")
+    if cfg.trainer.offload and cfg.trainer.backend == "fsdp":
+        problems.append("trainer.offload=true with trainer.backend=fsdp is not supported yet (its checkpoints "
+                        "need the shards on the device): set trainer.offload=false")
     return problems
 
 

@@ -21,6 +21,7 @@ from miles.data.prompt_format import PromptFormat
 from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
+from miles.orchestrate.colocate import MemoryPhases
 from miles.orchestrate.returns import make_train_batch
 from miles.orchestrate.rollout_ahead import RolloutAhead
 from miles.orchestrate.sync import sync_weights
@@ -156,6 +157,8 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
     """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps).
     rollout.asynchronous: the batches come from a RolloutAhead, generated while the trainer trains."""
     last = {}
+    phases = MemoryPhases(ctx, cfg)  # colocated GPU: the engine and the trainer give memory back in turn
+    phases.start()
     if ctx.start_step == 0:
         last = evaluate(ctx, 0)
         ctx.log(last, 0)
@@ -174,6 +177,7 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
                 rollout_metrics = {**rollout_metrics, "rollout/staleness": 0.0, "perf/rollout_time_s": generated,
                                    "rollout/tokens_per_s": sum(len(s.response_ids) for s in samples) / generated}
             t1 = time.perf_counter()
+            memory = phases.train_turn()
             batch, metrics = make_train_batch(ctx, cfg, samples)
             # The critic trains on the same batch, one after the other with the policy: run concurrently
             # on CPU, the two updates fight over the same cores and both slow down several-fold. During
@@ -186,11 +190,13 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
             t2 = time.perf_counter()
             if ahead is not None:
                 metrics["perf/weight_sync_s"] = ahead.publish(step, updated=policy_update)
-            elif policy_update:
-                metrics["perf/weight_sync_s"] = sync_weights(ctx, cfg.rollout.check_weight_sync)
+            elif policy_update or phases.engine_released:
+                metrics["perf/weight_sync_s"], train_memory = phases.sync()
+                memory.update(train_memory)
             metrics.update(
                 {
                     **rollout_metrics,
+                    **memory,
                     "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
                     "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                     "perf/train_time_s": t2 - t1,

@@ -18,9 +18,10 @@ How it runs:
   (j - 1) minus the step of those weights: 0 for a synchronous rollout, at most max_staleness.
   With max_staleness=1, batch j+1 is generated while the trainer trains on batch j (the one-step
   off-policy schedule of slime's train_async / AReaL).
-- The samples keep the behaviour policy's log-probs (`rollout_logprobs`); the trainer recomputes
-  the old log-probs with its current weights, so `algo.tis` / `algo.mis` correct for the lag as
-  they do for the kernel mismatch.
+- The samples keep the behaviour policy's log-probs (`rollout_logprobs`). By default
+  (`algo.use_rollout_logprobs: null`) they are PPO's old policy when the rollout lags, so the ratio
+  and its clip are against the policy that sampled (miles.orchestrate.run.trainer_algo); `algo.tis`
+  / `algo.mis` apply on top, as for the kernel mismatch.
 - Weights: `publish` takes a snapshot in the loop's thread (the trainer's `get_weights`: a Ray
   object reference, or in-process the trainer's sync buffer, refilled under a lock); the rollout
   thread loads the newest snapshot into the engine before each collection. A collective transport

@@ -172,7 +172,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     # Several engines: one router in front (seeded per prompt group, so they sample as one engine).
     engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
         EngineFleet(fleet, max_restarts=cfg.fault.max_retries, log=console.print)
-    trainer_args = (str(init_dir), cfg.algo, cfg.trainer, precision, cfg.rollout.temperature, hw.device,
+    trainer_args = (str(init_dir), trainer_algo(cfg), cfg.trainer, precision, cfg.rollout.temperature, hw.device,
                     hw.cpu_threads, cfg.seed)
     trainer_kwargs = dict(max_response_len=cfg.rollout.max_new_tokens, true_on_policy=cfg.true_on_policy,
                           teacher_dir=str(teacher_dir) if teacher_dir else None)
@@ -187,6 +187,17 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def trainer_algo(cfg: RunCfg):
+    """cfg.algo with its defaults that depend on the rest of the run resolved. use_rollout_logprobs
+    (null): an asynchronous run's batches come from a policy a step behind the trainer's, and PPO's
+    ratio and clip against that behaviour policy keep its updates stable, where ratios against the
+    trainer's own recomputed log-probs (1 at the first step) let them drift off (docs/scale-out.md)."""
+    if cfg.algo.use_rollout_logprobs is None:
+        behind = cfg.rollout.asynchronous and cfg.rollout.max_staleness > 0
+        return replace(cfg.algo, use_rollout_logprobs=behind)
+    return cfg.algo
 
 
 def gpu_share(device: str, components: int) -> float:

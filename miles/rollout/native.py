@@ -27,6 +27,14 @@ miles/rollout/router.py). Without seeds, one engine generator draws for the whol
 
     samples = engine.generate(["12+30=", "7*6="], ["42", "42"], n=4, seeds=[101, 102])
 
+Colocation (`rollout.colocate`, the engine and the trainer take turns on the GPU): SGLang's calls,
+
+    engine.release_memory()                      # weights to host (pinned), slot cache + graphs freed
+    engine.resume_memory(("weights",)); engine.update_weights(...); engine.resume_memory(("kv_cache",))
+
+tags "weights" and "kv_cache"; `release_memory(keep_weights=False)` drops the weights instead of
+copying them (the next update_weights must fill them). Details in miles/rollout/memory.py.
+
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
 so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
@@ -43,6 +51,7 @@ from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, from_pretrained, invariant
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
+from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags, free_device_memory
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
 from miles.transport.flat import FlatWeights
@@ -120,6 +129,9 @@ class NativeEngine:
             self.key_layers = index_layers(config)
             self.keys_dtype = keys_dtype(config.max_position_embeddings)
         self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
+        # Colocation (release_memory / resume_memory): what is off the device now.
+        self.weights_memory = EngineWeights(self.model, self.flat, self.device)
+        self.released: set[str] = set()
 
     def _use_slots(self) -> bool:
         wanted = self.cfg.slot_decode if self.cfg.slot_decode is not None else self.device.type == "cuda"
@@ -160,6 +172,7 @@ class NativeEngine:
         """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]. `prompt_ids`:
         the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`.
         `seeds`: one per prompt; its group's sampling noise comes from a generator seeded by it."""
+        self._check_resident("generate")
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or cfg.max_new_tokens
@@ -317,8 +330,12 @@ class NativeEngine:
         """Load what the trainer sent (weights in this engine's dtype, or the recipe's rollout format,
         or in-process a FlatWeights of this engine's layout); verify what the engine then holds when a
         checksum is given. Weights are copied in place: captured CUDA graphs stay valid."""
+        if WEIGHTS in self.released:
+            raise RuntimeError("update_weights: the engine's weights are released (colocation): call "
+                               "resume_memory(('weights',)) first")
         if isinstance(weights, FlatWeights):
             self.flat.copy_from(weights)
+            self.weights_memory.stale = False  # filled (dropped weights too); a wrong checksum still raises
             held = self.flat.checksum() if expected_checksum is not None else ""
             if held != (expected_checksum or ""):
                 raise WeightSyncError(f"engine weights checksum {held[:20]} != trainer's {expected_checksum[:20]}")
@@ -327,6 +344,7 @@ class NativeEngine:
             self.model.load_state_dict(weights, strict=True)
         else:
             self.recipe.load_engine(self.model, weights, self.dtype)
+        self.weights_memory.stale = False
         if expected_checksum is None:
             return ""
         held = checksum(self.model.state_dict()) if self.recipe.rollout_quant == "none" else \
@@ -334,6 +352,62 @@ class NativeEngine:
         if held != expected_checksum:
             raise WeightSyncError(f"engine weights checksum {held[:12]} != trainer's {expected_checksum[:12]}")
         return held
+
+    # ----------------------------------------------------------------------------- colocation memory
+    def release_memory(self, tags=ENGINE_TAGS, keep_weights: bool = True) -> None:
+        """Free the engine's device memory for the trainer's turn. "kv_cache": the slot cache, the
+        per-slot state and the captured CUDA graphs (the padded path holds no cache between calls);
+        "weights": the weights leave the device, to a host copy (pinned on CUDA) or, with
+        `keep_weights=False`, nowhere (zeros after resume until the next update_weights). Then the
+        allocator's cached blocks go back to the driver. A tag already released is skipped."""
+        tags = check_tags(tags, ENGINE_TAGS, "release_memory")
+        if KV_CACHE in tags and KV_CACHE not in self.released:
+            if self.slots is not None:
+                self.slots.release()
+            self.released.add(KV_CACHE)
+        if WEIGHTS in tags and WEIGHTS not in self.released:
+            if self.slots is not None:
+                self.slots.drop_graphs()  # captured at the weights' addresses
+            self.weights_memory.release(keep=keep_weights)
+            self.released.add(WEIGHTS)
+        free_device_memory(self.device)
+
+    def resume_memory(self, tags=ENGINE_TAGS) -> None:
+        """Bring back what `release_memory` freed: the weights (from the host copy, or zeros), the
+        slot cache; the decode graphs are captured again once both are on the device. A tag not
+        released is skipped."""
+        tags = check_tags(tags, ENGINE_TAGS, "resume_memory")
+        if WEIGHTS in tags and WEIGHTS in self.released:
+            self.weights_memory.resume()
+            self.released.discard(WEIGHTS)
+        if KV_CACHE in tags and KV_CACHE in self.released:
+            if self.slots is not None:
+                self.slots.allocate(capture=False)
+            self.released.discard(KV_CACHE)
+        if self.slots is not None and not self.released:
+            self.slots.capture()  # no-op without graphs, or when they are still captured
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def health(self) -> dict:
+        """The protocol's health report: this engine serves whenever its process is alive."""
+        return {"engine": "native", "device": str(self.device),
+                "resident": [t for t in ENGINE_TAGS if t not in self.released]}
+
+    def held_bytes(self) -> dict[str, int]:
+        """Device bytes of the engine's weights and of its slot cache now (0 once released; the
+        cache is 0 on the padded path, which allocates one per generate call)."""
+        return {WEIGHTS: self.weights_memory.nbytes(),
+                KV_CACHE: self.slots.nbytes() if self.slots is not None else 0}
+
+    def _check_resident(self, what: str) -> None:
+        if self.released:
+            tags = tuple(t for t in ENGINE_TAGS if t in self.released)
+            raise RuntimeError(f"{what}: the engine's {' and '.join(tags)} memory is released (colocation): "
+                               f"call resume_memory({tags}) first")
+        if self.weights_memory.stale:
+            raise RuntimeError(f"{what}: the engine's weights were released without a host copy "
+                               "(keep_weights=False): load them with update_weights(...) first")
 
 
 def _select(cache, index: torch.Tensor):

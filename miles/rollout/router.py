@@ -107,6 +107,20 @@ class EngineFleet:
     def decode(self, ids: list[int]) -> str:
         return self.engines[0].call("decode", ids)  # every engine holds the same tokenizer
 
+    def release_memory(self, *args: Any, **kwargs: Any) -> None:
+        """Every engine releases (colocation: the trainer's turn)."""
+        self._on_each("release_memory", *args, **kwargs)
+
+    def resume_memory(self, *args: Any, **kwargs: Any) -> None:
+        self._on_each("resume_memory", *args, **kwargs)
+
+    def health(self) -> list[dict]:
+        return self._on_each("health")
+
+    def _on_each(self, method: str, *args: Any, **kwargs: Any) -> list:
+        futures = [handle.submit(method, *args, **kwargs) for handle in self.engines]
+        return [handle.get(f) for handle, f in zip(self.engines, futures)]
+
     def apply(self, fn: Callable, *args: Any) -> Any:
         """fn(engine 0, *args): what checkpoints save and restore of an engine (its generator and RNG)
         and the debug sync check read one engine. Seeded sampling does not use that state, and

@@ -1,7 +1,8 @@
 """Continuous batching over a static slot cache, the decode step replayed from CUDA graphs.
 
 The GPU path of `NativeEngine` (GQA families). A fixed number of slots (rows of a `SlotCache`,
-allocated once) hold the samples being decoded, each at its own length:
+allocated once; colocation frees and reallocates them with `release` / `allocate`, and captures
+the graphs again) hold the samples being decoded, each at its own length:
 
 - admission: whole prompt groups enter as soon as n slots are free (the lowest free ones); each
   distinct prompt is prefilled once (right-padded, causal, no mask) and its KV copied to its n slots;
@@ -56,6 +57,19 @@ class Sampling:
     max_new: int
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream() -> torch.cuda.Stream:
+    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace per stream it
+    ran on, so a new stream per (re)capture (colocation recaptures at every resume) would leave one
+    more workspace allocated each time."""
+    device = torch.cuda.current_device()
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream()
+    return _WARMUP_STREAMS[device]
+
+
 class DecodeGraphs:
     """The slot-decode forward for each bucket: rows [0, b) read `tokens[:b]` at `cache.lengths[:b]`
     and return logits [b, V]. Captured once (largest first, one shared memory pool); replays read
@@ -76,7 +90,7 @@ class DecodeGraphs:
     def _capture(self) -> None:
         # Warm-up runs on a side stream (as torch.cuda.graphs recommends) also fill the RoPE table
         # cache and pick the kernels; they write only column lengths (= 0) of empty slots.
-        stream = torch.cuda.Stream()
+        stream = _warmup_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in self.buckets:
@@ -140,14 +154,9 @@ class SlotDecoder:
         if routing is not None:
             cuda_graphs = False
         self.pad_id, self.sync_every = pad_id, sync_every
-        layers = [layer.attn.new_cache(slots, max_len, dtype, device) for layer in model.layers]
-        self.cache = SlotCache(layers, max_len, slots)
-        self.tokens = torch.full((slots,), pad_id, dtype=torch.long, device=device)  # next input per slot
-        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)  # ended on a stop token
-        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
-        self.graphs = DecodeGraphs(model, self.cache, self.tokens, buckets or default_buckets(slots),
-                                   capture=cuda_graphs and device.type == "cuda")
+        self.dtype, self.buckets = dtype, buckets or default_buckets(slots)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.allocate()
         if device.type == "cuda":
             self._warm_prefill(dtype)
 
@@ -160,9 +169,53 @@ class SlotDecoder:
                             return_hidden=True)
         self.model.logits_from_hidden(hidden[:, -1])
 
+    # ----------------------------------------------------------------------------- memory (colocation)
+    def allocate(self, capture: bool = True) -> None:
+        """The slot cache, the per-slot state and (capture, when graphs are on) the decode graphs.
+        `capture=False`: eager steps until `capture()` (the weights are not on the device yet)."""
+        slots, device = self.slots, self.device
+        layers = [layer.attn.new_cache(slots, self.max_len, self.dtype, device) for layer in self.model.layers]
+        self.cache = SlotCache(layers, self.max_len, slots)
+        self.tokens = torch.full((slots,), self.pad_id, dtype=torch.long, device=device)  # next input per slot
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)  # ended on a stop token
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
+        self.out_tok = self.out_lp = self.out_routing = None  # per call (generate)
+        self.graphs = DecodeGraphs(self.model, self.cache, self.tokens, self.buckets,
+                                   capture=capture and self.cuda_graphs)
+
+    def release(self) -> None:
+        """Drop the slot cache, the per-slot state, the last call's outputs and the captured graphs
+        (their memory pool with them); `allocate()` builds them again. Idempotent."""
+        self.drop_graphs()
+        self.cache = self.tokens = self.live = self.stopped = self.steps = self.graphs = None
+        self.out_tok = self.out_lp = self.out_routing = None
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they hold the addresses of the weights and of the cache):
+        eager steps until `capture()`."""
+        if self.graphs is not None and self.graphs.graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.tokens, self.buckets, capture=False)
+
+    def capture(self) -> None:
+        """Capture the decode graphs if they are on and not captured (after `allocate(capture=False)`
+        or `drop_graphs()`, once the weights are back on the device)."""
+        if self.cuda_graphs and self.graphs is not None and not self.graphs.graphs:
+            self.graphs._capture()
+
+    @property
+    def allocated(self) -> bool:
+        return self.cache is not None
+
+    def nbytes(self) -> int:
+        """Device bytes of the slot cache (keys and values of every layer)."""
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+
     @property
     def captured(self) -> bool:
-        return bool(self.graphs.graphs)
+        return self.graphs is not None and bool(self.graphs.graphs)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, stop_ids: torch.Tensor,
@@ -170,6 +223,8 @@ class SlotDecoder:
                  ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None) per sample, row
         i*n+j answering prompts[i]. `generators`: one per prompt, its group's noise (else `generator`)."""
+        if self.cache is None:
+            raise RuntimeError("the slot cache is released: allocate() it first (NativeEngine.resume_memory)")
         if n > self.slots:
             raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
         cap = sampling.max_new

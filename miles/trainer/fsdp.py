@@ -21,6 +21,10 @@ data-parallel hooks:
 - Whole-batch results (`_sum_over_ranks`): log-probs of every row (each rank fills its own),
   metric sums and the grad norm over all shards (`_clip_grad_norm`) are reduced over ranks, so
   every rank returns the same numbers as the 1-rank trainer.
+- Colocation offload (`offload` / `onload`, TorchTrainer's): the models move as modules
+  (`module.to`), after which FSDP2 re-points its sharded storage (FSDPParam.reset_sharded_param);
+  host copies are pageable, not pinned. get_weights, save, save_state and load_state refuse while
+  offloaded (they are collectives over device shards).
 Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights) and MoE
 routing replay (its agreement metrics are per-rank ratios).
 """
@@ -41,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from miles.config.schema import DType
 from miles.models import CausalLM, save_pretrained
 from miles.precision.recipe import NONE
+from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
@@ -147,6 +152,16 @@ class FSDPTrainer(TorchTrainer):
                              "metrics are not reduced over ranks")
         return super().train_rl(batch)
 
+    def _move_models(self, host: bool) -> None:
+        """The sharded models as modules: nn.Module._apply moves each DTensor's local shard and
+        FSDP2 then re-points its sharded storage at it (a `param.data` swap alone would leave FSDP
+        all-gathering the old storage)."""
+        for model in self._models():
+            if off.FORCE_COPY:  # tests: fresh storage on the CPU, the re-pointing exercised
+                model._apply(lambda t: t.clone())
+            else:
+                model.to("cpu" if host else self.device)
+
     # ----------------------------------------------------------------------------- weights, state
     def _full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the policy's whole fp32 state dict on rank 0's CPU ({} on the other ranks)."""
@@ -155,6 +170,7 @@ class FSDPTrainer(TorchTrainer):
     def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
         """Collective. Rank 0: what TorchTrainer.get_weights returns (the rollout dtype or format,
         its checksum); the other ranks ({}, ""). Never in-process: no engine shares a rank's process."""
+        self._require_onloaded("get_weights", (off.PARAMS,))
         if in_process:
             raise ValueError("the FSDP trainer syncs weights through Ray only (in_process=False)")
         state = self._full_state()
@@ -162,6 +178,7 @@ class FSDPTrainer(TorchTrainer):
 
     def save(self, path: str) -> None:
         """Collective: the policy as an HF-format dir, written by rank 0."""
+        self._require_onloaded("save", (off.PARAMS,))
         state = self._full_state()
         if self.rank == 0:
             with torch.device("meta"):  # the structure only; the gathered tensors become its weights
@@ -173,12 +190,14 @@ class FSDPTrainer(TorchTrainer):
         """Collective: the sharded policy and optimizer state into the directory `path` (each rank
         writes its shards; the path must be one that every rank sees), and each rank's torch RNG.
         The KL reference and the teacher are frozen: rebuilt from their checkpoints, never saved."""
+        self._require_onloaded("save_state")
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
         torch.save(self._rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
 
     def load_state(self, path: str) -> None:
         """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
+        self._require_onloaded("load_state")
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards

@@ -21,6 +21,9 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   (miles/models/invariant.py) on padded rows, what the engine computes in its decode.
 - bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
   the device until the end of the call, so no host sync per micro-batch.
+- Colocation (`rollout.colocate`): `offload(tags)` parks the parameters (policy, reference, teacher)
+  and the optimizer state in pinned host memory and drops the gradients while the engine has the
+  GPU; `onload(tags)` brings them back, and training continues bit for bit (miles/trainer/offload.py).
 - MoE routing replay (`algo.routing_replay`): r3 routes the policy's old-log-prob and update forwards
   (and its `kl_to_ref` / `logprobs`) by the experts the engine chose (`TrainBatch.routed_experts`,
   laid out per micro-batch as its input_ids); r2 records the old-log-prob pass's own routing and
@@ -47,6 +50,7 @@ from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
 from miles.models import from_pretrained, invariant, save_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import NONE, Recipe
+from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
@@ -131,6 +135,10 @@ class TorchTrainer:
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; valid: adamw, sgd")
         self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights)
+        # Colocation: the tags whose state is in host memory now ("params", "optimizer"), and where
+        # each optimizer state tensor goes back to.
+        self.offloaded: set[str] = set()
+        self._optimizer_devices: list = []
 
     # ----------------------------------------------------------------------------- data-parallel hooks
     # No-ops here: this trainer holds the whole batch and the whole model. miles.trainer.fsdp
@@ -220,12 +228,14 @@ class TorchTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs of tokens[:, 1:] under the current policy at the loss mask's positions (0 elsewhere)."""
+        self._require_onloaded("logprobs", (off.PARAMS,))
         return self._full_logprobs(self.model, batch)
 
     @torch.no_grad()
     def kl_to_ref(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token KL estimate (`algo.kl_estimator`) of the current policy to the reference on the
         batch's tokens, [N, T-1], 0 outside the loss mask: what `algo.kl_in_reward` puts in the reward."""
+        self._require_onloaded("kl_to_ref", (off.PARAMS,))
         kl_fn = get(KL_ESTIMATORS, "KL estimator", self.algo.kl_estimator)
         plan = self._plan(batch, self.model)
         kl = kl_fn(self._full_logprobs(self.model, batch, plan), self._full_logprobs(self.ref_model, batch, plan))
@@ -302,6 +312,7 @@ class TorchTrainer:
 
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
+        self._require_onloaded("train_rl")
         a = self.algo
         engine_routing = len(batch.routed_experts) > 0
         if a.routing_replay == "r3" and not engine_routing:
@@ -372,6 +383,7 @@ class TorchTrainer:
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""
+        self._require_onloaded("train_sft")
         dev = batch_to(batch, self.device)
         normalizer = loss_normalizer([batch.loss_mask], "token_mean")
 
@@ -388,7 +400,9 @@ class TorchTrainer:
         """What weight sync carries, on CPU, with the checksum of what the engine must then hold:
         weights in the engine's dtype, or the recipe's rollout format (quantized from the fp32
         master weights) when the engine holds FP8 / INT4. `in_process` (the engine shares this
-        process) and plain weights: a FlatWeights on this trainer's device and its device checksum."""
+        process) and plain weights: a FlatWeights on this trainer's device and its device checksum.
+        Not while the parameters are offloaded (a RuntimeError says to onload them)."""
+        self._require_onloaded("get_weights", (off.PARAMS,))
         if in_process and self.recipe.rollout_quant == "none":
             state = self.model.state_dict()
             if self._flat_sync is None:
@@ -407,4 +421,61 @@ class TorchTrainer:
         return payload, self.recipe.expected_checksum(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
 
     def save(self, path: str) -> None:
+        """The policy as an HF-format dir; works while offloaded too (it reads the host copies)."""
         save_pretrained(self.model, path)
+
+    # ----------------------------------------------------------------------------- colocation offload
+    def offload(self, tags=off.TRAINER_TAGS) -> None:
+        """Free this trainer's device memory for the engine's turn: "grads" are dropped, "optimizer"
+        state and "params" (policy, reference, teacher; the in-process sync buffer is dropped too,
+        get_weights rebuilds it) move to pinned host memory; then the allocator's cached blocks go
+        back to the driver. A tag already offloaded is skipped; nothing moves on the CPU."""
+        tags = off.check_tags(tags, "offload")
+        if off.GRADS in tags:
+            self.optimizer.zero_grad(set_to_none=True)  # read by no one after their step: not copied
+        if off.OPTIMIZER in tags and off.OPTIMIZER not in self.offloaded:
+            self._optimizer_devices = off.offload_optimizer(self.optimizer)
+            self.offloaded.add(off.OPTIMIZER)
+        if off.PARAMS in tags and off.PARAMS not in self.offloaded:
+            self._flat_sync = None
+            self._move_models(host=True)
+            self.offloaded.add(off.PARAMS)
+        off.free_device_memory(self.device)
+
+    def onload(self, tags=off.TRAINER_TAGS) -> None:
+        """Bring back what `offload` moved (each tensor to the device it came from; "grads" come back
+        with the next backward). A tag not offloaded is skipped."""
+        tags = off.check_tags(tags, "onload")
+        if off.PARAMS in tags and off.PARAMS in self.offloaded:
+            self._move_models(host=False)
+            self.offloaded.discard(off.PARAMS)
+        if off.OPTIMIZER in tags and off.OPTIMIZER in self.offloaded:
+            off.onload_optimizer(self._optimizer_devices)
+            self._optimizer_devices = []
+            self.offloaded.discard(off.OPTIMIZER)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _models(self) -> list[torch.nn.Module]:
+        return [m for m in (self.model, self.ref_model, self.teacher) if m is not None]
+
+    def _move_models(self, host: bool) -> None:
+        """Hook: the models' parameters and buffers to host memory (`host`) or back to the device."""
+        for model in self._models():
+            off.move_module(model, self.device, host)
+
+    def offload_bytes(self) -> dict[str, int]:
+        """Device bytes that `offload` would free now, per tag (what is already offloaded counts 0):
+        the models' parameters and buffers, the gradients, the optimizer state."""
+        on_device = lambda ts: [t for t in ts if off.same_device(t.device, self.device)]  # noqa: E731
+        params = [t for m in self._models() for t in (*m.parameters(), *m.buffers())]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {off.PARAMS: off.state_bytes(on_device(params)),
+                off.GRADS: off.state_bytes(on_device([p.grad for p in self.model.parameters() if p.grad is not None])),
+                off.OPTIMIZER: off.state_bytes(on_device(state))}
+
+    def _require_onloaded(self, what: str, needed: tuple[str, ...] = (off.PARAMS, off.OPTIMIZER)) -> None:
+        missing = tuple(t for t in needed if t in self.offloaded)
+        if missing:
+            raise RuntimeError(f"{what}: the trainer's {' and '.join(missing)} are offloaded to host memory "
+                               f"(colocation): call onload({missing}) first")

@@ -5,7 +5,8 @@
 - max_staleness=1: batch k+1 is generated while step k trains, `rollout/staleness` is 0 on the
   first step and 1 after; a checkpoint records the data position before the batch in flight, so a
   resumed run trains the same prompts as the run that was not interrupted;
-- on real Ray, with the object store and with the broadcast transport (checked syncs).
+- on real Ray, with the object store and with the broadcast transport (checked syncs);
+- (`learning` tier) the default experiment learns as much in 60 steps as the synchronous run.
 
 In-process runs of the tiny random model (miles.orchestrate.run, as launch.py calls it), except
 the Ray tests (launch.py in a subprocess).
@@ -48,7 +49,8 @@ def test_asynchronous_schedules_against_the_synchronous_run(tmp_path, monkeypatc
 
     metrics = journal_metrics(one)
     assert [metrics[s]["rollout/staleness"] for s in range(1, 5)] == [0.0, 1.0, 1.0, 1.0]
-    assert all(metrics[s]["train/ppo_kl"] == 0.0 for s in range(1, 5))  # old log-probs: the trainer's own
+    # PPO's ratio is against the behaviour policy (algo.use_rollout_logprobs: null -> true), a step behind
+    assert all(metrics[s]["train/ppo_kl"] > 1e-4 for s in range(2, 5)) and metrics[1]["train/ppo_kl"] < 1e-6
     # The same prompts in the same order, one policy step behind from step 2 on: other samples.
     for step in range(1, 5):
         assert _prompts(tmp_path, "one", step) == _prompts(tmp_path, "sync", step)
@@ -84,3 +86,21 @@ def test_asynchronous_on_ray(tmp_path, transport):
     assert [metrics[s]["rollout/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all(metrics[s]["perf/weight_sync_s"] > 0 for s in (1, 2, 3))  # checked syncs (check_weight_sync)
     assert "eval/arithmetic/accuracy" in metrics[3]
+
+
+@pytest.mark.learning
+def test_asynchronous_learns_as_the_synchronous_run_does(tmp_path, monkeypatch, compose):
+    """The default experiment (warm start included), 60 steps each way: the held-out gain of the
+    asynchronous run is within 0.05 of the synchronous run's (the issue's bar)."""
+    from launch_cli import ROOT
+
+    monkeypatch.chdir(tmp_path)
+    args = ["steps=60", "eval.interval=60", "tracking.log_samples=0", f"warm_start.cache_dir={ROOT / '.cache/miles'}"]
+    gains = {}
+    for mode in ("false", "true"):
+        run_inprocess(compose, [*args, f"rollout.asynchronous={mode}"], tmp_path / mode)
+        accuracy = {s: m["eval/arithmetic/accuracy"] for s, m in journal_metrics(tmp_path / mode).items()
+                    if "eval/arithmetic/accuracy" in m}
+        gains[mode] = accuracy[60] - accuracy[0]
+    assert gains["false"] > 0.05, gains  # the synchronous run learns at all
+    assert gains["true"] >= gains["false"] - 0.05, gains

@@ -169,6 +169,8 @@ def test_trainer_packing_and_recompute_rules(compose):
     (["rollout.weight_sync=broadcast", "ray.enabled=false"], "set ray.enabled=true"),
     (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
+    (["rollout.offload=true"], "set rollout.offload=false"),  # the CPU: nothing to free
+    (["trainer.offload=true"], "set trainer.offload=false"),
     (["rollout.asynchronous=true", "algo=sft"], "set rollout.asynchronous=false"),
     (["rollout.asynchronous=true", "debug.rollout_only=true"], "debug.rollout_only runs without"),
     (["rollout.asynchronous=true", "debug.check_weight_sync=true"], "set one of them false"),
@@ -183,4 +185,8 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
+    gpu = ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "rollout.offload=true", "trainer.offload=true"]
+    assert validate(compose(gpu)) == []
+    assert any("set rollout.colocate=true" in p for p in validate(compose([*gpu, "rollout.colocate=false"])))
+    assert any("set one of them false" in p for p in validate(compose([*gpu, "rollout.asynchronous=true"])))
     assert validate(compose(["rollout.asynchronous=true", "rollout.max_staleness=2", "rollout.num_engines=2"])) == []

@@ -1,0 +1,84 @@
+"""Colocation memory phases (`rollout.offload`, `trainer.offload`): on a GPU the engine and the
+trainer take turns on the same device, and the side whose turn it is not gives its memory back.
+
+    phases = MemoryPhases(ctx, cfg)   # rl_loop builds it; a no-op on the CPU and with both keys off
+    phases.start()                    # before the first rollout: the trainer leaves the device
+    phases.train_turn()               # after a rollout: the engine releases, the trainer comes back
+    seconds = phases.sync()           # after training: weights to the engine, the trainer leaves again
+
+The order keeps the peak of each phase to one side's memory (the call order of the components'
+methods, miles/rollout/native.py `release_memory` and miles/trainer/torch_trainer.py `offload`):
+
+    rollout        engine resident; trainer parameters, gradients and optimizer state in host memory
+    train_turn     engine: release weights (dropped: the next sync reloads them) and KV cache
+                   trainer: onload
+    sync           trainer: offload gradients and optimizer state; engine: resume weights;
+                   weight sync; trainer: offload parameters; engine: resume KV cache (CUDA graphs
+                   captured again)
+
+`phase_memory` reads the device peak of a phase (`perf/peak_mem_rollout_gb`, `perf/peak_mem_train_gb`)
+in every process that holds a component, and sums them.
+"""
+
+from __future__ import annotations
+
+from miles.orchestrate.sync import sync_weights
+from miles.trainer.offload import memory_stats
+
+
+def _peak(component, reset: bool) -> int:
+    """The device peak of this component's process since the last reset (bytes); starts a new window."""
+    return memory_stats(component.device, reset_peak=reset).peak
+
+
+def phase_memory(ctx) -> float:
+    """GB: the device peak since the last call, summed over the processes of the engine and the
+    trainer (one, in-process), and a new window opened."""
+    handles = [h for h in (ctx.engine, ctx.trainer) if h is not None]
+    if all(getattr(h, "in_process", False) for h in handles):
+        handles = handles[:1]  # one process, one allocator
+    peaks = [sum(h.apply_all(_peak, True)) if hasattr(h, "apply_all") else h.apply(_peak, True) for h in handles]
+    return sum(peaks) / 2**30
+
+
+class MemoryPhases:
+    def __init__(self, ctx, cfg):
+        gpu = cfg.hardware.device != "cpu"
+        self.ctx, self.check = ctx, cfg.rollout.check_weight_sync
+        self.engine = gpu and cfg.rollout.offload and ctx.engine is not None
+        self.trainer = gpu and cfg.trainer.offload and ctx.trainer is not None
+        # Phases overlap in an asynchronous run: no peak of one phase to read.
+        self.measure = gpu and ctx.engine is not None and ctx.trainer is not None and not cfg.rollout.asynchronous
+
+    @property
+    def engine_released(self) -> bool:
+        """The engine's weights leave it at each train turn: every step syncs, updated or not."""
+        return self.engine
+
+    def start(self) -> None:
+        if self.trainer:
+            self.ctx.trainer.call("offload")
+        if self.measure:
+            phase_memory(self.ctx)  # opens the first rollout's window
+
+    def train_turn(self) -> dict[str, float]:
+        metrics = {"perf/peak_mem_rollout_gb": phase_memory(self.ctx)} if self.measure else {}
+        if self.engine:
+            self.ctx.engine.call("release_memory", keep_weights=False)
+        if self.trainer:
+            self.ctx.trainer.call("onload")
+        return metrics
+
+    def sync(self) -> tuple[float, dict[str, float]]:
+        """The weight sync of a step with its phases: (seconds of the sync, the train phase's peak)."""
+        metrics = {"perf/peak_mem_train_gb": phase_memory(self.ctx)} if self.measure else {}
+        if self.trainer:
+            self.ctx.trainer.call("offload", ("grads", "optimizer"))
+        if self.engine:
+            self.ctx.engine.call("resume_memory", ("weights",))
+        seconds = sync_weights(self.ctx, self.check)
+        if self.trainer:
+            self.ctx.trainer.call("offload", ("params",))
+        if self.engine:
+            self.ctx.engine.call("resume_memory", ("kv_cache",))
+        return seconds, metrics

@@ -1,0 +1,69 @@
+"""MemoryPhases (rollout.offload / trainer.offload) in the loop's order, on the CPU: the phases leave
+each side where the schedule says (the engine released while the trainer trains, the trainer in host
+memory while the engine generates), and two RL steps through them give the samples and weights of
+the same steps with both sides resident, bit for bit. `offload.FORCE_COPY` makes every trainer move
+a real copy and the engine drops its weights, so the reloads are exercised. The device peaks per
+phase: tests/gpu/test_colocated_offload_run.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles.algo.registry import ADVANTAGES, get
+from miles.config.schema import AlgoCfg, AlgoName, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
+from miles.data.tokenizer import DEFAULT_ALPHABET
+from miles.orchestrate.checkpoints import random_checkpoint
+from miles.orchestrate.colocate import MemoryPhases
+from miles.orchestrate.handles import LocalHandle
+from miles.rollout.native import NativeEngine
+from miles.trainer import offload
+from miles.trainer.torch_trainer import TorchTrainer
+from miles.types import build_train_batch
+
+TINY = ModelCfg(name="tiny", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=8, max_position_embeddings=64)
+ROLLOUT = RolloutCfg(max_new_tokens=5, max_prompt_len=8, n_samples_per_prompt=4, max_running=16, slot_decode=True)
+PROMPTS, LABELS, SEEDS = ["1+2=", "33+4=", "50+5=", "7+8="], ["3", "37", "55", "15"], [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(random_checkpoint(TINY, DEFAULT_ALPHABET, seed=0, out=tmp_path_factory.mktemp("m") / "m"))
+
+
+def run_steps(ckpt, offloaded: bool, steps: int = 2):
+    engine = NativeEngine(ckpt, ROLLOUT, seed=0)
+    trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(lr=1e-2, global_batch_size=16,
+                                                                          micro_batch_size=8), PrecisionCfg(name="fp32"))
+    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(trainer), weight_sync=None,
+                          after_sync=lambda ctx: None)
+    cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"),  # the phases act on GPUs only
+                          rollout=SimpleNamespace(offload=offloaded, check_weight_sync=True, asynchronous=False),
+                          trainer=SimpleNamespace(offload=offloaded))
+    phases = MemoryPhases(ctx, cfg)
+    phases.start()
+    drawn = []
+    for step in range(steps):
+        assert trainer.offloaded == ({"params", "optimizer"} if offloaded else set())
+        samples = engine.generate(PROMPTS, LABELS, n=4, seeds=[s + 10 * step for s in SEEDS])
+        drawn.append([(s.response_ids, s.rollout_logprobs) for s in samples])
+        phases.train_turn()
+        assert engine.released == ({"weights", "kv_cache"} if offloaded else set())
+        assert not trainer.offloaded
+        rewards = torch.tensor([float(len(s.response_ids) % 2) for s in samples])
+        adv = get(ADVANTAGES, "a", "grpo")(rewards, torch.tensor([s.group for s in samples]))
+        trainer.train_rl(build_train_batch(samples, adv, engine.pad_id))
+        phases.sync()
+        assert not engine.released
+    trainer.onload()
+    return drawn, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_two_steps_through_the_phases_equal_the_resident_steps(ckpt, monkeypatch):
+    monkeypatch.setattr(offload, "FORCE_COPY", True)
+    resident_samples, resident_weights = run_steps(ckpt, offloaded=False)
+    samples, weights = run_steps(ckpt, offloaded=True)
+    assert samples == resident_samples
+    assert samples[0] != samples[1]  # the second step sampled from the trained weights (and other seeds)
+    assert all(torch.equal(weights[k], resident_weights[k]) for k in weights)
