@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -182,8 +182,21 @@ class TaskCfg:
 
 
 @dataclass
+class SGLangCfg:
+    """rollout=sglang: an SGLang server driven over its HTTP API (miles/rollout/sglang_engine.py, docs/rollout.md)."""
+    url: Optional[str] = None  # a running server; null: launch `python -m sglang.launch_server`
+    server_args: Dict[str, Any] = field(default_factory=dict)  # more ServerArgs fields when launching
+    weight_update: str = "disk"  # disk: safetensors + /update_weights_from_disk; tensor: /update_weights_from_tensor
+    verify: str = "auto"  # after a checked sync: full / sample read-back through /get_weights_by_name (auto: by size)
+    weights_dir: Optional[str] = None  # weight_update=disk: a directory the server can read (null: a temp dir)
+    weight_session: bool = True  # begin / end_weight_update around updates (SGLang >= 0.5.21)
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 3600.0
+
+
+@dataclass
 class RolloutCfg:
-    engine: str = "native"
+    engine: str = "native"  # native, sglang (rollout=<engine> picks the group file)
     batch_size: int = 64
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 8
@@ -215,6 +228,7 @@ class RolloutCfg:
     # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py)
     offload: bool = False
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
+    sglang: SGLangCfg = field(default_factory=SGLangCfg)
 
 
 @dataclass

@@ -89,8 +89,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append(f"rollout.top_p must be in (0, 1] (got {r.top_p})")
     if r.top_k < 0:
         problems.append(f"rollout.top_k must be >= 0 (got {r.top_k}; 0 turns it off)")
-    if r.engine != "native":
-        problems.append(f"rollout.engine={r.engine!r} is not available; valid: native")
+    problems += engine_problems(cfg)
     problems += scale_out_problems(cfg)
     problems += asynchronous_problems(cfg)
     problems += offload_problems(cfg)
@@ -297,6 +296,30 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
                             "shares one: set rollout.weight_sync=object_store")
         if r.weight_sync_bucket_mb <= 0:
             problems.append(f"rollout.weight_sync_bucket_mb must be > 0 (got {r.weight_sync_bucket_mb})")
+    return problems
+
+
+ENGINES = ("native", "sglang")
+
+
+def engine_problems(cfg: RunCfg) -> list[str]:
+    """rollout.engine and the external engines' own options."""
+    r = cfg.rollout
+    if r.engine not in ENGINES:
+        return [f"rollout.engine={r.engine!r} is not available; valid: {', '.join(ENGINES)} (rollout=<engine>)"]
+    problems = []
+    if r.engine == "sglang":
+        s = r.sglang
+        if s.weight_update not in ("disk", "tensor"):
+            problems.append(f"rollout.sglang.weight_update={s.weight_update!r} is unknown; valid: disk, tensor")
+        if s.verify not in ("auto", "full", "sample"):
+            problems.append(f"rollout.sglang.verify={s.verify!r} is unknown; valid: auto, full, sample")
+        if cfg.precision.rollout_quant.value != "none":
+            problems.append(f"rollout=sglang quantizes with SGLang's own kernels, not precision={cfg.precision.name}'s "
+                            "rollout format: use precision=bf16 and rollout.sglang.server_args.quantization")
+        if r.num_engines > 1 and s.url:
+            problems.append("rollout.sglang.url is one server; rollout.num_engines > 1 launches one per engine: "
+                            "set rollout.sglang.url=null or rollout.num_engines=1")
     return problems
 
 

@@ -144,7 +144,6 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
     or in-process objects; the critic is None when the advantages need none."""
-    from miles.rollout.native import NativeEngine
     from miles.rollout.router import EngineFleet
     from miles.trainer.critic import TorchCritic
     from miles.trainer.fsdp_group import FSDPGroup
@@ -164,10 +163,12 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     # under the trainer's autocast dtype, both sides with batch-invariant kernels.
     precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
-    fleet = [spawn(NativeEngine, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
+    engine_cls, engine_options = engine_backend(cfg.rollout)
+    fleet = [spawn(engine_cls, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
                    hw.device, hw.cpu_threads, cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
                    record_routing=cfg.algo.routing_replay == "r3",
-                   true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu)
+                   true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu,
+                   **engine_options)
              for _ in range(engines)]
     # Several engines: one router in front (seeded per prompt group, so they sample as one engine).
     engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
@@ -187,6 +188,20 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def engine_backend(r) -> tuple[type, dict]:
+    """The rollout engine class of `rollout.engine` and its backend options (protocol:
+    miles/rollout/protocol.py); external engines' modules import their package lazily."""
+    if r.engine == "sglang":
+        from dataclasses import asdict
+
+        from miles.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine, asdict(r.sglang)
+    from miles.rollout.native import NativeEngine
+
+    return NativeEngine, {}
 
 
 def trainer_algo(cfg: RunCfg):

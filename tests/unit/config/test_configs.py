@@ -170,6 +170,9 @@ def test_trainer_packing_and_recompute_rules(compose):
     (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
     (["rollout.offload=true"], "set rollout.offload=false"),  # the CPU: nothing to free
+    (["rollout.engine=nope"], "valid: native, sglang"),
+    (["rollout=sglang", "rollout.sglang.weight_update=ftp"], "valid: disk, tensor"),
+    (["rollout=sglang", "rollout.sglang.url=http://h:1", "rollout.num_engines=2"], "set rollout.sglang.url=null"),
     (["trainer.offload=true"], "set trainer.offload=false"),
     (["rollout.asynchronous=true", "algo=sft"], "set rollout.asynchronous=false"),
     (["rollout.asynchronous=true", "debug.rollout_only=true"], "debug.rollout_only runs without"),
@@ -185,6 +188,7 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
+    assert validate(compose(["rollout=sglang", "rollout.sglang.url=http://10.0.0.5:30000"])) == []
     gpu = ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "rollout.offload=true", "trainer.offload=true"]
     assert validate(compose(gpu)) == []
     assert any("set rollout.colocate=true" in p for p in validate(compose([*gpu, "rollout.colocate=false"])))
