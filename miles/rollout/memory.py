@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from miles.trainer.offload import same_device
 from miles.transport.flat import FlatWeights
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -56,23 +57,6 @@ def device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one ("cuda" is the current CUDA device)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
-
-def free_device_memory(device: torch.device) -> None:
-    """Wait for the copies in flight, then hand the allocator's cached blocks back to the driver."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def _placeholder(shape, dtype: torch.dtype) -> torch.Tensor:

@@ -51,9 +51,10 @@ from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, from_pretrained, invariant
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
-from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags, free_device_memory
+from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
+from miles.trainer.offload import free_device_memory
 from miles.transport.flat import FlatWeights
 from miles.types import (FinishReason, Sample, index_layers, keys_dtype, moe_layers, routing_dtype, stack_keys,
                          stack_routing)

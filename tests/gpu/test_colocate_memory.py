@@ -12,7 +12,6 @@ import gc
 import os
 import socket
 import time
-from dataclasses import replace
 
 import pytest
 import torch

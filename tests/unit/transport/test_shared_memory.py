@@ -10,58 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, Quant, RolloutCfg, TrainerCfg
-from miles.data.tokenizer import DEFAULT_ALPHABET
-from miles.orchestrate.checkpoints import random_checkpoint
+from miles.config.schema import DType, Quant
 from miles.orchestrate.handles import LocalHandle
 from miles.orchestrate.weight_sync import WeightSyncError, checksum
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.transport.shared_memory import (SHM_DIR, LoopSharedMemory, SharedMemoryWeightSync, Where, _create,
                                            _release, buffer_of, colocation_problems)
-from miles.types import build_train_batch
+from sync_cases import engine_args, greedy, load_through_object_store, sft_step, trainer_args
 
-MODEL = Path(__file__).resolve().parents[3] / "conf" / "model" / "qwen3_tiny.yaml"
-PROMPTS = ["1+2=", "35+47=", "9*9=", "(12-3)*4="]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(MODEL)))
-    return str(random_checkpoint(model, DEFAULT_ALPHABET, 0, tmp_path_factory.mktemp("ckpt")))
-
-
-def precision(dtype: DType, quant: Quant = Quant.none) -> PrecisionCfg:
-    return PrecisionCfg(name="test", train_dtype=DType.bf16, rollout_dtype=dtype, rollout_quant=quant,
-                        int4_group_size=32)
-
-
-def trainer_args(ckpt, dtype, quant=Quant.none):
-    # A large learning rate: one step moves every weight by more than a bf16 rounding step.
-    return ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(lr=1e-2), precision(dtype, quant)
-
-
-def engine_args(ckpt, dtype, quant=Quant.none):
-    return ckpt, RolloutCfg(max_new_tokens=6), dtype, "cpu", 1, 0, precision(dtype, quant)
-
-
-def sft_step(trainer, reference: NativeEngine) -> None:
-    """One optimizer step on the reference engine's samples: every weight of the trainer changes."""
-    samples = reference.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=1.0)
-    trainer.call("train_sft", build_train_batch(samples, torch.zeros(len(samples)), reference.pad_id))
-
-
-def greedy(engine) -> list[tuple[list[int], list[float]]]:
-    samples = engine.call("generate", PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
-    return [(s.response_ids, s.rollout_logprobs) for s in samples]
-
-
-def load_through_object_store(engine: NativeEngine, trainer) -> None:
-    """The path the segment replaces: get_weights' host state dict and checksum, then update_weights."""
-    weights, digest = trainer.call("get_weights")
-    engine.update_weights(weights, digest)
 
 
 # Run where the component lives; lambdas, so that Ray pickles them by value (this module is no package).
