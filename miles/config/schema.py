@@ -195,8 +195,23 @@ class SGLangCfg:
 
 
 @dataclass
+class VLLMCfg:
+    """rollout=vllm: vLLM's offline LLM in the engine's process (miles/rollout/vllm_engine.py, docs/rollout.md)."""
+    kv_cache_gb: float = 1.0  # CPU KV cache, allocated at start
+    enforce_eager: bool = True  # no torch.compile / graph capture
+    max_model_len: Optional[int] = None  # null: rollout.max_prompt_len + max_new_tokens, capped by the model
+    enable_prefix_caching: bool = True
+    max_num_seqs: Optional[int] = None  # null: rollout.max_running
+    serve_threads: Optional[int] = 1  # torch threads while vLLM works (null: hardware.cpu_threads)
+    gpu_memory_utilization: float = 0.5  # CUDA only
+    enable_sleep_mode: bool = False  # CUDA only: release / resume_memory through LLM.sleep / wake_up
+    tensor_parallel_size: int = 1
+    llm_args: Dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
+
+
+@dataclass
 class RolloutCfg:
-    engine: str = "native"  # native, sglang (rollout=<engine> picks the group file)
+    engine: str = "native"  # native, vllm, sglang (rollout=<engine> picks the group file)
     batch_size: int = 64
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 8
@@ -228,6 +243,7 @@ class RolloutCfg:
     # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py)
     offload: bool = False
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
+    vllm: VLLMCfg = field(default_factory=VLLMCfg)
     sglang: SGLangCfg = field(default_factory=SGLangCfg)
 
 

@@ -299,7 +299,7 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
-ENGINES = ("native", "sglang")
+ENGINES = ("native", "vllm", "sglang")
 
 
 def engine_problems(cfg: RunCfg) -> list[str]:
@@ -308,6 +308,30 @@ def engine_problems(cfg: RunCfg) -> list[str]:
     if r.engine not in ENGINES:
         return [f"rollout.engine={r.engine!r} is not available; valid: {', '.join(ENGINES)} (rollout=<engine>)"]
     problems = []
+    if r.engine == "vllm":
+        v = r.vllm
+        if r.top_k > 0 or r.top_p < 1:
+            problems.append("rollout=vllm returns log-probs renormalized after top-k / top-p, the trainer's are "
+                            "before the truncation: set rollout.top_k=0 and rollout.top_p=1.0")
+        if cfg.precision.rollout_quant.value != "none":
+            problems.append(f"rollout=vllm runs plain weights, not precision={cfg.precision.name}'s quantized "
+                            "rollout format: use precision=fp32 or bf16")
+        if cfg.algo.routing_replay == "r3":
+            problems.append("algo.routing_replay=r3 needs routed experts, which vLLM's offline API does not return: "
+                            "use rollout=native or rollout=sglang")
+        if not cfg.ray.enabled and r.num_engines > 1:
+            problems.append("rollout=vllm holds one engine per process (vLLM's parallel state is global): "
+                            "set rollout.num_engines=1 or ray.enabled=true")
+        if v.enable_sleep_mode and cfg.hardware.device == "cpu":
+            problems.append("rollout.vllm.enable_sleep_mode needs CUDA (vLLM has no sleep mode on the CPU): set it false")
+        if r.offload and not v.enable_sleep_mode:
+            problems.append("rollout.offload=true with rollout=vllm frees memory through vLLM's sleep mode: "
+                            "set rollout.vllm.enable_sleep_mode=true")
+        if v.kv_cache_gb <= 0:
+            problems.append(f"rollout.vllm.kv_cache_gb must be > 0 (got {v.kv_cache_gb})")
+        if cfg.debug.check_weight_sync:
+            problems.append("debug.check_weight_sync compares the native engine's tensors; rollout=vllm checks its "
+                            "syncs by reading its kernels' weights back (rollout.check_weight_sync): set it false")
     if r.engine == "sglang":
         s = r.sglang
         if s.weight_update not in ("disk", "tensor"):

@@ -193,9 +193,11 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
 def engine_backend(r) -> tuple[type, dict]:
     """The rollout engine class of `rollout.engine` and its backend options (protocol:
     miles/rollout/protocol.py); external engines' modules import their package lazily."""
-    if r.engine == "sglang":
-        from dataclasses import asdict
+    if r.engine == "vllm":
+        from miles.rollout.vllm_engine import VLLMEngine
 
+        return VLLMEngine, asdict(r.vllm)
+    if r.engine == "sglang":
         from miles.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine, asdict(r.sglang)

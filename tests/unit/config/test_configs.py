@@ -170,7 +170,7 @@ def test_trainer_packing_and_recompute_rules(compose):
     (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
     (["rollout.offload=true"], "set rollout.offload=false"),  # the CPU: nothing to free
-    (["rollout.engine=nope"], "valid: native, sglang"),
+    (["rollout.engine=nope"], "valid: native, vllm, sglang"),
     (["rollout=sglang", "rollout.sglang.weight_update=ftp"], "valid: disk, tensor"),
     (["rollout=sglang", "rollout.sglang.url=http://h:1", "rollout.num_engines=2"], "set rollout.sglang.url=null"),
     (["trainer.offload=true"], "set trainer.offload=false"),
