@@ -29,6 +29,7 @@ LAYOUTS = {
     "ray, broadcast sync": ["rollout.weight_sync=broadcast"],
     "ray, shared-memory sync": ["rollout.weight_sync=shared_memory"],
     "ray, asynchronous": ["rollout.asynchronous=true"],
+
     "in-process, asynchronous": ["ray.enabled=false", "rollout.asynchronous=true"],
 }
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -165,7 +166,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine_cls, engine_options = engine_backend(cfg.rollout)
     fleet = [spawn(engine_cls, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
-                   hw.device, hw.cpu_threads, cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
+                   hw.device, component_threads(cfg), cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
                    record_routing=cfg.algo.routing_replay == "r3",
                    true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu,
                    **engine_options)
@@ -174,7 +175,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
         EngineFleet(fleet, max_restarts=cfg.fault.max_retries, log=console.print)
     trainer_args = (str(init_dir), trainer_algo(cfg), cfg.trainer, precision, cfg.rollout.temperature, hw.device,
-                    hw.cpu_threads, cfg.seed)
+                    component_threads(cfg), cfg.seed)
     trainer_kwargs = dict(max_response_len=cfg.rollout.max_new_tokens, true_on_policy=cfg.true_on_policy,
                           teacher_dir=str(teacher_dir) if teacher_dir else None)
     if cfg.debug.rollout_only:
@@ -188,6 +189,17 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def component_threads(cfg: RunCfg) -> int | None:
+    """Torch threads of the engine and the trainer: hardware.cpu_threads, except in an asynchronous
+    Ray run on the CPU, where the two compute at once in two processes and share the cores (each
+    taking cpu_threads oversubscribes them: OpenMP threads spin; on 2 cores, benchmarks/scale_out.py
+    measured a step at 3.9x the in-process one before this split, 1.25x with it)."""
+    threads = cfg.hardware.cpu_threads
+    if threads and cfg.rollout.asynchronous and cfg.ray.enabled and cfg.hardware.device == "cpu":
+        return max(1, min(threads, (os.cpu_count() or 1) // 2))
+    return threads
 
 
 def engine_backend(r) -> tuple[type, dict]:
