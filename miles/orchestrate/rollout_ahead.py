@@ -42,9 +42,6 @@ from typing import Callable
 
 from miles.orchestrate.sync import fetch_weights, load_weights
 
-_DONE = object()  # the rollout thread's last message
-
-
 class RolloutAhead:
     def __init__(self, ctx, cfg, collect: Callable):
         self.ctx, self.cfg, self.collect, self.check = ctx, cfg, collect, cfg.rollout.check_weight_sync
