@@ -5,7 +5,8 @@
 - max_staleness=1: batch k+1 is generated while step k trains, `rollout/staleness` is 0 on the
   first step and 1 after; a checkpoint records the data position before the batch in flight, so a
   resumed run trains the same prompts as the run that was not interrupted;
-- on real Ray, with the object store and with the broadcast transport (checked syncs);
+- on real Ray, with the object store (weight snapshots) and with a collective transport, shared
+  memory (synced with the engine idle); checked syncs;
 - (`learning` tier) the default experiment learns as much in 60 steps as the synchronous run.
 
 In-process runs of the tiny random model (miles.orchestrate.run, as launch.py calls it), except
@@ -75,7 +76,7 @@ def test_a_resumed_asynchronous_run_trains_the_prompts_that_were_in_flight(tmp_p
     assert journal_metrics(whole)[4]["rollout/staleness"] == 1.0
 
 
-@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+@pytest.mark.parametrize("transport", ["object_store", "shared_memory"])
 def test_asynchronous_on_ray(tmp_path, transport):
     run_dir = tmp_path / "run"
     proc = run_launch([*TINY, "steps=3", "eval.interval=3", "rollout.asynchronous=true",

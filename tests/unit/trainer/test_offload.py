@@ -126,7 +126,9 @@ def free_port() -> int:
 
 def test_fsdp_offload_and_onload_on_one_gloo_rank(ckpt, rollout_batch, tmp_path, monkeypatch):
     """FSDP2 parameters are DTensors: the models move as modules and FSDP re-points its sharded
-    storage (forced copies here, so a stale storage would train on the old weights)."""
+    storage (forced copies here, so a stale storage would train on the old weights: the second step
+    would differ). The storages' addresses are not compared: the allocator may hand the freed ones out
+    again."""
     from miles.trainer.fsdp import FSDPTrainer
 
     monkeypatch.setattr(off, "FORCE_COPY", True)
@@ -136,13 +138,11 @@ def test_fsdp_offload_and_onload_on_one_gloo_rank(ckpt, rollout_batch, tmp_path,
         try:
             metrics = [trainer.train_rl(rollout_batch)]
             if offload:
-                pointers = [p.to_local().data_ptr() for p in trainer.model.parameters()]
                 trainer.offload()
                 for call in ("get_weights", "save_state"):
                     with pytest.raises(RuntimeError, match=rf"{call}: .*offloaded .*call onload"):
                         getattr(trainer, call)(*(() if call == "get_weights" else (str(tmp_path / "s"),)))
                 trainer.onload()
-                assert all(p.to_local().data_ptr() != q for p, q in zip(trainer.model.parameters(), pointers))
             metrics.append(trainer.train_rl(rollout_batch))
             return metrics, trainer.get_weights()[0]
         finally:
