@@ -22,44 +22,29 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from miles.config.schema import DType, ModelCfg, RolloutCfg
+from miles.config.schema import DType, RolloutCfg
 from miles.data.arithmetic import ArithmeticTask
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
 from miles.rollout.vllm_engine import VLLMEngine, import_vllm
+import rollout_speed
+from rollout_speed import Case, load, timed
 
-TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
-                head_dim=32, rope_theta=10000.0, max_position_embeddings=64,
-                tie_word_embeddings=True)  # conf/model/qwen3_tiny.yaml
-BIGGER = ModelCfg(name="qwen3_512x8", hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                  num_kv_heads=4, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True)
-
-
-@dataclass
-class Case:
-    name: str
-    model: ModelCfg
-    prompts: int
-    n: int  # samples per prompt: rows = prompts * n
-    new_tokens: int
+# rollout_speed's shapes, with tied embeddings as conf/model/qwen3_tiny.yaml has (vLLM ties the head).
+TINY = replace(rollout_speed.TINY, tie_word_embeddings=True)
+BIGGER = replace(rollout_speed.BIGGER, tie_word_embeddings=True)
 
 
 CASES = [  # the first is the default experiment's rollout (conf/rollout/native.yaml); --quick runs only it
     Case("tiny, default rollout (64 prompts x 8 x 8 tokens)", TINY, 64, 8, 8),
     Case("512x8L, 32 prompts x 8 x 32 tokens", BIGGER, 32, 8, 32),
 ]
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run_case(case: Case, threads: int, vllm_threads: int, repeats: int, workdir: str) -> dict:
@@ -109,10 +94,6 @@ def markdown(results: list[dict]) -> str:
                      f"| {r['native_tps']:,.0f} | {r['vllm_tps']:,.0f} | {r['ratio']:.2f}x | {r['agreement']:.0%} "
                      f"| {r['native_start']:.1f} / {r['vllm_start']:.1f} |")
     return "\n".join(lines)
-
-
-def load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
