@@ -19,6 +19,9 @@ Configurations (rows of the table; `--configs`, `--compare` = packed,padded):
                   token slots per forward as a packed row), logits_chunk_tokens=0: the model's own
                   head over every position, logits whole
   padded-chunked  padded micro-batches, chunked head (what chunking alone changes)
+  megatron        trainer.backend=megatron (CUDA, megatron-core installed): the policy a Megatron-core
+                  GPTModel in bf16 with Megatron's distributed optimizer, padded micro-batches as
+                  padded-chunked (miles/trainer/megatron)
 Both take the old log-probs from the training forward (GRPO, ppo_clip, token mean, one optimizer
 step per call); `--separate-old` adds the no-grad old-log-prob forward to both. The pre-issue-9
 trainer also synced to the host after every micro-batch and used the unfused AdamW; that is not
@@ -52,12 +55,14 @@ import yaml
 
 from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, TrainerCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
+from miles.models import CausalLM, from_hf_config
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"packed": (True, 4096), "padded": (False, 0), "padded-chunked": (False, 4096)}  # pack, chunk tokens
+CONFIGS = {"packed": (True, 4096), "padded": (False, 0), "padded-chunked": (False, 4096),  # pack, chunk tokens
+           "megatron": (False, 4096)}
 
 
 @dataclass
@@ -129,9 +134,12 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), trainer_cfg, precision, device=str(device),
-                           threads=args.threads, logits_chunk_tokens=chunk_tokens,
-                           reuse_forward_for_old=not args.separate_old)
+    trainer_cls = TorchTrainer
+    if config == "megatron":
+        from miles.trainer.megatron.trainer import MegatronTrainer as trainer_cls
+    trainer = trainer_cls(ckpt, AlgoCfg(name=AlgoName.grpo), trainer_cfg, precision, device=str(device),
+                          threads=args.threads, logits_chunk_tokens=chunk_tokens,
+                          reuse_forward_for_old=not args.separate_old)
     times, first = [], None
     for call in range(args.warmup + args.repeats):
         sync(device)
@@ -143,7 +151,9 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
         first = first or metrics  # every configuration's first step starts from the same weights
     seconds = statistics.median(times)
     lengths = (batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1) + 1).tolist()  # real tokens
-    flops = sum(flops_per_token(trainer.model, n) * n for n in lengths)
+    with torch.device("meta"):  # the shapes only, whatever holds the weights
+        shapes = CausalLM(from_hf_config(json.loads((Path(ckpt) / "config.json").read_text())))
+    flops = sum(flops_per_token(shapes, n) * n for n in lengths)
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del trainer
     gc.collect()

@@ -93,6 +93,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += scale_out_problems(cfg)
     problems += asynchronous_problems(cfg)
     problems += offload_problems(cfg)
+    problems += megatron_problems(cfg)
     if cfg.tracking.backend != "mlflow":
         problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
@@ -253,12 +254,13 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
     """trainer.backend / num_ranks and rollout.weight_sync: what each combination needs."""
     t, r = cfg.trainer, cfg.rollout
     problems = []
-    if t.backend not in ("torch", "fsdp"):
-        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch, fsdp")
+    if t.backend not in ("torch", "fsdp", "megatron"):
+        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch, fsdp, megatron")
     if t.num_ranks < 1:
         problems.append(f"trainer.num_ranks must be >= 1 (got {t.num_ranks})")
-    if t.backend == "torch" and t.num_ranks > 1:
-        problems.append("trainer.num_ranks > 1 needs the sharded trainer: set trainer.backend=fsdp")
+    if t.backend in ("torch", "megatron") and t.num_ranks > 1:
+        problems.append(f"trainer.num_ranks > 1 with trainer.backend={t.backend} is not supported: set "
+                        "trainer.backend=fsdp (Megatron-core runs one GPU per run for now)")
     if t.backend == "fsdp":
         gpus = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
         if cfg.hardware.device != "cpu" and t.num_ranks > gpus:
@@ -365,6 +367,33 @@ def offload_problems(cfg: RunCfg) -> list[str]:
     if cfg.trainer.offload and cfg.trainer.backend == "fsdp":
         problems.append("trainer.offload=true with trainer.backend=fsdp is not supported yet (its checkpoints "
                         "need the shards on the device): set trainer.offload=false")
+    return problems
+
+
+def megatron_problems(cfg: RunCfg) -> list[str]:
+    """trainer.backend=megatron (miles/trainer/megatron): one CUDA process, the mapped families, the
+    bf16 / fp32 recipes."""
+    if cfg.trainer.backend != "megatron":
+        return []
+    from miles.trainer.megatron.arch import problems as unmapped
+
+    t = cfg.trainer
+    problems = list(unmapped(cfg.model))
+    if cfg.hardware.device == "cpu":
+        problems.append("trainer.backend=megatron runs on CUDA only (Megatron-core allocates its RoPE, RNG and "
+                        "gradient buffers there): pick a GPU hardware profile or trainer.backend=torch")
+    if max(t.tp, 1) * max(t.pp, 1) * max(t.ep, 1) * max(t.cp, 1) > 1:
+        problems.append(f"trainer.backend=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
+                        f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
+    unsupported = {f"precision={cfg.precision.name}": cfg.precision.train_quant.value != "none"
+                   or cfg.precision.rollout_quant.value != "none",
+                   f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
+                   "true_on_policy=true": cfg.true_on_policy,
+                   "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
+                   "trainer.offload=true": t.offload,
+                   f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
+    problems += [f"trainer.backend=megatron does not support {what} yet: use trainer.backend=torch"
+                 for what, bad in unsupported.items() if bad]
     return problems
 
 

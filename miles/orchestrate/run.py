@@ -148,7 +148,6 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     from miles.rollout.router import EngineFleet
     from miles.trainer.critic import TorchCritic
     from miles.trainer.fsdp_group import FSDPGroup
-    from miles.trainer.torch_trainer import TorchTrainer
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
@@ -183,12 +182,23 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     elif cfg.trainer.backend == "fsdp":  # its ranks: Ray actors in a placement group of their own
         trainer = FSDPGroup(cfg.trainer.num_ranks, *trainer_args, **trainer_kwargs)
     else:
-        trainer = spawn(TorchTrainer, use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
+        trainer = spawn(trainer_class(cfg.trainer.backend), use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
+
+
+def trainer_class(backend: str) -> type:
+    """The one-process trainer of `trainer.backend` (torch or megatron; fsdp runs FSDPGroup)."""
+    if backend == "megatron":
+        from miles.trainer.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    return TorchTrainer
 
 
 def component_threads(cfg: RunCfg) -> int | None:

@@ -403,14 +403,18 @@ class TorchTrainer:
         process) and plain weights: a FlatWeights on this trainer's device and its device checksum.
         Not while the parameters are offloaded (a RuntimeError says to onload them)."""
         self._require_onloaded("get_weights", (off.PARAMS,))
+        state = self._policy_state()
         if in_process and self.recipe.rollout_quant == "none":
-            state = self.model.state_dict()
             if self._flat_sync is None:
                 layout = FlatLayout.of(state, TORCH_DTYPES[self.precision.rollout_dtype])
                 self._flat_sync = FlatWeights.like(layout, self.device)
             self._flat_sync.fill_from(state)
             return self._flat_sync, self._flat_sync.checksum()
-        return self._weights_of(self.model.state_dict())
+        return self._weights_of(state)
+
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """Hook: the policy's tensors under the engines' (native) names."""
+        return self.model.state_dict()
 
     def _weights_of(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
         """(what weight sync carries, its checksum) for the policy's whole state dict `state`."""

@@ -25,9 +25,14 @@ def plan_only(hardware: str) -> list[str]:
     return ["dry_run=true"] + (["hardware.memory_gb=141"] if hardware == "gpu" else [])
 
 
+# Options that run on a GPU only: validated as a one-GPU plan.
+GPU_ONLY = {("trainer", "megatron"): ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true"]}
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_validates(compose, group, option):
-    cfg = compose([f"{group}={option}"] + (plan_only(option) if group == "hardware" else []))
+    extra = plan_only(option) if group == "hardware" else GPU_ONLY.get((group, option), [])
+    cfg = compose([f"{group}={option}"] + extra)
     assert isinstance(cfg, RunCfg)
     assert validate(cfg) == []
 
@@ -154,6 +159,9 @@ def test_trainer_packing_and_recompute_rules(compose):
     assert validate(compose(["trainer.recompute=true"])) == []
 
 
+MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1", "dry_run=true"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["true_on_policy=true", "precision=fp8"], "use precision=bf16 or precision=fp32"),
     (["true_on_policy=true", "rollout.top_p=0.9"], "set rollout.top_p=1.0 rollout.top_k=0"),
@@ -161,7 +169,13 @@ def test_trainer_packing_and_recompute_rules(compose):
     (["trainer.num_ranks=2"], "set trainer.backend=fsdp"),
     (["trainer.backend=fsdp", "ray.enabled=false"], "set ray.enabled=true"),
     (["trainer.backend=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer.backend=torch"),
-    (["trainer.backend=megatron"], "valid: torch, fsdp"),
+    (["trainer.backend=nope"], "valid: torch, fsdp, megatron"),
+    (["trainer=megatron"], "runs on CUDA only"),
+    (["trainer=megatron", "trainer.num_ranks=2"], "set trainer.backend=fsdp"),
+    ([*MEGATRON_GPU, "model=deepseek_v3_tiny"], "deepseek_v3 is not mapped yet"),
+    ([*MEGATRON_GPU, "model=qwen3_moe_tiny", "algo.routing_replay=r3"], "use trainer.backend=torch"),
+    ([*MEGATRON_GPU, "precision=fp8"], "does not support precision=fp8"),
+    ([*MEGATRON_GPU, "trainer.tp=2"], "set trainer.tp, pp, ep, cp to 1"),
     (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
     (["rollout.weight_sync=nope"], "valid: object_store, broadcast, shared_memory"),
     (["rollout.weight_sync=shared_memory", "ray.enabled=false"], "set ray.enabled=true"),
@@ -189,6 +203,7 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
     assert validate(compose(["rollout=sglang", "rollout.sglang.url=http://10.0.0.5:30000"])) == []
+    assert validate(compose([*MEGATRON_GPU, "model=qwen3_moe_tiny", "precision=fp32"])) == []
     gpu = ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "rollout.offload=true", "trainer.offload=true"]
     assert validate(compose(gpu)) == []
     assert any("set rollout.colocate=true" in p for p in validate(compose([*gpu, "rollout.colocate=false"])))

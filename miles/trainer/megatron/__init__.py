@@ -1,0 +1,19 @@
+"""Megatron-core trainer backend (`trainer=megatron`, docs/megatron.md).
+
+  arch.py     ArchConfig -> TransformerConfig / layer spec / GPTModel arguments, and what is not mapped
+  weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts
+  trainer.py  MegatronTrainer: TorchTrainer's RL step with a GPTModel policy and Megatron's optimizer
+
+arch and weights are pure (no megatron import: CPU tests); trainer imports megatron-core lazily.
+"""
+
+from __future__ import annotations
+
+
+def require_megatron() -> None:
+    """Import megatron-core, or fail naming what to install."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise ImportError("trainer.backend=megatron needs megatron-core (Python >= 3.12, CUDA): "
+                          "pip install 'miles[megatron]' (or megatron-core==0.19.2)") from e

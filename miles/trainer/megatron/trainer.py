@@ -1,0 +1,264 @@
+"""The RL trainer on Megatron-core: the policy is a megatron `GPTModel`, everything else is TorchTrainer's.
+
+    trainer = MegatronTrainer(checkpoint_dir, algo, trainer_cfg, precision, device="cuda")
+    metrics = trainer.train_rl(batch)        # the same losses, corrections, metrics as TorchTrainer
+    weights, digest = trainer.get_weights()  # native (HF) names, for every weight-sync transport
+
+What runs through Megatron-core: the model (`GPTModel` with the Transformer Engine spec when TE is
+installed, the local spec otherwise; the config from miles.trainer.megatron.arch), its parameters in
+bf16 (or fp32) with Megatron's DistributedDataParallel gradient buffers, and Megatron's distributed
+optimizer (Adam with decoupled weight decay, fp32 main parameters, its gradient clipping, its grad
+norm). What stays the project's: the micro-batches (padded rows, `trainer.micro_batch_size`), the
+log-probs from the final hidden states through the chunked LM head (`GPTModel.forward`'s
+`output_processor` hands over the hidden states and the output matrix), the policy losses, KL, TIS /
+MIS of `miles.algo`, the old-log-prob reuse (first-step ppo_kl == 0), and every metric name.
+
+Weights: loaded from the HF-format checkpoint through `miles.models.from_pretrained` and mapped by
+miles.trainer.megatron.weights; exported the same way back (`get_weights`, `save`). A KL reference is
+a second, frozen GPTModel. `save_state` / `load_state` write and read the Megatron parameters, the
+optimizer's parameter state (fp32 main parameters and moments) and the RNG, for resume.
+
+One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
+with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
+RoPE, RNG tracker and gradient buffers allocate there), so this class is exercised by tests/gpu;
+its config translation and weight mapping are pure functions tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
+from miles.models import CausalLM, from_pretrained, save_pretrained
+from miles.precision.recipe import NONE, Recipe
+from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
+from miles.trainer.megatron import require_megatron
+from miles.trainer.megatron.arch import megatron_spec
+from miles.trainer.megatron.weights import from_megatron, to_megatron
+from miles.trainer.packing import MicroBatch, plan_micro_batches
+from miles.trainer.torch_trainer import TorchTrainer
+from miles.types import TrainBatch
+
+
+def _hidden_and_output_weight(hidden_states, output_layer, output_weight, **_):
+    """GPTModel's output_processor: the final hidden states [S, B, H] and the output matrix [V, H]
+    (the embedding when tied), instead of the whole-vocabulary logits."""
+    return hidden_states, output_weight if output_weight is not None else output_layer.weight
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0) -> None:
+    """torch.distributed (NCCL, this process alone unless launched as ranks) and Megatron's
+    model-parallel groups, once per process; Megatron's CUDA RNG tracker, seeded."""
+    if device.type != "cuda":
+        raise ValueError(f"trainer.backend=megatron runs on CUDA only (device={device}): use trainer.backend=torch")
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT") or str(_free_port())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronTrainer(TorchTrainer):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        algo: AlgoCfg,
+        cfg: TrainerCfg,
+        precision: PrecisionCfg,
+        temperature: float = 1.0,
+        device: str = "cuda",
+        threads: int | None = None,
+        seed: int = 0,
+        max_response_len: int | None = None,
+        teacher_dir: str | None = None,
+        logits_chunk_tokens: int = CHUNK_TOKENS,
+        reuse_forward_for_old: bool = True,
+        true_on_policy: bool = False,
+    ):
+        """TorchTrainer's arguments; refused here (validation refuses them first): a teacher, true
+        on-policy, fake-quantizing or quantized-rollout recipes, MoE routing replay, a CPU device."""
+        require_megatron()
+        unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
+                       "true_on_policy": true_on_policy, "algo.routing_replay": algo.routing_replay != "none"}
+        if bad := [what for what, on in unsupported.items() if on]:
+            raise ValueError(f"trainer.backend=megatron does not support {', '.join(bad)}: use trainer.backend=torch")
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.algo, self.cfg, self.precision = algo, cfg, precision
+        self.true_on_policy, self.max_response_len = False, max_response_len
+        self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.device = torch.device(device)
+        init_parallel(self.device, max(cfg.tp, 1), max(cfg.ep, 1), seed)
+
+        native = from_pretrained(checkpoint_dir, dtype=torch.float32)
+        self.arch = native.config
+        self.recipe = Recipe.from_cfg(precision, self.arch.num_layers)
+        if self.recipe.train_quant != NONE or self.recipe.rollout_quant != "none":
+            raise ValueError(f"trainer.backend=megatron trains the bf16 / fp32 recipes; precision={precision.name} "
+                             "quantizes: use trainer.backend=torch")
+        self.bf16 = precision.train_dtype == DType.bf16
+        self.te = _has_transformer_engine()
+        state = to_megatron(native.state_dict(), self.arch, te=self.te)
+        del native
+        self.model = self._ddp(self._build(state))
+        self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
+        self.teacher = None
+        self.routing_layers, self.key_layers = [], []
+        self.optimizer = self._megatron_optimizer()
+        self._flat_sync = None
+        self.offloaded: set[str] = set()
+        self._optimizer_devices: list = []
+        self._masks: dict[int, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------------------- building
+    def _build(self, state: dict[str, torch.Tensor]):
+        """A GPTModel of `self.arch` on this GPU holding `state` (Megatron names)."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer import TransformerConfig
+
+        spec = megatron_spec(self.arch, self.bf16, self.cfg.recompute, max(self.cfg.tp, 1), max(self.cfg.ep, 1))
+        kwargs = dict(spec.transformer, params_dtype=getattr(torch, spec.transformer["params_dtype"]))
+        self.megatron_config = TransformerConfig(**kwargs, activation_func=F.silu, perform_initialization=False)
+        layers = get_gpt_decoder_block_spec(self.megatron_config, use_transformer_engine=self.te, **spec.layer_spec)
+        model = GPTModel(self.megatron_config, layers, **spec.model).to(self.device)
+        dtype = kwargs["params_dtype"]
+        missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+        missing = [k for k in missing if not k.endswith("._extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"Megatron GPTModel vs mapped weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        return model
+
+    def _ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                                   overlap_grad_reduce=False)
+        return DistributedDataParallel(self.megatron_config, ddp_config, model)
+
+    def _megatron_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        c = self.cfg
+        config = OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr, weight_decay=c.weight_decay,
+                                 adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=1e-8,
+                                 # inf: no clipping, and the norm is still computed (0 would skip both)
+                                 clip_grad=c.grad_clip if c.grad_clip > 0 else float("inf"), bf16=self.bf16,
+                                 params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                 use_distributed_optimizer=True)
+        return get_megatron_optimizer(config, [self.model])
+
+    # ----------------------------------------------------------------------------- forward
+    def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+        # Padded rows: GPTModel's local attention takes no packed layout (TE's would need
+        # PackedSeqParams); each sample from column 0 under the causal mask, its padding after it.
+        cfg = replace(self.cfg, pack_sequences=False)
+        return plan_micro_batches(batch, None, cfg, self.device,
+                                  torch.bfloat16 if self.bf16 else torch.float32)
+
+    def _causal_mask(self, length: int) -> torch.Tensor:
+        """[1, 1, L, L] bool, True above the diagonal (the positions a query must not see)."""
+        if length not in self._masks:
+            ones = torch.ones(length, length, dtype=torch.bool, device=self.device)
+            self._masks[length] = torch.triu(ones, diagonal=1)[None, None]
+        return self._masks[length]
+
+    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
+                 record: dict | None = None):
+        """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1]: GPTModel to the final
+        hidden states, then the chunked LM head at the loss positions (as TorchTrainer's forward)."""
+        rows, length = mb.input_ids.shape
+        positions = torch.arange(length, device=self.device).expand(rows, length)
+        hidden, weight = model(mb.input_ids, positions, self._causal_mask(length),
+                               output_processor=_hidden_and_output_weight)
+        hidden = hidden.transpose(0, 1).reshape(rows * length, -1).index_select(0, mb.src)
+        logp, entropy = hidden_logprobs(hidden, weight, mb.targets, self.temperature, with_entropy,
+                                        self.logits_chunk_tokens)
+        return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
+
+    # ----------------------------------------------------------------------------- optimizer step
+    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
+        """One optimizer step, as TorchTrainer's: a backward per item into Megatron's gradient
+        buffers, then their reduction and the distributed optimizer's clipped step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        sums: dict[str, torch.Tensor] = {}
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        for item in items:
+            loss, metrics = loss_fn(*item)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach()
+        finalize_model_grads([self.model])
+        _, grad_norm, _ = self.optimizer.step()
+        sums["grad_norm"] = torch.as_tensor(grad_norm, device=self.device, dtype=torch.float32)
+        return sums
+
+    # ----------------------------------------------------------------------------- weights, state
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors in native names (what the engines load), on this GPU."""
+        return from_megatron(self.model.module.state_dict(), self.arch, te=self.te)
+
+    def save(self, path: str) -> None:
+        """The policy as an HF-format dir."""
+        with torch.device("meta"):  # the structure only; the mapped tensors become its weights
+            model = CausalLM(self.arch)
+        model.load_state_dict({k: v.float() for k, v in self._policy_state().items()}, assign=True)
+        save_pretrained(model, path)
+
+    def save_state(self, path: str) -> None:
+        """The Megatron parameters, the optimizer state (its fp32 main parameters and moments
+        included) and the RNG into the directory `path`, for `load_state`."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()},
+                   Path(path) / "megatron.pt")
+        self.optimizer.save_parameter_state(str(Path(path) / "optimizer_params.pt"))
+
+    def load_state(self, path: str) -> None:
+        """What `save_state` wrote; training then continues as if never stopped."""
+        state = torch.load(Path(path) / "megatron.pt", weights_only=False)
+        self.model.module.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_parameter_state(str(Path(path) / "optimizer_params.pt"))
+        torch.set_rng_state(state["torch_rng"])
+        torch.cuda.set_rng_state(state["cuda_rng"])
+
+    # ----------------------------------------------------------------------------- colocation
+    def offload(self, tags=()) -> None:
+        raise NotImplementedError("trainer.offload with trainer.backend=megatron is not supported yet: "
+                                  "set trainer.offload=false")
+
+    onload = offload
+
+
+@functools.cache
+def _has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

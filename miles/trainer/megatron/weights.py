@@ -1,0 +1,132 @@
+"""Weights between the project's names and Megatron-core's GPTModel: pure tensor code, no megatron import.
+
+    mstate = to_megatron(state, arch)          # native (HF-named) tensors -> GPTModel.state_dict() names
+    state = from_megatron(mstate, arch)        # and back, bitwise
+
+Native names are HF's minus the leading "model." (what `miles.models.from_pretrained` loads and the
+engines take in weight sync), experts fused as transformers 5 holds them: `experts.gate_up_proj`
+[E, 2I, H] (gate rows, then up) and `experts.down_proj` [E, H, I]. Megatron's layouts:
+- `linear_qkv` [(heads + 2 groups) * D, H]: per query group its heads' q rows, then its k, then its v
+  (the same for the q/k/v biases of qwen2);
+- `linear_fc1` [2I, H]: gate rows then up rows (SwiGLU), per dense MLP and per expert
+  (`experts.local_experts.<e>`, the local spec's SequentialMLP);
+- tied embeddings: no `output_layer.weight` (the output layer reads the embedding).
+`te=True` names the norms as Transformer Engine's spec fuses them: the attention's input norm into
+`linear_qkv.layer_norm_weight` and a dense MLP's pre-norm into `linear_fc1.layer_norm_weight`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from miles.trainer.megatron.arch import moe_layer_pattern
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[heads*D, ...], [groups*D, ...] x2 -> [(heads + 2 groups) * D, ...], grouped per query group."""
+    q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def _qkv_split(qkv: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // groups * d
+    g = qkv.reshape(groups, per_group + 2 * d, *qkv.shape[1:])
+    q, k, v = g.split([per_group, d, d], dim=1)
+    return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
+
+
+def _layer_names(i: int, moe: bool, te: bool) -> dict[str, str]:
+    """Native -> Megatron names of layer i's unfused tensors."""
+    n, m = f"layers.{i}.", f"decoder.layers.{i}."
+    out = {
+        n + "input_layernorm.weight":
+            m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
+        n + "self_attn.o_proj.weight": m + "self_attention.linear_proj.weight",
+        n + "self_attn.q_norm.weight": m + "self_attention.q_layernorm.weight",
+        n + "self_attn.k_norm.weight": m + "self_attention.k_layernorm.weight",
+        n + "post_attention_layernorm.weight":
+            m + ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"),
+        n + "mlp.down_proj.weight": m + "mlp.linear_fc2.weight",
+        n + "mlp.gate.weight": m + "mlp.router.weight",
+    }
+    return out
+
+
+def to_megatron(state: Tensors, arch, te: bool = False) -> Tensors:
+    """Native tensors of `arch` -> GPTModel state-dict names and layouts (see the module docstring).
+    Raises KeyError naming a native tensor that has no Megatron place."""
+    state, out = dict(state), {}
+    take = state.pop
+    out["embedding.word_embeddings.weight"] = take("embed_tokens.weight")
+    out["decoder.final_layernorm.weight"] = take("norm.weight")
+    if not arch.tie_word_embeddings:
+        out["output_layer.weight"] = take("lm_head.weight")
+    for i, moe in enumerate(moe_layer_pattern(arch)):
+        n, m = f"layers.{i}.", f"decoder.layers.{i}."
+        attn = n + "self_attn."
+        for kind in ("weight", "bias"):
+            if attn + f"q_proj.{kind}" in state:
+                out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(
+                    take(attn + f"q_proj.{kind}"), take(attn + f"k_proj.{kind}"), take(attn + f"v_proj.{kind}"),
+                    arch.num_kv_heads)
+        if moe:
+            gate_up, down = take(n + "mlp.experts.gate_up_proj"), take(n + "mlp.experts.down_proj")
+            for e in range(gate_up.shape[0]):
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([take(n + "mlp.gate_proj.weight"),
+                                                         take(n + "mlp.up_proj.weight")])
+        for native, mega in _layer_names(i, moe, te).items():
+            if native in state:
+                out[mega] = take(native)
+    if state:
+        raise KeyError(f"no Megatron-core place for {sorted(state)[:4]} (family {arch.family})")
+    return out
+
+
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def from_megatron(mstate: Tensors, arch, te: bool = False) -> Tensors:
+    """GPTModel state-dict tensors -> native names and layouts; the inverse of `to_megatron`.
+    Megatron's bookkeeping entries (`_extra_state`) are skipped; an unknown tensor raises KeyError."""
+    mstate = {k: v for k, v in mstate.items() if not k.endswith("._extra_state")}
+    take = mstate.pop
+    out = {"embed_tokens.weight": take("embedding.word_embeddings.weight"),
+           "norm.weight": take("decoder.final_layernorm.weight")}
+    if not arch.tie_word_embeddings:
+        out["lm_head.weight"] = take("output_layer.weight")
+    else:
+        mstate.pop("output_layer.weight", None)  # a tied output layer, where a version lists it
+    experts: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in [k for k in mstate if _EXPERT.match(k)]:
+        layer, e, kind = _EXPERT.match(name).groups()
+        experts.setdefault(int(layer), {}).setdefault(kind, {})[int(e)] = take(name)
+    for i, moe in enumerate(moe_layer_pattern(arch)):
+        n, m = f"layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            fused = m + f"self_attention.linear_qkv.{kind}"
+            if fused in mstate:
+                q, k, v = _qkv_split(take(fused), arch)
+                out.update({n + f"self_attn.q_proj.{kind}": q, n + f"self_attn.k_proj.{kind}": k,
+                            n + f"self_attn.v_proj.{kind}": v})
+        if moe:
+            parts = experts.pop(i)
+            count = len(parts["linear_fc1"])
+            out[n + "mlp.experts.gate_up_proj"] = torch.stack([parts["linear_fc1"][e] for e in range(count)])
+            out[n + "mlp.experts.down_proj"] = torch.stack([parts["linear_fc2"][e] for e in range(count)])
+        else:
+            gate, up = take(m + "mlp.linear_fc1.weight").chunk(2)
+            out[n + "mlp.gate_proj.weight"], out[n + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        for native, mega in _layer_names(i, moe, te).items():
+            if mega in mstate:
+                out[native] = take(mega)
+    if mstate or experts:
+        raise KeyError(f"no native place for {sorted(mstate)[:4] or sorted(experts)} (family {arch.family})")
+    return out

@@ -1,0 +1,141 @@
+"""The Megatron-core backend's pure parts on the CPU (no megatron import): ArchConfig -> TransformerConfig /
+GPTModel arguments, and native <-> GPTModel weights. The real GPTModel is tested on the GPU
+(tests/gpu/test_megatron_cuda.py): its state-dict names and shapes, its forward, a training step."""
+
+import pytest
+import torch
+
+from miles.models import CausalLM
+from miles.models.config import ArchConfig, MoEConfig
+from miles.trainer.megatron.arch import megatron_spec, moe_layer_pattern, problems
+from miles.trainer.megatron.weights import from_megatron, to_megatron
+
+@pytest.fixture
+def arch_of(compose):
+    """arch_of(name, vocab) -> the ArchConfig of conf/model/<name>.yaml, through the config schema."""
+    return lambda name, vocab=50: compose([f"model={name}"]).model.arch(vocab)
+
+
+def test_qwen3_0_6b_translates_to_its_published_megatron_config(arch_of):
+    spec = megatron_spec(arch_of("qwen3_0_6b", 151936), bf16=True)
+    t, m = spec.transformer, spec.model
+    assert (t["num_layers"], t["hidden_size"], t["ffn_hidden_size"]) == (28, 1024, 3072)
+    assert (t["num_attention_heads"], t["num_query_groups"], t["kv_channels"]) == (16, 8, 128)
+    assert t["qk_layernorm"] and not t["add_qkv_bias"] and not t["add_bias_linear"]
+    assert (t["normalization"], t["layernorm_epsilon"], t["gated_linear_unit"]) == ("RMSNorm", 1e-6, True)
+    assert (t["bf16"], t["params_dtype"]) == (True, "bfloat16")
+    assert "num_moe_experts" not in t and spec.moe_layers == []
+    assert m == dict(vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope",
+                     rotary_base=1000000.0, rotary_percent=1.0, share_embeddings_and_output_weights=True,
+                     parallel_output=True)
+    assert spec.activation == "silu" and spec.layer_spec == {"normalization": "RMSNorm"}
+
+
+def test_qwen2_has_qkv_bias_and_no_qk_norm_and_fp32_and_recompute(arch_of):
+    t = megatron_spec(arch_of("qwen2_5_tiny"), bf16=False, recompute=True).transformer
+    assert t["add_qkv_bias"] and not t["qk_layernorm"]
+    assert (t["bf16"], t["params_dtype"]) == (False, "float32")
+    assert (t["recompute_granularity"], t["recompute_method"], t["recompute_num_layers"]) == ("full", "uniform", 1)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_router_maps_to_softmax_top_k(norm_topk_prob, arch_of):
+    arch = arch_of("qwen3_moe_tiny")
+    arch.moe.norm_topk_prob = norm_topk_prob
+    t = megatron_spec(arch, bf16=True).transformer
+    assert (t["num_moe_experts"], t["moe_router_topk"], t["moe_ffn_hidden_size"]) == (8, 2, 32)
+    assert t["moe_router_score_function"] == "softmax"
+    # softmax of the k largest logits == the full softmax's top k renormalized; no renormalization:
+    # the full softmax first.
+    assert t["moe_router_pre_softmax"] is (not norm_topk_prob)
+    assert t["moe_layer_freq"] == [1, 1, 1] and t["moe_router_load_balancing_type"] == "none"
+
+
+def test_dense_layers_inside_a_moe_model():
+    arch = ArchConfig(vocab_size=50, num_layers=4, family="qwen3_moe", moe=MoEConfig(num_experts=4),
+                      mlp_only_layers=[1])
+    assert moe_layer_pattern(arch) == [1, 0, 1, 1]
+    assert megatron_spec(arch, bf16=True).moe_layers == [0, 2, 3]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("deepseek_v3_tiny", "deepseek_v3 is not mapped yet"),
+    ("glm4_moe_tiny", "glm4_moe is not mapped yet"),
+    ("llama4_tiny", "llama4_text is not mapped yet"),
+])
+def test_unmapped_families_are_named(name, message, arch_of):
+    assert any(message in p for p in problems(arch_of(name)))
+    with pytest.raises(ValueError, match=message):
+        megatron_spec(arch_of(name), bf16=True)
+
+
+def _qkv_labelled(arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """q / k / v rows whose value says where they come from: 1000 * kind + row (kind 1 q, 2 k, 3 v)."""
+    h, g, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    rows = lambda kind, n: (1000 * kind + torch.arange(n, dtype=torch.float32))[:, None].expand(n, 3)  # noqa: E731
+    return {"q": rows(1, h * d), "k": rows(2, g * d), "v": rows(3, g * d)}
+
+
+def test_qkv_rows_are_grouped_per_query_group():
+    """4 heads, 2 groups, head_dim 2: group 0 = q heads 0-1, k 0, v 0; then group 1 = q heads 2-3, k 1, v 1."""
+    arch = ArchConfig(vocab_size=10, num_layers=1, hidden_size=3, num_heads=4, num_kv_heads=2, head_dim=2,
+                      intermediate_size=4)
+    state = CausalLM(arch).state_dict()
+    labelled = _qkv_labelled(arch)
+    for kind in "qkv":
+        state[f"layers.0.self_attn.{kind}_proj.weight"] = labelled[kind]
+    fused = to_megatron(state, arch)["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
+    assert fused == [1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001,
+                     1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003]
+
+
+def test_mlp_and_expert_layouts():
+    arch = ArchConfig(vocab_size=10, num_layers=2, family="qwen3_moe", moe=MoEConfig(num_experts=3),
+                      mlp_only_layers=[1])
+    state = CausalLM(arch, seed=0).state_dict()
+    out = to_megatron(state, arch)
+    # dense layer 1: [gate; up] rows
+    assert torch.equal(out["decoder.layers.1.mlp.linear_fc1.weight"],
+                       torch.cat([state["layers.1.mlp.gate_proj.weight"], state["layers.1.mlp.up_proj.weight"]]))
+    # MoE layer 0: expert e's fc1 is its slice of the fused gate_up [E, 2I, H] (gate rows, then up)
+    for e in range(3):
+        assert torch.equal(out[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"],
+                           state["layers.0.mlp.experts.gate_up_proj"][e])
+        assert torch.equal(out[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight"],
+                           state["layers.0.mlp.experts.down_proj"][e])
+    assert torch.equal(out["decoder.layers.0.mlp.router.weight"], state["layers.0.mlp.gate.weight"])
+
+
+@pytest.mark.parametrize("te", [False, True])
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "qwen3_0_6b"])
+def test_round_trip_is_bitwise(name, te, arch_of):
+    arch = arch_of(name)
+    if name == "qwen3_0_6b":  # the published dims at two layers (the mapping is per layer)
+        arch.num_layers = 2
+    state = CausalLM(arch, seed=0).state_dict()
+    mstate = to_megatron(state, arch, te=te)
+    assert ("output_layer.weight" in mstate) is (not arch.tie_word_embeddings)
+    norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+    assert f"decoder.layers.0.{norm}" in mstate
+    mstate["decoder.layers.0.self_attention.linear_proj._extra_state"] = None  # Megatron's bookkeeping
+    back = from_megatron(mstate, arch, te=te)
+    assert set(back) == set(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_te_names_fuse_the_dense_pre_mlp_norm_only():
+    arch = ArchConfig(vocab_size=10, num_layers=2, family="qwen3_moe", moe=MoEConfig(num_experts=2),
+                      mlp_only_layers=[1])
+    out = to_megatron(CausalLM(arch).state_dict(), arch, te=True)
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in out  # dense: fused into fc1
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in out  # MoE: the router needs it apart
+
+
+def test_unknown_tensors_are_refused_by_name(arch_of):
+    arch = arch_of("qwen3_tiny")
+    state = CausalLM(arch).state_dict()
+    with pytest.raises(KeyError, match="layers.0.mlp.extra.weight"):
+        to_megatron({**state, "layers.0.mlp.extra.weight": torch.zeros(1)}, arch)
+    mstate = to_megatron(state, arch)
+    with pytest.raises(KeyError, match="decoder.layers.0.mystery"):
+        from_megatron({**mstate, "decoder.layers.0.mystery": torch.zeros(1)}, arch)
