@@ -249,7 +249,7 @@ class RolloutCfg:
 
 @dataclass
 class TrainerCfg:
-    backend: str = "torch"  # torch: one process; fsdp: num_ranks FSDP2 ranks as Ray actors (miles/trainer/fsdp.py)
+    backend: str = "torch"  # torch: one process; fsdp: num_ranks FSDP2 ranks as Ray actors; megatron: Megatron-core on one GPU
     num_ranks: int = 1  # trainer.backend=fsdp: ranks that shard the model and split each batch
     lr: float = 5e-4
     weight_decay: float = 0.0

@@ -16,7 +16,7 @@ MIS of `miles.algo`, the old-log-prob reuse (first-step ppo_kl == 0), and every 
 Weights: loaded from the HF-format checkpoint through `miles.models.from_pretrained` and mapped by
 miles.trainer.megatron.weights; exported the same way back (`get_weights`, `save`). A KL reference is
 a second, frozen GPTModel. `save_state` / `load_state` write and read the Megatron parameters, the
-optimizer's parameter state (fp32 main parameters and moments) and the RNG, for resume.
+optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume.
 
 One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
 with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
@@ -229,23 +229,35 @@ class MegatronTrainer(TorchTrainer):
         model.load_state_dict({k: v.float() for k, v in self._policy_state().items()}, assign=True)
         save_pretrained(model, path)
 
+    def _optimizers(self) -> list:
+        """The distributed optimizers behind `self.optimizer` (one per parameter kind: dense, experts)."""
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
     def save_state(self, path: str) -> None:
-        """The Megatron parameters, the optimizer state (its fp32 main parameters and moments
-        included) and the RNG into the directory `path`, for `load_state`."""
+        """The Megatron parameters, each optimizer's state (its torch optimizer's moments and step, and
+        its fp32 main parameters) and the RNG into the directory `path`, for `load_state`. This rank's
+        shards as they are (one rank here): Megatron's own `save_parameter_state` drops the torch
+        optimizer's per-parameter `step` when neither Apex nor Transformer Engine is installed."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        optimizers = [{"inner": o.optimizer.state_dict(),
+                       "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]}
+                      for o in self._optimizers()]
+        torch.save({"model": self.model.module.state_dict(), "optimizers": optimizers,
                     "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()},
                    Path(path) / "megatron.pt")
-        self.optimizer.save_parameter_state(str(Path(path) / "optimizer_params.pt"))
 
     def load_state(self, path: str) -> None:
         """What `save_state` wrote; training then continues as if never stopped."""
-        state = torch.load(Path(path) / "megatron.pt", weights_only=False)
+        state = torch.load(Path(path) / "megatron.pt", weights_only=False, map_location=self.device)
         self.model.module.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.optimizer.load_parameter_state(str(Path(path) / "optimizer_params.pt"))
-        torch.set_rng_state(state["torch_rng"])
-        torch.cuda.set_rng_state(state["cuda_rng"])
+        for opt, saved in zip(self._optimizers(), state["optimizers"], strict=True):
+            opt.optimizer.load_state_dict(saved["inner"])
+            params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for p, value in zip(params, saved["main"], strict=True):
+                    p.copy_(value)
+        torch.set_rng_state(state["torch_rng"].cpu())
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu())
 
     # ----------------------------------------------------------------------------- colocation
     def offload(self, tags=()) -> None:
