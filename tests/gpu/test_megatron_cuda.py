@@ -56,14 +56,14 @@ def _batch(vocab: int, samples: int = 8, prompt: int = 12, response: int = 20, s
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=torch.zeros_like(mask))
 
 
-def _trainers(ckpt: str, dtype: str, **trainer_kwargs):
+def _trainers(ckpt: str, dtype: str, kl_coef: float = 0.0):
     from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, TrainerCfg
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
 
-    cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False, **trainer_kwargs)
+    cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False)
     precision = PrecisionCfg(name=dtype, train_dtype=DType(dtype), rollout_dtype=DType(dtype))
-    algo = AlgoCfg(name=AlgoName.grpo)
+    algo = AlgoCfg(name=AlgoName.grpo, kl_coef=kl_coef)
     return (MegatronTrainer(ckpt, algo, cfg, precision, device="cuda"),
             TorchTrainer(ckpt, algo, cfg, precision, device="cuda"))
 
@@ -119,6 +119,19 @@ def test_weights_round_trip_and_the_first_step(name, tmp_path):
     # Adam's first step moves each weight by ~lr * sign(grad): where a gradient is ~0 its sign may
     # differ between the two (fp32 rounding), a step of at most 2 lr; everywhere else they agree.
     assert float(diffs.max()) <= 2.5e-4 and float(diffs.mean()) < 1e-7, (float(diffs.max()), float(diffs.mean()))
+
+
+def test_kl_reference_is_a_frozen_copy_of_the_start(tmp_path):
+    """algo.kl_coef > 0: the reference GPTModel starts equal to the policy (KL 0) and stays put
+    while the policy moves; the step's KL term matches the native trainer's."""
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    mega, native = _trainers(ckpt, "fp32", kl_coef=0.1)
+    batch = _batch(mega.arch.vocab_size)
+    assert float(mega.kl_to_ref(batch).abs().max()) == 0.0
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/kl_ref"] == pytest.approx(n["train/kl_ref"], abs=1e-9)
+    mega.train_rl(batch)
+    assert float(mega.kl_to_ref(batch).abs().sum()) > 0
 
 
 def test_save_and_resume_continue_the_same_training(tmp_path):

@@ -67,8 +67,9 @@ def test_two_step_grpo_on_ray_logs_everything_to_mlflow(tmp_path, mlflow_server)
 def test_multirun_groups_jobs_under_one_parent_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    proc = run_launch(["-m", "trainer.lr=1e-4,3e-4", *SMALL, "warm_start.enabled=false", "tracking.experiment=sweep"],
-                      cwd=tmp_path)
+    # In-process, one step per job: the grouping is what is tested (Ray and the metrics: the test above).
+    proc = run_launch(["-m", "trainer.lr=1e-4,3e-4", *SMALL, "steps=1", "ray.enabled=false", "warm_start.enabled=false",
+                       "tracking.experiment=sweep"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     exp = client.get_experiment_by_name("sweep")

@@ -7,8 +7,10 @@
 
 Mapped families: qwen3 and qwen2 (dense GQA, RoPE, RMSNorm, SwiGLU; QK-norm or q/k/v bias) and
 qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`).
-`problems(arch)` names what a config needs that the mapping does not cover yet (DeepSeek-V3's MLA
-with its sigmoid router and shared experts among them), so validation refuses it before any start.
+`problems(arch)` names what a config needs that the mapping does not cover yet, so validation refuses
+it before any start. DeepSeek-V3 (MLA, sigmoid router with bias, shared experts) is among them: the
+MLA attention of megatron-core 0.19.2 exists only in its Transformer Engine spec, and TE cannot be
+installed on the GPU machine this was built on, so a mapping could not be run.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ class MegatronSpec:
 def problems(arch) -> list[str]:
     """What keeps `arch` from training through Megatron-core here, one message per problem."""
     if arch.family not in MAPPED_FAMILIES:
+        # MLA (DeepSeek-V3, Kimi K2, GLM-4.7-Flash / GLM-5): megatron-core 0.19.2 builds its attention
+        # from Transformer Engine only; the local spec's DotProductAttention takes no k_channels.
+        why = " (its MLA needs Transformer Engine in megatron-core)" if arch.mla is not None else ""
         return [f"trainer.backend=megatron maps the {', '.join(MAPPED_FAMILIES)} families; {arch.family} "
-                "is not mapped yet: use trainer.backend=torch"]
+                f"is not mapped yet{why}: use trainer.backend=torch"]
     out = []
     if arch.rope_scaling is not None or arch.partial_rotary_factor != 1.0:
         out.append("trainer.backend=megatron: RoPE scaling and partial rotary are not mapped yet")
