@@ -1,7 +1,7 @@
 """Every rollout engine backend, and the router in front of several, has the protocol's methods
 (miles/rollout/protocol.py); a class that lacks one is named with what it lacks. Their behaviour
-against the contract: test_native_engine.py, test_sglang_engine.py (a stand-in server) and the vLLM
-tier (tests/vllm)."""
+against the contract: tests/engine_contract.py, run by test_engine_contract.py (native, SGLang over a
+stand-in server) and by the vLLM tier (tests/vllm)."""
 
 import pytest
 
