@@ -8,9 +8,12 @@ gradient) that the caller multiplies into the per-token policy loss (weights) or
 level="token" uses each token's ratio; level="sequence" uses the sequence's ratio, exp of the sum of
 its tokens' log-ratios, broadcast to its tokens. Metrics are token means over `mask` of what was
 passed in: call them once per rollout batch, as `train_rl` does for the mismatch metric.
+`ratio_stats` reports the token-level ratios themselves, with or without a correction.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,6 +35,22 @@ def _log_ratio(
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def ratio_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token-level ratios pi_old / pi_rollout over `mask`: `ratio_mean`, `ratio_std` (population),
+    `ratio_min`, `ratio_max`; 1, 0, 1, 1 when the mask is empty. Over tokens the engine sampled, the
+    ratio's expectation is 1 whatever the mismatch (sum_y pi_old(y) = 1): the mismatch shows in the
+    spread and the tails, which TIS clips and MIS drops."""
+    ratio = torch.exp(_log_ratio(old_logp, rollout_logp, mask, "token"))
+    inside = mask > 0
+    any_token, one = inside.any(), torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    mean = _token_mean(ratio, mask)
+    return {"ratio_mean": torch.where(any_token, mean, one),
+            "ratio_std": _token_mean((ratio - mean) ** 2, mask).sqrt(),
+            "ratio_min": torch.where(any_token, ratio.masked_fill(~inside, math.inf).amin(), one),
+            "ratio_max": torch.where(any_token, ratio.masked_fill(~inside, -math.inf).amax(), one)}
 
 
 @torch.no_grad()

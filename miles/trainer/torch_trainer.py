@@ -42,7 +42,7 @@ from dataclasses import replace
 
 import torch
 
-from miles.algo.corrections import mis_mask, tis_weights
+from miles.algo.corrections import mis_mask, ratio_stats, tis_weights
 from miles.algo.distill import reverse_kl_advantages
 from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
@@ -288,10 +288,14 @@ class TorchTrainer:
         """Mismatch corrections against the engine's log-probs: TIS scales advantages, MIS masks tokens.
 
         Scaling A by w > 0 equals scaling each token's clipped loss by w, since max(-Aw r, -Aw clip r)
-        = w max(-A r, -A clip r).
+        = w max(-A r, -A clip r). Also `mismatch/ratio_{mean,std,min,max}` of pi_old / pi_rollout over
+        the loss tokens, before MIS (train_rl logs them from the training forward when it runs no
+        separate old pass).
         """
         a, metrics = self.algo, {}
         rollout, mask, adv = batch.rollout_logprobs.to(self.device), batch.loss_mask, batch.advantages
+        stats = ratio_stats(old, rollout, mask.to(self.device))
+        metrics.update({f"mismatch/{k}": float(v) for k, v in stats.items()})
         if a.tis != "none":
             weights, m = tis_weights(old, rollout, mask.to(self.device), a.tis, a.tis_clip)
             adv = adv * weights.cpu()
@@ -336,6 +340,7 @@ class TorchTrainer:
         mismatch = torch.zeros((), device=self.device)
         extra: dict[str, float] = {}
         old = None
+        fused_old = torch.zeros(batch.loss_mask.shape, device=self.device) if one_forward else None
         if not one_forward:
             old = torch.zeros(batch.loss_mask.shape, device=self.device)
             with torch.no_grad():
@@ -370,12 +375,16 @@ class TorchTrainer:
                 if old is None:  # one forward: the old policy is this very forward
                     mismatch += masked_sum((logp.detach() - samples.rollout_logprobs).abs(), mask[rows])
                     old_logp = samples.rollout_logprobs if a.use_rollout_logprobs else logp.detach()
+                    fused_old.index_copy_(0, rows, logp.detach())
                 else:
                     old_logp = old[rows]
                 return self._rl_loss(samples, logp, entropy, old_logp, ref_logp, normalizers)
 
             for k, v in self._step(list(zip(plan, ref[s], replays[s])), loss_fn).items():
                 totals[k] += v / n_steps
+        if one_forward:  # the training forward's log-probs are the old policy's: the ratios cost no forward
+            stats = ratio_stats(self._sum_over_ranks(fused_old), rollout, mask)
+            extra.update({f"mismatch/{k}": float(v) for k, v in stats.items()})
         names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff", *routing_metrics]
         mismatch = self._sum_over_ranks(mismatch) / max(float(batch.loss_mask.sum()), 1.0)
         values = torch.stack([*totals.values(), mismatch, *routing_metrics.values()]).tolist()
