@@ -13,7 +13,7 @@ import torch
 import yaml
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-megatron = pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'miles[megatron]')")
+megatron = pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e '.[megatron]')")
 
 ROOT = Path(__file__).resolve().parents[2]
 # Max |log-prob difference| at the loss positions, Megatron vs native, for the same weights. fp32: both

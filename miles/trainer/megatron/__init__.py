@@ -16,4 +16,4 @@ def require_megatron() -> None:
         import megatron.core  # noqa: F401
     except ImportError as e:
         raise ImportError("trainer.backend=megatron needs megatron-core (Python >= 3.12, CUDA): "
-                          "pip install 'miles[megatron]' (or megatron-core==0.19.2)") from e
+                          "pip install -e '.[megatron]' (or megatron-core==0.19.2)") from e
