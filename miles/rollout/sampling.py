@@ -28,12 +28,24 @@ def sample_next(
         tokens = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    probs, logp = sampling_probs(logits, temperature, top_p, top_k)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    tokens = (probs / noise).argmax(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits, temperature > 0 -> (the distribution sample_next draws from, after top-k /
+    top-p; log softmax(logits / temperature) before them, what the log-probs report)."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, -1)
     filtered = logp
     if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(filtered, top_k, dim=-1).values[..., -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
     if top_p < 1.0:
         sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
@@ -42,8 +54,4 @@ def sample_next(
         drop_sorted = mass_before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(filtered, -1)
-    if noise is None:
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-    tokens = (probs / noise).argmax(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return torch.softmax(filtered, -1), logp
