@@ -129,7 +129,6 @@ class MegatronTrainer(TorchTrainer):
         self.optimizer = self._megatron_optimizer()
         self._flat_sync = None
         self.offloaded: set[str] = set()
-        self._optimizer_devices: list = []
         self._masks: dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------- building
