@@ -53,6 +53,8 @@ class Sample:
     # R3 of DSA models: the keys the engine's indexers kept, [P + R - 1, index_layers, index_topk]
     # (see the module docstring), or None.
     selected_keys: Optional[torch.Tensor] = None
+    # Speculative rollout (rollout.speculative): (verify steps, draft tokens accepted) of this sample.
+    draft_stats: Optional[tuple[int, int]] = None
 
 
 @dataclass

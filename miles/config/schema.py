@@ -210,6 +210,19 @@ class VLLMCfg:
 
 
 @dataclass
+class SpeculativeCfg:
+    """rollout.speculative: draft-and-verify decoding in the native engine (miles/rollout/spec_decode.py,
+    docs/speculative.md); the draft is fine-tuned on each step's rollouts by the trainer."""
+    kind: str = "none"  # none | mtp (the model's MTP modules, model.mtp_layers > 0) | draft_model (a small model)
+    num_tokens: int = 3  # draft tokens proposed per verify step (k)
+    train_online: bool = True  # train the draft on every RL step's rollouts (false: a frozen draft)
+    lr: float = 1.0e-3  # AdamW learning rate of the draft's online training
+    # kind=draft_model: a model config name (conf/model/, warm-started on the task as the policy is)
+    # or an HF checkpoint directory with the policy's tokenizer
+    draft_model: Optional[str] = None
+
+
+@dataclass
 class RolloutCfg:
     engine: str = "native"  # native, vllm, sglang (rollout=<engine> picks the group file)
     batch_size: int = 64
@@ -245,6 +258,7 @@ class RolloutCfg:
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
     vllm: VLLMCfg = field(default_factory=VLLMCfg)
     sglang: SGLangCfg = field(default_factory=SGLangCfg)
+    speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
 
 
 @dataclass

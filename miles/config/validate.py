@@ -94,6 +94,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += asynchronous_problems(cfg)
     problems += offload_problems(cfg)
     problems += megatron_problems(cfg)
+    problems += speculative_problems(cfg)
     if cfg.tracking.backend != "mlflow":
         problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
@@ -346,6 +347,50 @@ def engine_problems(cfg: RunCfg) -> list[str]:
         if r.num_engines > 1 and s.url:
             problems.append("rollout.sglang.url is one server; rollout.num_engines > 1 launches one per engine: "
                             "set rollout.sglang.url=null or rollout.num_engines=1")
+    return problems
+
+
+SPECULATIVE_KINDS = ("none", "mtp", "draft_model")
+
+
+def speculative_problems(cfg: RunCfg) -> list[str]:
+    """rollout.speculative: the native engine's draft-and-verify decoding and the draft's online training."""
+    s, r = cfg.rollout.speculative, cfg.rollout
+    if s.kind not in SPECULATIVE_KINDS:
+        return [f"rollout.speculative.kind={s.kind!r} is unknown; valid: {', '.join(SPECULATIVE_KINDS)}"]
+    if s.kind == "none":
+        return []
+    problems = []
+    if s.num_tokens < 1:
+        problems.append(f"rollout.speculative.num_tokens must be >= 1 (got {s.num_tokens})")
+    if s.lr <= 0:
+        problems.append(f"rollout.speculative.lr must be > 0 (got {s.lr})")
+    if r.engine != "native":
+        problems.append(f"rollout.speculative runs in the native engine; rollout={r.engine} has its own speculative "
+                        f"options (rollout.{r.engine}.{'server_args' if r.engine == 'sglang' else 'llm_args'}): "
+                        "set rollout.speculative.kind=none")
+    if s.kind == "mtp" and cfg.model.hf_checkpoint is None and cfg.model.mtp_layers < 1:
+        problems.append("rollout.speculative.kind=mtp drafts with the model's MTP modules: set model.mtp_layers=1 "
+                        "(families with MTP: deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, qwen3_next)")
+    if s.kind == "draft_model" and not s.draft_model:
+        problems.append("rollout.speculative.kind=draft_model needs rollout.speculative.draft_model: a conf/model "
+                        "name (e.g. qwen3_tiny) or an HF checkpoint directory with the policy's tokenizer")
+    if cfg.algo.routing_replay == "r3" or cfg.true_on_policy:
+        problems.append("rollout.speculative does not record routed experts and does not run the trainer's kernels: "
+                        "set rollout.speculative.kind=none with algo.routing_replay=r3 or true_on_policy=true")
+    if r.slot_decode and s.kind == "mtp":
+        problems.append("rollout.speculative.kind=mtp decodes on the padded path; rollout.slot_decode=true runs "
+                        "draft models only: set rollout.slot_decode=null")
+    if s.train_online and cfg.trainer.backend != "torch":
+        problems.append(f"rollout.speculative.train_online trains the draft in the native trainer, not "
+                        f"trainer={cfg.trainer.backend}: set trainer=torch or rollout.speculative.train_online=false")
+    if s.kind == "draft_model" and s.train_online:
+        if r.asynchronous or r.weight_sync != "object_store":
+            problems.append("rollout.speculative.kind=draft_model with train_online syncs the draft with the plain "
+                            "weight sync only: set rollout.asynchronous=false and rollout.weight_sync=object_store")
+        if r.offload:
+            problems.append("rollout.offload=true does not release a separate draft model yet: set rollout.offload=false "
+                            "or rollout.speculative.kind=mtp")
     return problems
 
 

@@ -60,17 +60,18 @@ def _count_groups(arch: ArchConfig, precision: PrecisionCfg) -> ParamGroups:
 
     keep = high_precision_predicate(precision.keep_high_precision, precision.keep_first_layers,
                                     precision.keep_last_layers, arch.num_layers)
-    embed = routed = quantizable = 0
+    embed = routed = quantizable = held = 0
+    # MTP modules (model.mtp_layers) take memory on both sides like any layer: the published totals
+    # (`total`) leave them out, the groups count them.
     for name, p in model.named_parameters():
-        if name.startswith("mtp"):
-            continue
         if name.startswith(("embed_tokens.", "lm_head.")):
             embed += p.numel()
         elif ".experts." in name:
             routed += p.numel()
         if p.ndim >= 2 and not keep(name):  # the rule weight sync applies (miles.precision.rollout_format)
             quantizable += p.numel()
-    return ParamGroups(total, active, embed, routed, total - embed - routed, quantizable, total - quantizable)
+        held += p.numel()
+    return ParamGroups(total, active, embed, routed, held - embed - routed, quantizable, held - quantizable)
 
 
 def rollout_weight_bytes(groups: ParamGroups, precision: PrecisionCfg) -> float:

@@ -77,6 +77,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContex
     once for its whole query group; packed rows go to miles.models.packed; unpadded, uncached rows
     on a GPU take SDPA's is_causal (flash kernels); everything else an explicit boolean mask."""
     if ctx.slot_decode:
+        if q.shape[2] > 1:  # speculative verify: k + 1 queries per row
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
         return grouped_decode_attention(q, k, v, ctx.mask())
     if invariant.active():  # one masked kernel for every layout (packed rows included)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)

@@ -4,6 +4,11 @@ One place decides, so a family is a combination of blocks rather than a copy of 
 Every attention block has `forward(x, ctx)` and `new_cache(batch, max_len, dtype, device)`;
 every feed-forward block has `forward(x, ctx)`. The returned name is the layer's attribute name,
 which is also its checkpoint name (`self_attn` / `linear_attn`, `mlp`).
+
+`mtp=True` builds the block of a multi-token-prediction layer (miles.models.mtp), whose index lies
+past the main layers: full attention (Qwen3-Next's MTP layer is gated attention whatever the linear /
+full pattern would say there) and MoE wherever the model has experts (the checkpoints' MTP layers
+are; SGLang and transformers build them so even when dense-first rules would not).
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from miles.models.config import ArchConfig
 from miles.models.layers import RMSNorm, SwiGLUMLP
 
 
-def make_attention(cfg: ArchConfig, layer: int) -> tuple[str, nn.Module]:
-    if cfg.linear_attn is not None and cfg.linear_attn.is_linear_layer(layer):
+def make_attention(cfg: ArchConfig, layer: int, mtp: bool = False) -> tuple[str, nn.Module]:
+    if cfg.linear_attn is not None and cfg.linear_attn.is_linear_layer(layer) and not mtp:
         from miles.models.deltanet import GatedDeltaNet
 
         return "linear_attn", GatedDeltaNet(cfg, layer)
@@ -50,13 +55,14 @@ def make_norm(cfg: ArchConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, cfg.rms_norm_eps)
 
 
-def make_mlp(cfg: ArchConfig, layer: int) -> nn.Module:
-    if cfg.llama4 is not None and cfg.is_moe_layer(layer):
+def make_mlp(cfg: ArchConfig, layer: int, mtp: bool = False) -> nn.Module:
+    moe = cfg.moe is not None if mtp else cfg.is_moe_layer(layer)
+    if cfg.llama4 is not None and moe:
         # Llama 4 scales the expert input by the router score and fuses experts as [E, H, 2I].
         from miles.models.llama4 import Llama4MoE
 
         return Llama4MoE(cfg, layer)
-    if cfg.is_moe_layer(layer):
+    if moe:
         from miles.models.moe import MoE
 
         return MoE(cfg, layer)

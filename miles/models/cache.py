@@ -34,12 +34,18 @@ class KVBuffer:
     def update(self, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v: [B, Hkv, T, D] at [start, start + T); return all keys / values so far
         ([B, Hkv, start + T, D], views into the buffer). Slot decode: start [B] is each row's
-        column, T = 1, and the whole buffer comes back (the slot mask hides unwritten columns)."""
+        column (its T new columns follow it), and the whole buffer comes back (the slot mask hides
+        unwritten columns)."""
         if isinstance(start, torch.Tensor):
             rows = torch.arange(k.shape[0], device=k.device)
             # An index put does not cast (a slice copy does): k / v may be in the autocast dtype.
-            self.keys[rows, :, start] = k[:, :, 0].to(self.keys.dtype)
-            self.values[rows, :, start] = v[:, :, 0].to(self.values.dtype)
+            if k.shape[2] == 1:
+                self.keys[rows, :, start] = k[:, :, 0].to(self.keys.dtype)
+                self.values[rows, :, start] = v[:, :, 0].to(self.values.dtype)
+            else:  # speculative verify: T columns per row from its own start
+                cols = start[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
+                self.keys[rows[:, None], :, cols] = k.transpose(1, 2).to(self.keys.dtype)
+                self.values[rows[:, None], :, cols] = v.transpose(1, 2).to(self.values.dtype)
             return self.keys, self.values
         end = start + k.shape[2]
         if end > self.keys.shape[2]:
@@ -82,6 +88,20 @@ class ModelCache:
             layer.select(index)
         self.batch_size = len(index)
         return self
+
+    def track_steps(self, on: bool) -> None:
+        """Speculative decoding: while on, layers whose state has no columns (linear attention) keep
+        their state after each token of a forward, so `rewind` can go back to any of them."""
+        for layer in self.layers:
+            if hasattr(layer, "track_steps"):
+                layer.track_steps = on
+
+    def rewind(self, keep: torch.Tensor) -> None:
+        """After a tracked forward of T tokens: row b keeps the state after its first keep[b] tokens
+        (1..T). Attention layers need nothing: the caller masks the columns it drops."""
+        for layer in self.layers:
+            if hasattr(layer, "rewind"):
+                layer.rewind(keep)
 
 
 class SlotCache(ModelCache):

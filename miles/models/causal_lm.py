@@ -9,6 +9,9 @@ the state dict holds the shared matrix once and tying survives any load or dtype
 The same `forward` serves training (no cache) and rollout decoding (with a ModelCache); the
 mask built from the cache position is the only difference between the two, which is what
 makes prefill + token-by-token decode reproduce the full-forward logits.
+
+With `mtp_layers` > 0 the model also holds its multi-token-prediction modules (`mtp`,
+miles.models.mtp), run by `mtp_forward` on the hidden states `forward(..., return_hidden=True)` gives.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from miles.models.cache import ModelCache
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import RMSNorm
+from miles.models.mtp import MTPContext, MTPLayer
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int):
+    """One pre-norm block; `mtp`: the block of an MTP depth (its attention / MLP kind, blocks.py)."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, mtp: bool = False):
         super().__init__()
-        self.attn_name, attn = make_attention(cfg, layer_idx)
+        self.attn_name, attn = make_attention(cfg, layer_idx, mtp)
         setattr(self, self.attn_name, attn)  # registered under its checkpoint name
-        self.mlp = make_mlp(cfg, layer_idx)
+        self.mlp = make_mlp(cfg, layer_idx, mtp)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -57,6 +63,12 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # Multi-token-prediction depths (miles.models.mtp), None when mtp_layers is 0; built last, so a
+        # seed gives the main weights whether or not they are there.
+        self.mtp = None
+        if config.mtp_layers:
+            self.mtp = nn.ModuleList(MTPLayer(config, DecoderLayer(config, config.num_layers + depth, mtp=True))
+                                     for depth in range(config.mtp_layers))
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -97,6 +109,20 @@ class CausalLM(nn.Module):
         layers = [layer.attn.new_cache(batch_size, max_len, dtype, device) for layer in self.layers]
         return ModelCache(layers, max_len, batch_size)
 
+    def new_mtp_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        depth: int = 0,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> ModelCache:
+        """Empty decode state of MTP depth `depth` (its one attention layer), the `cache` of
+        `mtp_forward(..., depth=depth)`; kept apart from the main model's, it advances on its own."""
+        block = self._mtp_layer(depth).block
+        dtype, device = dtype or self.dtype, device or self.device
+        return ModelCache([block.attn.new_cache(batch_size, max_len, dtype, device)], max_len, batch_size)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -125,6 +151,59 @@ class CausalLM(nn.Module):
         branch_ids: [B, T] with segment_ids, a sequence laid out as one prompt (0) then its responses
             (1, 2, ...), each response positioned after the prompt: the prompt is computed once.
         """
+        ctx = self._context(input_ids, attention_mask, position_ids, cache, routing_record, routing_replay,
+                            segment_ids, branch_ids)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        h = self.norm(h)
+        return h if return_hidden else self.logits_from_hidden(h)
+
+    def mtp_forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        depth: int = 0,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        cache: Optional[ModelCache] = None,
+        return_hidden: bool = False,
+        detach_embedding: bool = False,
+    ) -> torch.Tensor:
+        """MTP depth `depth` (miles.models.mtp): logits [B, T, V] at positions t predicting token t + 2,
+        or with return_hidden its final-norm output [B, T, H] (what depth + 1 takes as `hidden`).
+
+        hidden: [B, T, H] final-norm hidden states at positions t, from `forward(..., return_hidden=True)`
+            (depth 0) or from this method with return_hidden (the depth before).
+        input_ids: [B, T] the token at position t + 1 of each t.
+        attention_mask / position_ids / cache: as in `forward`, positions being those of h_t (default
+            cache.length + arange(T)); the cache is `new_mtp_cache(..., depth)`, it advances by T.
+        detach_embedding: no gradient reaches the shared embedding through this call (online draft
+            training updates the MTP modules only; the caller detaches the head's weight itself).
+        """
+        layer = self._mtp_layer(depth)
+        if hidden.shape != (*input_ids.shape, self.config.hidden_size):
+            raise ValueError(f"hidden must have shape {(*input_ids.shape, self.config.hidden_size)} "
+                             f"(input_ids' batch and length, hidden_size), got {tuple(hidden.shape)}")
+        ctx = self._context(input_ids, attention_mask, position_ids, cache, context=MTPContext)
+        embeds = self.embed_tokens(input_ids)
+        h = layer(embeds.detach() if detach_embedding else embeds, hidden, ctx)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return h if return_hidden else self.logits_from_hidden(h)
+
+    def _mtp_layer(self, depth: int) -> MTPLayer:
+        if self.mtp is None:
+            raise ValueError(f"this {self.config.family} model has no MTP modules: set mtp_layers > 0")
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(f"MTP depth {depth} out of range: the model has {len(self.mtp)} (mtp_layers)")
+        return self.mtp[depth]
+
+    def _context(self, input_ids, attention_mask, position_ids, cache, routing_record=None, routing_replay=None,
+                 segment_ids=None, branch_ids=None, context=ForwardContext) -> ForwardContext:
+        """The checks and defaults of `forward` (see there), shared with `mtp_forward`."""
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
         if isinstance(past, torch.Tensor):  # slot decode (SlotCache): the engine keeps rows in bounds
@@ -141,15 +220,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"KV cache overflow: {past + t} positions needed, max_len is {cache.max_len}")
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
-        ctx = ForwardContext(position_ids, attention_mask, past, cache, routing_record, routing_replay,
-                             segment_ids=segment_ids, branch_ids=branch_ids)
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(h, ctx)
-        if cache is not None:
-            cache.advance(t)
-        h = self.norm(h)
-        return h if return_hidden else self.logits_from_hidden(h)
+        return context(position_ids, attention_mask, past, cache, routing_record, routing_replay,
+                       segment_ids=segment_ids, branch_ids=branch_ids)
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [..., hidden] -> logits [..., V] (through lm_head's own module,

@@ -135,6 +135,8 @@ class ArchConfig:
     attention_bias: bool = False
     family: str = "qwen3"
     partial_rotary_factor: float = 1.0
+    # Multi-token-prediction depths (miles.models.mtp): the families whose checkpoints carry them
+    # (DeepSeek-V3 / V3.2, GLM-4.5+ / GLM-5, Qwen3-Next); 0 skips them on load.
     mtp_layers: int = 0
     moe: Optional[MoEConfig] = None
     mla: Optional[MLAConfig] = None
@@ -167,6 +169,8 @@ class ArchConfig:
             out.append(f"qk_norm_type must be head or full, got {self.qk_norm_type!r}")
         if self.mla is None and self.rotary_dim % 2:
             out.append(f"the rotary width (head_dim x partial_rotary_factor = {self.rotary_dim}) must be even")
+        if self.mtp_layers < 0:
+            out.append(f"mtp_layers must be >= 0, got {self.mtp_layers}")
         return out + FAMILIES[self.family].problems(self)
 
     @property

@@ -7,8 +7,9 @@ Three layouts reach the attention layers:
 - padded rows (training, prefill, the CPU engine's decode): `attention_mask` [B, S], `past` an int;
 - packed rows (training): `segment_ids` [B, T], several sequences per row, attention stays inside
   each one (0 marks padding);
-- slot decode (the GPU engine): `past` a LongTensor [B], each row's own cache length; the row
-  attends to cache columns [0, past[row]] (its new token is written at column past[row]).
+- slot decode (the GPU engine): `past` a LongTensor [B], each row's own cache length; the row's
+  new tokens are written from column past[row] on and attend to the columns up to their own (one
+  token per row when decoding, k + 1 when speculative decoding verifies k drafts).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def causal_mask(attention_mask: Optional[torch.Tensor], past: int, t: int, devic
     return allowed[:, None]
 
 
-def slot_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Slot decode: row b's one new query sees cache columns [0, lengths[b]] -> [B, 1, 1, max_len]."""
-    return (torch.arange(max_len, device=lengths.device)[None, :] <= lengths[:, None])[:, None, None, :]
+def slot_mask(lengths: torch.Tensor, max_len: int, t: int = 1) -> torch.Tensor:
+    """Slot decode: row b's new query j (of t, written at column lengths[b] + j) sees cache columns
+    [0, lengths[b] + j] -> [B, 1, t, max_len]."""
+    last = lengths[:, None] + torch.arange(t, device=lengths.device)[None, :]  # [B, t]
+    return (torch.arange(max_len, device=lengths.device)[None, None, :] <= last[:, :, None])[:, None]
 
 
 @dataclass
@@ -109,7 +112,7 @@ class ForwardContext:
 
     def mask(self, chunk: Optional[int] = None) -> torch.Tensor:
         if self.slot_decode:
-            return self.memo(("slot_mask",), lambda: slot_mask(self.past, self.cache.max_len))
+            return self.memo(("slot_mask",), lambda: slot_mask(self.past, self.cache.max_len, self.t))
         return self.memo(("mask", chunk), lambda: causal_mask(self.attention_mask, self.past, self.t,
                                                               self.device, chunk, self.segment_ids,
                                                               self.branch_ids))

@@ -86,11 +86,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor | None = None, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor | None = None, chunk: int = CHUNK, states: list | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a sequence, chunk by chunk, in float32.
 
     q, k: [B, H, T, Dk] (already L2-normalized, q scaled); v: [B, H, T, Dv]; g (log decay, <= 0) and
     beta: [B, H, T]; state: [B, H, Dk, Dv] or None (zeros). Returns (out [B, H, T, Dv], final state).
+    `states`: a list that receives the state at the end of every chunk (with chunk=1, every token).
 
     Within a chunk with cumulative log decay G_t (G_t - G_s = log of the decay from s to t), the
     deltas d_t = beta_t (v_t - S_{t-1}^T k_t exp(g_t)) that the tokens write satisfy the unit lower
@@ -123,19 +125,36 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         outs.append((qc * cum.exp()[..., None]) @ state + scores @ delta)
         tail = (cum[..., -1:] - cum).exp()[..., None]  # decay from each token to the chunk end
         state = state * cum[..., -1].exp()[..., None, None] + (kc * tail).transpose(-1, -2) @ delta
+        if states is not None:
+            states.append(state)
     return torch.cat(outs, dim=2), state
 
 
 class DeltaNetCache:
     """Decode state of one GatedDeltaNet layer: the last K-1 conv inputs [B, conv_dim, K-1] and the
-    recurrent state [B, Hv, Dk, Dv] (at least float32 whatever the model dtype: it accumulates every token)."""
+    recurrent state [B, Hv, Dk, Dv] (at least float32 whatever the model dtype: it accumulates every token).
+
+    Speculative decoding sets `track_steps` around a verify forward: the layer then keeps the state
+    after each of its tokens and the whole conv input, and `rewind(keep)` goes back to the state
+    after each row's first keep[b] tokens (the accepted ones)."""
 
     def __init__(self, batch: int, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, dtype, device):
         self.conv_state = torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.state = torch.zeros(batch, heads, dk, dv, dtype=torch.promote_types(dtype, torch.float32), device=device)
+        self.track_steps = False
+        self.steps: tuple[torch.Tensor, torch.Tensor] | None = None  # (states [B, T, ...], conv input [B, C, K-1+T])
 
     def select(self, index: torch.Tensor) -> None:
         self.conv_state, self.state = self.conv_state[index], self.state[index]
+
+    def rewind(self, keep: torch.Tensor) -> None:
+        states, conv_input = self.steps
+        rows = torch.arange(len(keep), device=keep.device)
+        self.state = states[rows, keep - 1]
+        width = self.conv_state.shape[-1]
+        window = keep[:, None] + torch.arange(width, device=keep.device)  # the K-1 inputs before the next token
+        self.conv_state = conv_input.gather(-1, window[:, None, :].expand(-1, conv_input.shape[1], -1))
+        self.steps = None
 
 
 class GatedDeltaNet(nn.Module):
@@ -185,6 +204,8 @@ class GatedDeltaNet(nn.Module):
         else:
             full = torch.cat((cache.conv_state.to(x.dtype), x), dim=-1)
             cache.conv_state = full[..., -(self.kernel - 1):].to(cache.conv_state.dtype)
+            if cache.track_steps:  # rewind picks each row's K-1 inputs before its next token from it
+                cache.steps = (None, full.to(cache.conv_state.dtype))
             out = F.conv1d(full.to(weight.dtype), weight, groups=self.conv_dim)
         return F.silu(out).to(x.dtype)
 
@@ -215,11 +236,16 @@ class GatedDeltaNet(nn.Module):
             g, beta = g * _wide(real)[..., None], beta * _wide(real)[..., None]
         # Batch-invariant kernels (true on-policy): one token per chunk, the recurrence a decode
         # step runs, so a full forward and prefill + decode do the same arithmetic.
+        # Tracked (speculative verify): one token per chunk too, and the state after each kept.
+        tracked = cache is not None and cache.track_steps
+        states = [] if tracked else None
         out, state = gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
                                       None if cache is None else cache.state,
-                                      chunk=1 if invariant.active() else CHUNK)
+                                      chunk=1 if invariant.active() or tracked else CHUNK, states=states)
         if cache is not None:
             cache.state = state
+        if tracked:
+            cache.steps = (torch.stack(states, 1), cache.steps[1])
         out = self.norm(out.transpose(1, 2).to(x.dtype), z.reshape(b, t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(out.reshape(b, t, self.value_dim))
 

@@ -7,10 +7,15 @@ one table per family, used in both directions; names are checked strictly (missi
 unexpected tensors raise ValueError).
 Loading builds the model on the meta device and adopts the checkpoint tensors directly,
 so no memory or time is spent on a random initialization that would be overwritten.
+
+MTP modules are built as config.json counts them, except when the checkpoint holds none of their
+tensors: transformers 5 writes `num_nextn_predict_layers: 1` for every DeepSeek-V3 / GLM-4.5 model
+it saves (its MTP model is a separate one), and such a checkpoint loads without MTP modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional, Union
@@ -65,8 +70,6 @@ def from_pretrained(
     """
     path = Path(path)
     cfg = from_hf_config(json.loads((path / "config.json").read_text()))
-    with torch.device("meta"):
-        model = CausalLM(cfg)
     family = get_family(cfg.family)
     hf_tensors = {
         k: v for k, v in _read_tensors(path, device).items()
@@ -76,7 +79,14 @@ def from_pretrained(
     tensors = family.from_hf_tensors(hf_tensors, cfg)
     if cfg.tie_word_embeddings:
         _drop_tied_lm_head(tensors)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
     expected = {family.to_hf_name(n): n for n in model.state_dict()}
+    if cfg.mtp_layers and not any(n.startswith("mtp.") and k in tensors for k, n in expected.items()):
+        cfg = dataclasses.replace(cfg, mtp_layers=0)  # config.json counts MTP layers it does not hold
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        expected = {family.to_hf_name(n): n for n in model.state_dict()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:

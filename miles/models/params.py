@@ -21,5 +21,6 @@ def param_count(arch: ArchConfig) -> tuple[int, int]:
     with torch.device("meta"):
         model = CausalLM(arch)
     total = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("mtp"))
-    idle = sum(m.idle_params() for m in model.modules() if hasattr(m, "idle_params"))
+    idle = sum(m.idle_params() for name, m in model.named_modules()
+               if hasattr(m, "idle_params") and not name.startswith("mtp"))
     return total, total - idle

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RunCfg, TrainerCfg
+from miles.config.schema import (AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RunCfg, SpeculativeCfg,
+                                 TrainerCfg)
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, build_char_tokenizer, save_tokenizer
 from miles.models import CausalLM, save_pretrained
@@ -85,9 +86,12 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
     trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size)
     device = cfg.hardware.device
+    # A model with MTP modules trains them with the policy (as DeepSeek pretrains them), so a
+    # speculative run starts from a draft that predicts the warm start's own outputs.
+    draft = SpeculativeCfg(kind="mtp", lr=ws.lr) if cfg.model.mtp_layers > 0 else None
     trainer = TorchTrainer(str(init), AlgoCfg(name=AlgoName.sft, policy_loss="nll"), trainer_cfg, fp32,
-                           device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed)
-    engine = NativeEngine(str(init), replace(cfg.rollout, stop_tokens=[]), DType.fp32,
+                           device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed, speculative=draft)
+    engine = NativeEngine(str(init), replace(cfg.rollout, stop_tokens=[], speculative=SpeculativeCfg()), DType.fp32,
                           device=device, threads=cfg.hardware.cpu_threads, seed=cfg.seed)
     history: list[dict] = []
     tokenizer = TokenizerInfo.load(init)
@@ -153,3 +157,45 @@ def teacher_checkpoint(cfg: RunCfg, student_dir: Path, log=print) -> Path | None
         raise ConfigError([f"algo.teacher_checkpoint={teacher} has another vocabulary than the student "
                            f"({student_dir}); the teacher must share the student's tokenizer"])
     return teacher
+
+
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"
+
+
+def draft_checkpoint(cfg: RunCfg, policy_dir: Path, run_dir: Path, log=print) -> Path | None:
+    """The speculative draft model (rollout.speculative.kind=draft_model; None otherwise): an HF
+    checkpoint directory as it is, or a conf/model name built like the policy (its warm start on the
+    task, cached; a random init without warm start), so that it shares the task's tokenizer. Raises
+    ConfigError when the draft's vocabulary differs from the policy's."""
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer
+
+    from miles.config.validate import ConfigError
+
+    spec = cfg.rollout.speculative
+    if spec.kind != "draft_model":
+        return None
+    path = Path(spec.draft_model)
+    if not (path / "config.json").exists():
+        if not (MODEL_CONFIGS / f"{spec.draft_model}.yaml").exists():
+            raise ConfigError([f"rollout.speculative.draft_model={spec.draft_model!r} is neither an HF checkpoint "
+                               f"directory nor a config in {MODEL_CONFIGS}"])
+        if cfg.model.hf_checkpoint is not None:
+            raise ConfigError([f"rollout.speculative.draft_model={spec.draft_model} would be built with the task's "
+                               "character tokenizer, the policy (model.hf_checkpoint) has its own: give an HF "
+                               "checkpoint directory of a model with the policy's tokenizer"])
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg),
+                                                    OmegaConf.load(MODEL_CONFIGS / f"{spec.draft_model}.yaml")))
+        model = replace(model, max_position_embeddings=max(model.max_position_embeddings,
+                                                           cfg.model.max_position_embeddings))
+        draft_cfg = replace(cfg, model=model)
+        if cfg.warm_start.enabled and cfg.algo.name != AlgoName.sft:
+            return warm_start_checkpoint(draft_cfg, log)
+        source = PromptSource(cfg.task, cfg.seed)
+        return random_checkpoint(model, source.alphabet(), cfg.seed + 1, run_dir / "draft",
+                                 chat=uses_chat(cfg, source))
+    vocab = [Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab() for d in (path, policy_dir)]
+    if vocab[0] != vocab[1]:
+        raise ConfigError([f"rollout.speculative.draft_model={path} has another vocabulary than the policy "
+                           f"({policy_dir}); the draft must share the policy's tokenizer"])
+    return path

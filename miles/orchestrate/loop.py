@@ -52,6 +52,7 @@ class LoopContext:
     weight_sync: object = None  # a miles.transport.broadcast.LoopBroadcast (rollout.weight_sync=broadcast)
     # rollout.asynchronous: the data position a checkpoint records (before the first untrained batch)
     source_state: Callable[[], dict] | None = None
+    draft_sync: bool = False  # rollout.speculative.kind=draft_model trained online: sync the draft too
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
@@ -153,6 +154,17 @@ def collect_rollout(ctx: LoopContext, cfg) -> tuple[list[Sample], dict[str, floa
     return samples, metrics
 
 
+def draft_metrics(samples: list[Sample], k: int) -> dict[str, float]:
+    """Speculative rollout: `spec/accept_len`, tokens emitted per verify step (accepted drafts + the
+    target's own token, 1..k+1), and `spec/accept_rate`, the share of drafted tokens accepted."""
+    stats = [s.draft_stats for s in samples if s.draft_stats is not None]
+    steps = sum(steps for steps, _ in stats)
+    if not steps:
+        return {}
+    accepted = sum(accepted for _, accepted in stats)
+    return {"spec/accept_len": (accepted + steps) / steps, "spec/accept_rate": accepted / (k * steps)}
+
+
 def rl_loop(ctx: LoopContext, cfg) -> float:
     """`cfg` is the RunCfg; returns the last eval accuracy (the objective of sweeps).
     rollout.asynchronous: the batches come from a RolloutAhead, generated while the trainer trains."""
@@ -176,6 +188,7 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
                 generated = time.perf_counter() - t0
                 rollout_metrics = {**rollout_metrics, "rollout/staleness": 0.0, "perf/rollout_time_s": generated,
                                    "rollout/tokens_per_s": sum(len(s.response_ids) for s in samples) / generated}
+            rollout_metrics.update(draft_metrics(samples, cfg.rollout.speculative.num_tokens))
             t1 = time.perf_counter()
             memory = phases.train_turn()
             batch, metrics = make_train_batch(ctx, cfg, samples)

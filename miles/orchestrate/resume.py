@@ -140,7 +140,8 @@ def read_meta(path: Path) -> dict:
 def save_component_state(component, path: str, name: str) -> None:
     """A component with an optimizer (trainer, critic) saves its model and optimizer (a policy as
     an HF-format dir, `model/`; a value model inside its .pt); one with a sampling generator (the
-    engine) saves that; each saves the torch RNG of its process."""
+    engine) saves that; each saves the torch RNG of its process. A trainer with a speculative draft
+    (`draft` not None) adds its state, key "draft" (optimizer; a separate draft model's weights)."""
     from miles.models import CausalLM, save_pretrained
 
     if hasattr(component, "save_state"):  # an FSDP rank: its shards, collectively (every rank runs this)
@@ -156,6 +157,8 @@ def save_component_state(component, path: str, name: str) -> None:
         else:
             state["model"] = component.model.state_dict()
         state["optimizer"] = component.optimizer.state_dict()
+    if getattr(component, "draft", None) is not None:
+        state["draft"] = component.draft.state_dict()
     if getattr(component, "generator", None) is not None:
         state["generator"] = component.generator.get_state()
     torch.save(state, Path(path) / f"{name}.pt")
@@ -178,6 +181,9 @@ def load_component_state(component, path: str, name: str) -> None:
             saved = from_pretrained(Path(path) / "model", dtype=next(component.model.parameters()).dtype)
             component.model.load_state_dict(saved.state_dict())
         component.optimizer.load_state_dict(state["optimizer"])
+    # A checkpoint without a draft's state (the draft enabled since): the draft starts afresh.
+    if "draft" in state and getattr(component, "draft", None) is not None:
+        component.draft.load_state_dict(state["draft"])
     if "generator" in state:
         component.generator.set_state(state["generator"])
 

@@ -18,7 +18,7 @@ from miles.data.rewards import build_scorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
-from miles.orchestrate.checkpoints import copy_tokenizer, initial_checkpoint, teacher_checkpoint
+from miles.orchestrate.checkpoints import copy_tokenizer, draft_checkpoint, initial_checkpoint, teacher_checkpoint
 from miles.orchestrate.debug import check_sync_tensors, rollout_hook
 from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
@@ -60,6 +60,9 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     teacher_dir = teacher_checkpoint(cfg, init_dir, log=console.print)
     if teacher_dir is not None:
         console.print(f"distilling from the teacher in {teacher_dir}")
+    draft_dir = draft_checkpoint(cfg, init_dir, run_dir, log=console.print)
+    if draft_dir is not None:
+        console.print(f"speculative rollout drafts with the model in {draft_dir}")
 
     run_name = cfg.tracking.run_name or f"{cfg.algo.name.value}-{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     tags = {
@@ -84,7 +87,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     collect = rollout_hook(cfg)
 
     def build() -> LoopContext:
-        engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir)
+        engine, trainer, critic = _spawn_components(cfg, init_dir, teacher_dir, draft_dir)
         ctx = LoopContext(
             engine=engine, trainer=trainer, critic=critic, source=source, tokenizer=tokenizer,
             prompt_format=prompt_format, multi_turn=multi_turn, sft_target_key=cfg.task.label_key,
@@ -94,6 +97,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         )
         if cfg.debug.check_weight_sync:
             ctx.after_sync = check_sync_tensors
+        spec = cfg.rollout.speculative
+        ctx.draft_sync = spec.kind == "draft_model" and spec.train_online  # MTP weights travel with the policy's
         if cfg.rollout.weight_sync == "broadcast" and engine is not None and trainer is not None:
             from miles.transport.broadcast import LoopBroadcast
 
@@ -142,7 +147,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
             ray.shutdown()
 
 
-def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
+def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, draft_dir: Path | None = None):
     """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
     or in-process objects; the critic is None when the advantages need none."""
     from miles.rollout.router import EngineFleet
@@ -164,11 +169,12 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
     precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine_cls, engine_options = engine_backend(cfg.rollout)
+    draft = {"draft_dir": str(draft_dir)} if draft_dir is not None else {}
     fleet = [spawn(engine_cls, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
                    hw.device, component_threads(cfg), cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
                    record_routing=cfg.algo.routing_replay == "r3",
                    true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu,
-                   **engine_options)
+                   **engine_options, **draft)
              for _ in range(engines)]
     # Several engines: one router in front (seeded per prompt group, so they sample as one engine).
     engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
@@ -177,6 +183,8 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None):
                     component_threads(cfg), cfg.seed)
     trainer_kwargs = dict(max_response_len=cfg.rollout.max_new_tokens, true_on_policy=cfg.true_on_policy,
                           teacher_dir=str(teacher_dir) if teacher_dir else None)
+    if cfg.rollout.speculative.kind != "none" and cfg.rollout.speculative.train_online:  # validate(): trainer=torch
+        trainer_kwargs.update(speculative=cfg.rollout.speculative, **draft)
     if cfg.debug.rollout_only:
         trainer = None
     elif cfg.trainer.backend == "fsdp":  # its ranks: Ray actors in a placement group of their own

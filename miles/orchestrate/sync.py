@@ -35,4 +35,7 @@ def sync_weights(ctx, check: bool) -> float:
         return elapsed
     start = time.perf_counter()
     load_weights(ctx, *fetch_weights(ctx), check)
+    if ctx.draft_sync:  # the separate draft model the trainer trained online
+        weights, digest = ctx.trainer.call("get_draft_weights")
+        ctx.engine.call("update_draft_weights", weights, digest if check else None)
     return time.perf_counter() - start

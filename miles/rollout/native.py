@@ -35,6 +35,11 @@ Colocation (`rollout.colocate`, the engine and the trainer take turns on the GPU
 tags "weights" and "kv_cache"; `release_memory(keep_weights=False)` drops the weights instead of
 copying them (the next update_weights must fill them). Details in miles/rollout/memory.py.
 
+Speculative rollout (`rollout.speculative`): a draft proposes `num_tokens` tokens per row and the model
+verifies them in one forward, with exact rejection sampling, so the samples and their log-probs are
+the model's own (miles/rollout/spec_decode.py; the draft is the model's MTP module or a small model of
+`draft_dir`, trained online by the trainer). Each sample reports its `draft_stats`.
+
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
 so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
@@ -54,6 +59,8 @@ from miles.precision.recipe import Recipe
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
+from miles.rollout.spec_decode import MTPDraft, ModelDraft, SpeculativeDecoder
+from miles.rollout.spec_slots import SlotSpeculativeDecoder
 from miles.trainer.offload import free_device_memory
 from miles.transport.flat import FlatWeights
 from miles.types import (FinishReason, Sample, index_layers, keys_dtype, moe_layers, routing_dtype, stack_keys,
@@ -77,12 +84,14 @@ class NativeEngine:
         max_slots: int | None = None,
         record_routing: bool = False,
         true_on_policy: DType | None = None,
+        draft_dir: str | None = None,
     ):
         """max_slots: sequences the planner's KV budget holds (caps rollout.max_running).
         record_routing: return each sample's routed experts (R3, algo.routing_replay=r3; MoE only).
         true_on_policy: the trainer's compute dtype (true on-policy mode): compute as the trainer
         does, batch-invariant kernels under that autocast over weights in `dtype` (the trainer's
-        fp32 masters), no fused or graph-captured kernels."""
+        fp32 masters), no fused or graph-captured kernels.
+        draft_dir: rollout.speculative.kind=draft_model, the draft's HF checkpoint (same tokenizer)."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
@@ -129,13 +138,53 @@ class NativeEngine:
             # DSA models: the keys each indexer kept are recorded next to the experts.
             self.key_layers = index_layers(config)
             self.keys_dtype = keys_dtype(config.max_position_embeddings)
+        self.spec = self._speculative(draft_dir, max_slots)
         self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
         # Colocation (release_memory / resume_memory): what is off the device now.
         self.weights_memory = EngineWeights(self.model, self.flat, self.device)
         self.released: set[str] = set()
 
+    def _speculative(self, draft_dir: str | None, max_slots: int | None):
+        """rollout.speculative: the draft-and-verify decoder over the model's MTP module or a draft
+        model; with a GQA draft model where slot decode applies, in slots with CUDA graphs."""
+        spec = self.cfg.speculative
+        if spec.kind == "none":
+            return None
+        if self.true_on_policy or self.routing_layers is not None:
+            raise ValueError("rollout.speculative decodes on the padded path without routing records or the "
+                             "trainer's kernels: set rollout.speculative.kind=none for R3 / true on-policy")
+        if spec.kind == "mtp":
+            draft = MTPDraft(self.model)
+        elif spec.kind == "draft_model":
+            if draft_dir is None:
+                raise ValueError("rollout.speculative.kind=draft_model needs rollout.speculative.draft_model")
+            self.draft_model = from_pretrained(draft_dir, dtype=self.dtype).to(self.device).eval().requires_grad_(False)
+            if self.draft_model.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"rollout.speculative.draft_model: its vocabulary ({self.draft_model.config.vocab_size}) "
+                                 f"differs from the policy's ({self.model.config.vocab_size}); use a model of the same family")
+            if self._wants_slots() and self.model.supports_slot_decode and self.draft_model.supports_slot_decode:
+                cfg = self.cfg
+                columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens + spec.num_tokens + 1) // 64) * 64
+                slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
+                graphs = cfg.cuda_graphs and self.model.config.moe is None and self.draft_model.config.moe is None
+                return SlotSpeculativeDecoder(self.model, self.draft_model, spec.num_tokens, slots, columns,
+                                              self.pad_id, self.stop_ids, graphs, self.compact_at, cfg.sync_every)
+            draft = ModelDraft(self.draft_model)
+        else:
+            raise ValueError(f"rollout.speculative.kind: unknown {spec.kind!r}; choose none, mtp or draft_model")
+        if self.cfg.slot_decode:
+            raise ValueError("rollout.slot_decode=true: speculative decoding in slots needs a draft model and GQA "
+                             "attention in both models; set rollout.slot_decode=null")
+        return SpeculativeDecoder(self.model, draft, spec.num_tokens, self.pad_id, self.stop_ids, self.compact_at,
+                                  self.cfg.sync_every)
+
+    def _wants_slots(self) -> bool:
+        return self.cfg.slot_decode if self.cfg.slot_decode is not None else self.device.type == "cuda"
+
     def _use_slots(self) -> bool:
-        wanted = self.cfg.slot_decode if self.cfg.slot_decode is not None else self.device.type == "cuda"
+        wanted = self._wants_slots()
+        if self.spec is not None:  # the speculative decoder has its own layout (padded, or slots of its own)
+            return False
         if wanted and not self.model.supports_slot_decode:
             if self.cfg.slot_decode:
                 raise ValueError(f"rollout.slot_decode=true needs GQA attention in every layer; "
@@ -188,7 +237,11 @@ class NativeEngine:
             )
         generators = self._group_generators(seeds, len(distinct))
         with self._numerics():
-            if self.slots is not None and width + max_new <= self.slots.max_len:
+            if self.spec is not None:
+                sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
+                decoded = [(resp, lp, stopped, None, None, (steps, accepted)) for resp, lp, stopped, steps, accepted
+                           in self.spec.generate(distinct, n, sampling, self.generator, generators)]
+            elif self.slots is not None and width + max_new <= self.slots.max_len:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
                 decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator, generators)
             else:
@@ -198,7 +251,7 @@ class NativeEngine:
                                      "cache: raise rollout.max_prompt_len")
                 decoded = self._generate_padded(distinct, n, temperature, max_new, generators)
         samples = []
-        for i, (ids, (resp, logprobs, stopped, routing, *keys)) in enumerate(zip(prompt_ids, decoded)):
+        for i, (ids, (resp, logprobs, stopped, routing, *rest)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
                 Sample(
                     prompt=prompts[i // n],
@@ -210,7 +263,8 @@ class NativeEngine:
                     finish_reason=FinishReason.stop if stopped else FinishReason.length,
                     group=i // n,
                     routed_experts=routing,
-                    selected_keys=keys[0] if keys else None,  # the padded path's DSA record
+                    selected_keys=rest[0] if rest else None,  # the padded path's DSA record
+                    draft_stats=rest[1] if len(rest) > 1 else None,
                 )
             )
         return samples
@@ -354,6 +408,20 @@ class NativeEngine:
             raise WeightSyncError(f"engine weights checksum {held[:12]} != trainer's {expected_checksum[:12]}")
         return held
 
+    def update_draft_weights(self, weights: dict[str, torch.Tensor], expected_checksum: str | None = None) -> str:
+        """rollout.speculative.kind=draft_model: load the draft the trainer trained online (its state
+        dict in this engine's dtype); verify the checksum when one is given."""
+        if getattr(self, "draft_model", None) is None:
+            raise RuntimeError("update_draft_weights: this engine has no draft model "
+                               "(rollout.speculative.kind is not draft_model)")
+        self.draft_model.load_state_dict(weights, strict=True)
+        if expected_checksum is None:
+            return ""
+        held = checksum(self.draft_model.state_dict())
+        if held != expected_checksum:
+            raise WeightSyncError(f"engine draft checksum {held[:12]} != trainer's {expected_checksum[:12]}")
+        return held
+
     # ----------------------------------------------------------------------------- colocation memory
     def release_memory(self, tags=ENGINE_TAGS, keep_weights: bool = True) -> None:
         """Free the engine's device memory for the trainer's turn. "kv_cache": the slot cache, the
@@ -365,10 +433,14 @@ class NativeEngine:
         if KV_CACHE in tags and KV_CACHE not in self.released:
             if self.slots is not None:
                 self.slots.release()
+            if isinstance(self.spec, SlotSpeculativeDecoder):  # rebuilt (and recaptured) by the next call
+                self.spec.release()
             self.released.add(KV_CACHE)
         if WEIGHTS in tags and WEIGHTS not in self.released:
             if self.slots is not None:
                 self.slots.drop_graphs()  # captured at the weights' addresses
+            if isinstance(self.spec, SlotSpeculativeDecoder):
+                self.spec.release()
             self.weights_memory.release(keep=keep_weights)
             self.released.add(WEIGHTS)
         free_device_memory(self.device)
@@ -399,7 +471,8 @@ class NativeEngine:
         """Device bytes of the engine's weights and of its slot cache now (0 once released; the
         cache is 0 on the padded path, which allocates one per generate call)."""
         return {WEIGHTS: self.weights_memory.nbytes(),
-                KV_CACHE: self.slots.nbytes() if self.slots is not None else 0}
+                KV_CACHE: self.slots.nbytes() if self.slots is not None else
+                self.spec.nbytes() if isinstance(self.spec, SlotSpeculativeDecoder) else 0}
 
     def _check_resident(self, what: str) -> None:
         if self.released:

@@ -104,6 +104,11 @@ class EngineFleet:
                 running[self._restart(i, error)] = i  # the restart loads these weights
         return [held[i] for i in range(len(self.engines))]
 
+    def update_draft_weights(self, weights: Any, expected_checksum: str | None = None) -> list[str]:
+        """The online-trained speculative draft model to every engine (an engine restarted later
+        starts from its draft checkpoint until the next sync)."""
+        return self._on_each("update_draft_weights", weights, expected_checksum)
+
     def decode(self, ids: list[int]) -> str:
         return self.engines[0].call("decode", ids)  # every engine holds the same tokenizer
 

@@ -15,7 +15,8 @@ argmax, and the first mismatch emits that argmax, so the output equals plain gre
 `logp` holds the target's log-probs of the emitted tokens, log softmax(logits / temperature) before
 truncation, as the engine reports them without speculation.
 
-Not yet: the engine's draft-and-verify loop, MTP modules and online draft training (issue 15).
+The engine's draft-and-verify loops that call it: miles/rollout/spec_decode.py (padded, every family,
+MTP or draft model) and miles/rollout/spec_slots.py (slots with CUDA graphs, GQA draft models).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def verify_draft(target_logits: torch.Tensor, draft_probs: torch.Tensor, draft_t
         kept = _leading_true(u * q_x < p_x)  # u < p/q without dividing by a q of 0
         # The next token: from the residual at the first rejection, from p_k when all were kept.
         at = kept.clamp(max=k)
-        p_next = probs[torch.arange(rows), at]
-        q_next = torch.zeros_like(p_next)
-        rejected = kept < k
-        q_next[rejected] = draft_probs[rejected, at[rejected]]
+        index = torch.arange(rows, device=draft_tokens.device)
+        p_next = probs[index, at]
+        # Where every draft was kept there is no q: the next token comes from p itself (no host sync).
+        q_next = draft_probs[index, at.clamp(max=k - 1)] * (kept < k)[:, None]
         residual = (p_next - q_next).clamp(min=0)
         mass = residual.sum(-1, keepdim=True)
         # mass 0 only when p == q there, where no rejection can happen: p itself is the right law.

@@ -31,12 +31,18 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   teacher route by their own routers. Whenever the batch carries the engine's experts, one more
   no-grad forward by the policy's own router gives `mismatch/routing_agreement` (share of (loss
   position, MoE layer) whose top-k sets equal the engine's) and `mismatch/logprob_abs_diff_no_replay`.
+- Speculative draft (`rollout.speculative`, kind mtp / draft_model, train_online): `self.draft`
+  (miles/trainer/draft.py) takes one step of its own AdamW on the same batch after the policy update
+  in `train_rl` (and `train_sft`), adding `spec/*` metrics. The policy's optimizer and grad clip never
+  hold the MTP modules ("mtp.*"); a separate draft model offloads with the policy, its optimizer with
+  the policy's, and syncs by `get_draft_weights`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import defaultdict
 from dataclasses import replace
 
@@ -46,12 +52,13 @@ from miles.algo.corrections import mis_mask, ratio_stats, tis_weights
 from miles.algo.distill import reverse_kl_advantages
 from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
-from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
-from miles.models import from_pretrained, invariant, save_pretrained
+from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
+from miles.models import CausalLM, from_pretrained, invariant, save_pretrained
 from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import NONE, Recipe
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
+from miles.trainer.draft import MTP_PREFIX, DraftTrainer
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
 from miles.transport.flat import FlatLayout, FlatWeights
@@ -60,6 +67,9 @@ from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, rout
 
 
 class TorchTrainer:
+    # The speculative draft's trainer, or None (subclasses that build themselves, MegatronTrainer, have none).
+    draft: DraftTrainer | None = None
+
     def __init__(
         self,
         checkpoint_dir: str,
@@ -76,6 +86,8 @@ class TorchTrainer:
         reuse_forward_for_old: bool = True,
         true_on_policy: bool = False,
         optimizer: str = "adamw",
+        speculative: SpeculativeCfg | None = None,
+        draft_dir: str | None = None,
     ):
         """`logits_chunk_tokens` (0: whole logits from the model's own head) and
         `reuse_forward_for_old` (False: always a separate old-log-prob forward) select the
@@ -84,7 +96,10 @@ class TorchTrainer:
         numerics the engine reproduces in its decode (miles/models/invariant.py).
         `optimizer`: "adamw" (trainer.adam_*), or "sgd" (plain SGD at trainer.lr, weight decay
         trainer.weight_decay), whose update is linear in the gradient: the tight reference for
-        comparing backends (miles.trainer.fsdp against this trainer)."""
+        comparing backends (miles.trainer.fsdp against this trainer).
+        `speculative` (rollout.speculative) with kind mtp / draft_model and train_online: the draft
+        is trained on every batch (`self.draft`); kind draft_model loads it from `draft_dir`, an HF
+        checkpoint with the policy's vocabulary."""
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -119,18 +134,23 @@ class TorchTrainer:
                 raise ValueError("trainer.recompute=true does not combine with a fake-quantizing precision "
                                  f"recipe (train_quant={self.recipe.train_quant}) yet")
             enable_recompute(self.model)
+        trains_draft = (speculative is not None and speculative.kind != "none" and speculative.train_online)
+        if trains_draft and type(self)._shard_models is not TorchTrainer._shard_models:
+            raise ValueError(f"rollout.speculative.train_online=true (kind {speculative.kind}) trains the draft in "
+                             f"one process; {type(self).__name__} shards the policy across ranks: set "
+                             "rollout.speculative.train_online=false or trainer.backend=torch")
         self._shard_models()  # a no-op here (see the data-parallel hooks)
         kernel = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+                self._policy_parameters(),
                 lr=cfg.lr,
                 betas=(cfg.adam_beta1, cfg.adam_beta2),
                 weight_decay=cfg.weight_decay,
                 **kernel,
             )
         elif optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+            self.optimizer = torch.optim.SGD(self._policy_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                              **kernel)
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; valid: adamw, sgd")
@@ -139,6 +159,29 @@ class TorchTrainer:
         # each optimizer state tensor goes back to.
         self.offloaded: set[str] = set()
         self._optimizer_devices: list = []
+        self.draft = self._build_draft(speculative, draft_dir) if trains_draft else None
+
+    def _build_draft(self, spec: SpeculativeCfg, draft_dir: str | None) -> DraftTrainer:
+        """The draft's trainer: the policy's MTP modules (kind mtp), or the model in `draft_dir`."""
+        common = dict(autocast=self._autocast, temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
+        if spec.kind == "mtp":
+            hidden = functools.partial(self.recipe.forward, self.model, return_hidden=True)
+            return DraftTrainer("mtp", self.model, self.cfg, spec.lr, policy_hidden=hidden, **common)
+        if spec.kind != "draft_model":
+            raise ValueError(f"unknown rollout.speculative.kind {spec.kind!r}; valid: none, mtp, draft_model")
+        if draft_dir is None:
+            raise ValueError("rollout.speculative.kind=draft_model with train_online needs the draft's checkpoint "
+                             "(TorchTrainer draft_dir: rollout.speculative.draft_model, resolved to an HF dir)")
+        draft = DraftTrainer.from_checkpoint(draft_dir, self.cfg, spec.lr, self.device, **common)
+        if draft.model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model {draft_dir} has vocab_size {draft.model.config.vocab_size}, the "
+                             f"policy {self.model.config.vocab_size}: the draft must share the policy's tokenizer")
+        return draft
+
+    def _policy_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the policy's optimizer and gradient clipping see: all but the MTP modules'
+        ("mtp.*"), which only the draft's trainer updates (or none, without one)."""
+        return [p for name, p in self.model.named_parameters() if not name.startswith(MTP_PREFIX)]
 
     # ----------------------------------------------------------------------------- data-parallel hooks
     # No-ops here: this trainer holds the whole batch and the whole model. miles.trainer.fsdp
@@ -152,7 +195,7 @@ class TorchTrainer:
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Hook: clip the gradients to `max_norm` in total; returns their norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self._policy_parameters(), max_norm)
 
     # ----------------------------------------------------------------------------- forward passes
     def _autocast(self):
@@ -318,6 +361,7 @@ class TorchTrainer:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
         self._require_onloaded("train_rl")
         a = self.algo
+        rollout_batch = batch  # the draft trains on the batch as it came (before corrections)
         engine_routing = len(batch.routed_experts) > 0
         if a.routing_replay == "r3" and not engine_routing:
             raise ValueError("algo.routing_replay=r3 but the rollout batch carries no routed experts "
@@ -388,7 +432,10 @@ class TorchTrainer:
         names = [f"train/{k}" for k in totals] + ["mismatch/logprob_abs_diff", *routing_metrics]
         mismatch = self._sum_over_ranks(mismatch) / max(float(batch.loss_mask.sum()), 1.0)
         values = torch.stack([*totals.values(), mismatch, *routing_metrics.values()]).tolist()
-        return {**dict(zip(names, values)), **extra}
+        out = {**dict(zip(names, values)), **extra}
+        if self.draft is not None:  # after the update: toward the policy that samples the next rollout
+            out.update(self.draft.train(rollout_batch))
+        return out
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One NLL optimizer step on (prompt, response) sequences; loss_mask marks the targets."""
@@ -402,7 +449,10 @@ class TorchTrainer:
 
         metrics = self._step([(mb,) for mb in self._plan(batch, self.model)], sft_loss)
         loss, grad_norm = torch.stack([metrics["nll"], metrics["grad_norm"]]).tolist()
-        return {"train/loss": loss, "train/grad_norm": grad_norm}
+        out = {"train/loss": loss, "train/grad_norm": grad_norm}
+        if self.draft is not None:  # the warm start pretrains the draft with the policy
+            out.update(self.draft.train(batch))
+        return out
 
     # ----------------------------------------------------------------------------- weights
     def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor] | FlatWeights, str]:
@@ -434,8 +484,28 @@ class TorchTrainer:
         return payload, self.recipe.expected_checksum(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
 
     def save(self, path: str) -> None:
-        """The policy as an HF-format dir; works while offloaded too (it reads the host copies)."""
+        """The policy as an HF-format dir (its MTP modules included); works while offloaded too (it
+        reads the host copies)."""
         save_pretrained(self.model, path)
+
+    def _draft_model(self, what: str) -> CausalLM:
+        if self.draft is None or not self.draft.owns_model:
+            kind = "no draft" if self.draft is None else "the policy's MTP modules (in get_weights / save)"
+            raise ValueError(f"{what}: needs a separate draft (rollout.speculative.kind=draft_model, train_online); "
+                             f"this trainer trains {kind}")
+        return self.draft.model
+
+    def get_draft_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+        """The draft model's weights (kind draft_model) in precision.rollout_dtype on CPU, with their
+        checksum, for the engine's draft. `in_process` is accepted for get_weights' signature and
+        changes nothing (the draft is small: no flat buffer). Not while the parameters are offloaded."""
+        self._require_onloaded("get_draft_weights", (off.PARAMS,))
+        weights = to_dtype(self._draft_model("get_draft_weights").state_dict(), self.precision.rollout_dtype)
+        return weights, checksum(weights)
+
+    def save_draft(self, path: str) -> None:
+        """The draft model (kind draft_model) as an HF-format dir; works while offloaded too."""
+        save_pretrained(self._draft_model("save_draft"), path)
 
     # ----------------------------------------------------------------------------- colocation offload
     def offload(self, tags=off.TRAINER_TAGS) -> None:
@@ -445,9 +515,11 @@ class TorchTrainer:
         back to the driver. A tag already offloaded is skipped; nothing moves on the CPU."""
         tags = off.check_tags(tags, "offload")
         if off.GRADS in tags:
-            self.optimizer.zero_grad(set_to_none=True)  # read by no one after their step: not copied
+            for optimizer in self._all_optimizers():
+                optimizer.zero_grad(set_to_none=True)  # read by no one after their step: not copied
         if off.OPTIMIZER in tags and off.OPTIMIZER not in self.offloaded:
-            self._optimizer_devices = off.offload_optimizer(self.optimizer)
+            self._optimizer_devices = [moved for optimizer in self._all_optimizers()
+                                       for moved in off.offload_optimizer(optimizer)]
             self.offloaded.add(off.OPTIMIZER)
         if off.PARAMS in tags and off.PARAMS not in self.offloaded:
             self._flat_sync = None
@@ -470,7 +542,14 @@ class TorchTrainer:
             torch.cuda.synchronize(self.device)
 
     def _models(self) -> list[torch.nn.Module]:
-        return [m for m in (self.model, self.ref_model, self.teacher) if m is not None]
+        """The models whose parameters offload: policy (its MTP modules inside), reference, teacher,
+        and a separate draft model."""
+        draft = self.draft.model if self.draft is not None and self.draft.owns_model else None
+        return [m for m in (self.model, self.ref_model, self.teacher, draft) if m is not None]
+
+    def _all_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The policy's optimizer, and the draft's."""
+        return [self.optimizer] + ([self.draft.optimizer] if self.draft is not None else [])
 
     def _move_models(self, host: bool) -> None:
         """Hook: the models' parameters and buffers to host memory (`host`) or back to the device."""
@@ -482,9 +561,11 @@ class TorchTrainer:
         the models' parameters and buffers, the gradients, the optimizer state."""
         on_device = lambda ts: [t for t in ts if off.same_device(t.device, self.device)]  # noqa: E731
         params = [t for m in self._models() for t in (*m.parameters(), *m.buffers())]
-        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state = [v for o in self._all_optimizers() for s in o.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+        grads = [p.grad for m in self._models() for p in m.parameters() if p.grad is not None]
         return {off.PARAMS: off.state_bytes(on_device(params)),
-                off.GRADS: off.state_bytes(on_device([p.grad for p in self.model.parameters() if p.grad is not None])),
+                off.GRADS: off.state_bytes(on_device(grads)),
                 off.OPTIMIZER: off.state_bytes(on_device(state))}
 
     def _require_onloaded(self, what: str, needed: tuple[str, ...] = (off.PARAMS, off.OPTIMIZER)) -> None:

@@ -6,10 +6,9 @@ SwiGLU MLP, the rest a MoE with a sigmoid router, a per-expert score-correction 
 selection only, group-limited top-k, `routed_scaling_factor` and one shared expert.
 
 Checkpoints:
-  * MTP: the released checkpoints hold `num_nextn_predict_layers` extra decoder layers (index
-    num_hidden_layers and up: DeepSeek's multi-token-prediction module). We build no MTP module
-    (`mtp_layers` is 0) and skip those tensors on load (`ignored`); saved checkpoints say
-    num_nextn_predict_layers = 0.
+  * MTP: the released checkpoints hold `num_nextn_predict_layers` (= mtp_layers) extra decoder
+    layers, index num_hidden_layers and up, with copies of the embedding and LM head (layout in
+    mtp_io.py); layers past mtp_layers are skipped on load, so mtp_layers: 0 drops them all.
   * Kimi K2 / K2-Thinking ship `model_type: kimi_k2` with DeepseekV3 code: read as deepseek_v3.
   * Kimi K2.5 is multimodal (`kimi_k25`): the text model's config is nested under `text_config`
     and its tensors under `language_model.`; we load the text model and skip the vision tower.
@@ -22,12 +21,12 @@ The YaRN helpers here (`rope_scaling_from_hf`, `rope_parameters_to_hf`) serve ev
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from miles.models.families import Family, common_arch_kwargs, common_hf_config, get_family, register
+from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.families.mtp_io import from_published, ignored_layers, to_published
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Kimi K2.5 (multimodal) nests the language model under this prefix, beside its vision side.
 _TEXT_PREFIX = "language_model."
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
@@ -107,6 +106,7 @@ def mla_moe_arch_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         qk_norm=False,
         mla=mla,
         rope_scaling=rope_scaling_from_hf(d),
+        mtp_layers=int(d.get("num_nextn_predict_layers") or 0),
         moe=MoEConfig(
             num_experts=d["n_routed_experts"], num_experts_per_tok=d["num_experts_per_tok"],
             moe_intermediate_size=d["moe_intermediate_size"], scoring=d.get("scoring_func", "sigmoid"),
@@ -169,16 +169,7 @@ def mla_moe_problems(arch) -> list[str]:
     if moe.shared_expert_intermediate_size not in (0, moe.moe_intermediate_size * moe.num_shared_experts):
         out.append(f"family {name}: the shared expert width is moe_intermediate_size x num_shared_experts; "
                    "leave moe.shared_expert_intermediate_size at 0")
-    if arch.mtp_layers:
-        out.append(f"family {name}: MTP modules are not implemented; set mtp_layers: 0 "
-                   "(checkpoint MTP layers are skipped on load)")
     return out
-
-
-def ignore_mtp_layers(name: str, arch) -> bool:
-    """Checkpoint tensors of the MTP layers (decoder layer index >= num_layers)."""
-    match = _LAYER.match(name)
-    return match is not None and int(match.group(1)) >= arch.num_layers
 
 
 # -- deepseek_v3 ------------------------------------------------------------------------------
@@ -209,37 +200,35 @@ def _problems(arch) -> list[str]:
 
 
 NOTES = ("MLA (q/kv LoRA, latent KV cache), YaRN, sigmoid router + correction bias, group-limited top-k, "
-         "routed scaling, shared expert, dense-first layers; MTP layers skipped on load")
+         "routed scaling, shared expert, dense-first layers, MTP layers")
 
 
 def _ignored(name: str, arch) -> bool:
-    """MTP layers; the vision side of a multimodal (Kimi K2.5) checkpoint."""
+    """MTP layers we do not build; the vision side of a multimodal (Kimi K2.5) checkpoint."""
     name = name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
-    return name.startswith(_VISION_PREFIXES) or ignore_mtp_layers(name, arch)
+    return name.startswith(_VISION_PREFIXES) or ignored_layers(name, arch)
 
 
-def fused_experts_from_hf(tensors, arch):
-    """Per-expert checkpoint tensors -> the MoE module's fused expert tensors (HF names)."""
-    from miles.models.families.moe_io import fuse_experts
+def to_checkpoint(tensors, arch, mtp_copies: bool = True):
+    """Our HF-named tensors -> the checkpoint layout of this lineage: MTP depths as the decoder layers
+    past the main ones (with the embedding / head copies where the release has them), one matrix per
+    expert (the layout checkpoints, transformers and serving engines read)."""
+    return split_experts(to_published(tensors, arch, mtp_copies))
 
-    return fuse_experts(tensors)
 
-
-def per_expert_to_hf(tensors, arch):
-    """Fused expert tensors -> one matrix per expert, the layout checkpoints and transformers use."""
-    from miles.models.families.moe_io import split_experts
-
-    return split_experts(tensors)
+def from_checkpoint(tensors, arch):
+    """Inverse of `to_checkpoint`: fused experts, MTP layers under our names (copies checked, dropped)."""
+    return from_published(fuse_experts(tensors), arch)
 
 
 def _from_hf_tensors(tensors, arch):
     # Kimi K2.5 nests the language model under "language_model."
     tensors = {k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k: v for k, v in tensors.items()}
-    return fused_experts_from_hf(tensors, arch)
+    return from_checkpoint(tensors, arch)
 
 
 register(Family("deepseek_v3", "DeepseekV3ForCausalLM", _from_hf, _to_hf, _problems,
-                to_hf_tensors=per_expert_to_hf, from_hf_tensors=_from_hf_tensors, ignored=_ignored,
+                to_hf_tensors=to_checkpoint, from_hf_tensors=_from_hf_tensors, ignored=_ignored,
                 notes=NOTES))
 # Kimi K2 / K2-Thinking config.json say model_type "kimi_k2" (remote code = DeepSeek-V3's); the
 # arch read is deepseek_v3, whose tensor hooks then apply.

@@ -9,8 +9,9 @@ moe.first_k_dense, any other dense layer goes to mlp_only_layers.
 
 Tensor names equal HF's minus "model."; the indexer's are `self_attn.indexer.{wq_b, wk, k_norm,
 weights_proj}`; routed experts are fused in memory and one tensor per expert on disk (moe_io);
-MTP layers (index >= num_hidden_layers) are skipped on load, as for V3. The released weights are
-FP8 with block scales (`*_scale_inv`): the loader reads plain floating-point tensors only.
+MTP layers as V3's (mtp_io.py: decoder layers from num_hidden_layers on, embedding / head copies
+written as in V3's release; the MTP block has its own indexer). The released weights are FP8 with
+block scales (`*_scale_inv`): the loader reads plain floating-point tensors only.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from miles.models.families import Family, register
-from miles.models.families.deepseek import (ignore_mtp_layers, mla_moe_arch_kwargs, mla_moe_hf_config,
-                                            mla_moe_problems)
-from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.families.deepseek import (from_checkpoint, mla_moe_arch_kwargs, mla_moe_hf_config,
+                                            mla_moe_problems, to_checkpoint)
+from miles.models.families.mtp_io import ignored_layers
 
 
 def dense_layers_from_hf(d: dict[str, Any]) -> tuple[int, list[int]]:
@@ -103,12 +104,10 @@ def _problems(arch) -> list[str]:
     return out
 
 
-NOTES = ("DeepSeek-V3 (MLA, YaRN, sigmoid+bias group-limited MoE, shared expert, dense-first) + DSA: "
+NOTES = ("DeepSeek-V3 (MLA, YaRN, sigmoid+bias group-limited MoE, shared expert, dense-first, MTP) + DSA: "
          "lightning indexer (rotate-half RoPE) selecting index_topk keys per query, indexer key cache")
 
 register(Family(
     "deepseek_v32", "DeepseekV32ForCausalLM", _from_hf, dsa_hf_config, _problems,
-    to_hf_tensors=lambda t, arch: split_experts(t),
-    from_hf_tensors=lambda t, arch: fuse_experts(t),
-    ignored=ignore_mtp_layers, notes=NOTES,
+    to_hf_tensors=to_checkpoint, from_hf_tensors=from_checkpoint, ignored=ignored_layers, notes=NOTES,
 ))

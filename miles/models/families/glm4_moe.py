@@ -5,18 +5,19 @@ Attention: GQA with q/k/v bias, optional per-head QK-norm (`use_qk_norm`: on in 
 0.5) in HF's rotate-half layout (dim j pairs with j + rotary_dim / 2), the rest passes through.
 MoE: sigmoid router with e_score_correction_bias (selection only), group-limited top-k,
 routed_scaling_factor, one shared expert (`mlp.shared_experts`); the first `first_k_dense_replace`
-layers are dense. The released checkpoints also hold the MTP layer(s) as `model.layers.<L>...`
-(L >= num_hidden_layers); transformers does not build them and neither do we: they are ignored
-on load. Tensor names equal HF's minus "model."; experts are one tensor per expert on disk.
+layers are dense. The released checkpoints also hold `num_nextn_predict_layers` MTP layers as
+`model.layers.<L>...` (L >= num_hidden_layers) in DeepSeek's layout (mtp_io.py); GLM-4.5's carry
+embedding / head copies, GLM-4.6's not: both load, and we save GLM-4.5's. Tensor names equal
+HF's minus "model."; experts are one tensor per expert on disk.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from miles.models.families import Family, common_arch_kwargs, common_hf_config, register, rope_type_of
-from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.families.deepseek import from_checkpoint, to_checkpoint
+from miles.models.families.mtp_io import ignored_layers
 
 
 def _problems(arch) -> list[str]:
@@ -71,7 +72,8 @@ def _from_hf(d: dict[str, Any]):
     )
     return ArchConfig(**common_arch_kwargs(d), qk_norm=bool(d.get("use_qk_norm", False)),
                       attention_bias=bool(d.get("attention_bias", False)),
-                      partial_rotary_factor=_partial_rotary(d), moe=moe)
+                      partial_rotary_factor=_partial_rotary(d), moe=moe,
+                      mtp_layers=int(d.get("num_nextn_predict_layers") or 0))
 
 
 def _to_hf(arch, dtype: str) -> dict[str, Any]:
@@ -84,25 +86,14 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
         moe_intermediate_size=moe.moe_intermediate_size, norm_topk_prob=moe.norm_topk_prob,
         routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group,
         n_shared_experts=moe.num_shared_experts, first_k_dense_replace=moe.first_k_dense,
-        num_nextn_predict_layers=0,  # we neither build nor save the MTP layer
+        num_nextn_predict_layers=arch.mtp_layers,
     )
     return out
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _ignored(name: str, arch) -> bool:
-    """The checkpoint's MTP layers sit past the last decoder layer."""
-    m = _LAYER.match(name)
-    return m is not None and int(m.group(1)) >= arch.num_layers
-
-
 register(Family(
     "glm4_moe", "Glm4MoeForCausalLM", _from_hf, _to_hf, _problems,
-    to_hf_tensors=lambda t, arch: split_experts(t),
-    from_hf_tensors=lambda t, arch: fuse_experts(t),
-    ignored=_ignored,
+    to_hf_tensors=to_checkpoint, from_hf_tensors=from_checkpoint, ignored=ignored_layers,
     notes="GQA + q/k/v bias, partial rotary 0.5, optional QK-norm, sigmoid+bias MoE with shared expert, "
-          "first dense layers, routed scaling",
+          "first dense layers, routed scaling, MTP layers",
 ))

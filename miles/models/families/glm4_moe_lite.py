@@ -4,8 +4,9 @@ Same blocks as deepseek_v3 (`miles.models.mla` + the sigmoid/bias MoE with one s
 group-limited top-k); differences are in config.json only: the dense layers are listed per layer
 (`mlp_layer_types`, "dense" / "sparse"; older files give `first_k_dense_replace`), and the
 latent norms keep eps 1e-6 while the decoder norms use rms_norm_eps (1e-5 in the release).
-Checkpoints hold one MTP layer (index num_hidden_layers), skipped on load. Tensor names equal HF's
-minus the leading "model."; experts are stored one matrix per expert.
+Checkpoints hold one MTP layer (index num_hidden_layers) in DeepSeek's layout, embedding / head
+copies included (mtp_io.py). Tensor names equal HF's minus the leading "model."; experts are stored
+one matrix per expert.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from miles.models.families import Family, register
-from miles.models.families.deepseek import (fused_experts_from_hf, ignore_mtp_layers, mla_moe_arch_kwargs,
-                                            mla_moe_hf_config, mla_moe_problems, per_expert_to_hf)
+from miles.models.families.deepseek import (from_checkpoint, mla_moe_arch_kwargs, mla_moe_hf_config,
+                                            mla_moe_problems, to_checkpoint)
+from miles.models.families.mtp_io import ignored_layers
 
 
 def _from_hf(d: dict[str, Any]):
@@ -38,6 +40,6 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
 
 register(Family(
     "glm4_moe_lite", "Glm4MoeLiteForCausalLM", _from_hf, _to_hf, mla_moe_problems,
-    to_hf_tensors=per_expert_to_hf, from_hf_tensors=fused_experts_from_hf, ignored=ignore_mtp_layers,
-    notes="MLA (latent KV cache) + sigmoid/bias MoE with shared expert, dense layers by index; MTP skipped",
+    to_hf_tensors=to_checkpoint, from_hf_tensors=from_checkpoint, ignored=ignored_layers,
+    notes="MLA (latent KV cache) + sigmoid/bias MoE with shared expert, dense layers by index, MTP layer",
 ))

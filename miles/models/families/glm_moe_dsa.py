@@ -10,7 +10,8 @@ DeepSeek-V3.2 architecture (see deepseek_v32.py) with two differences:
 
 Defaults follow transformers' GlmMoeDsaConfig (its docstring names zai-org/GLM-5), e.g. no expert
 groups (n_group 1) and rms_norm_eps 1e-5. Tensor names equal HF's minus "model."; experts per
-expert on disk (moe_io); MTP layers skipped on load.
+expert on disk (moe_io); MTP layers as DeepSeek's (mtp_io.py), without the embedding / head copies,
+which GLM-5's release leaves out; the MTP block has its own indexer (it is never a shared layer).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from miles.models.families import Family, register
-from miles.models.families.deepseek import ignore_mtp_layers
+from miles.models.families.deepseek import from_checkpoint, to_checkpoint
 from miles.models.families.deepseek_v32 import dsa_arch_kwargs, dsa_hf_config, dsa_problems
-from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.families.mtp_io import ignored_layers
 
 # transformers' GlmMoeDsaConfig defaults for keys a config.json may omit
 _DEFAULTS = dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_n_heads=32, index_head_dim=128,
@@ -55,11 +56,10 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
 
 
 NOTES = ("GLM-5: MLA + DSA (lightning indexer, interleaved RoPE, optional cross-layer index sharing) + "
-         "sigmoid+bias MoE with shared expert and dense-first layers")
+         "sigmoid+bias MoE with shared expert and dense-first layers, MTP layers")
 
 register(Family(
     "glm_moe_dsa", "GlmMoeDsaForCausalLM", _from_hf, _to_hf, lambda arch: dsa_problems(arch, rope_interleave=True),
-    to_hf_tensors=lambda t, arch: split_experts(t),
-    from_hf_tensors=lambda t, arch: fuse_experts(t),
-    ignored=ignore_mtp_layers, notes=NOTES,
+    to_hf_tensors=lambda t, arch: to_checkpoint(t, arch, mtp_copies=False),
+    from_hf_tensors=from_checkpoint, ignored=ignored_layers, notes=NOTES,
 ))

@@ -10,7 +10,8 @@ Checkpoint names follow Mixtral: `block_sparse_moe.gate.weight`,
 `block_sparse_moe.e_score_correction_bias` (on the block, not the gate) and per-expert
 `block_sparse_moe.experts.<e>.w1|w3|w2.weight` (gate, up, down). Our module is `mlp` with the
 bias on its router, so the family renames; a checkpoint in transformers' in-memory layout
-(`mlp.experts.gate_up_proj`...) loads too. MTP modules of the released checkpoint are ignored.
+(`mlp.experts.gate_up_proj`...) loads too. The released checkpoint's MTP modules (`model.mtp...`,
+a layout of their own) are not implemented: skipped on load, and mtp_layers > 0 is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from miles.models.families.moe_io import MIXTRAL_NAMES, fuse_experts, split_expe
 
 def _problems(arch) -> list[str]:
     out = []
+    if arch.mtp_layers:
+        out.append("family minimax_m2: the checkpoint's MTP modules (model.mtp...) are not implemented "
+                   "(they are skipped on load): set mtp_layers: 0")
     if not arch.qk_norm or arch.qk_norm_type != "full" or arch.attention_bias:
         out.append("family minimax_m2 needs qk_norm=true, qk_norm_type=full and attention_bias=false")
     if arch.mla or arch.dsa or arch.linear_attn or arch.llama4:

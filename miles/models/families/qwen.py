@@ -13,6 +13,8 @@ from miles.models.families import Family, common_arch_kwargs, common_hf_config, 
 
 
 def _problems(arch) -> list[str]:
+    if arch.mtp_layers:
+        return [f"family {arch.family} has no MTP modules (its checkpoints carry none): set mtp_layers: 0"]
     want = {"qwen3": (True, False), "qwen2": (False, True)}[arch.family]
     if (arch.qk_norm, arch.attention_bias) != want:
         # HF Qwen3 with attention_bias also puts a bias on o_proj, and HF Qwen2 always has q/k/v

@@ -16,6 +16,8 @@ from miles.models.families.moe_io import fuse_experts, split_experts
 
 def _problems(arch) -> list[str]:
     out = []
+    if arch.mtp_layers:
+        out.append("family qwen3_moe has no MTP modules (its checkpoints carry none): set mtp_layers: 0")
     if not arch.qk_norm or arch.attention_bias:
         out.append("family qwen3_moe needs qk_norm=true and attention_bias=false (Qwen3 attention)")
     if arch.mla or arch.dsa or arch.linear_attn or arch.llama4:

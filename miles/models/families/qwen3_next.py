@@ -8,12 +8,18 @@ renormalized, one shared expert scaled by sigmoid(shared_expert_gate(x)); `num_e
 config.json means dense MLPs everywhere (transformers allows it; the tests use it too).
 Tensor names equal HF's minus "model."; checkpoints store experts one by one
 (`mlp.experts.{e}.gate_proj.weight` ...), converted to the MoE block's fused tensors on load.
-MTP: real checkpoints carry `mtp.*` tensors (one multi-token-prediction layer); they are skipped
-on load (mtp_layers = 0), as transformers does too.
+MTP: real checkpoints carry one multi-token-prediction layer (`mtp.*`): `mtp.fc` (our eh_proj),
+`mtp.pre_fc_norm_embedding` / `mtp.pre_fc_norm_hidden` (enorm / hnorm), `mtp.layers.0.*` (a gated
+full-attention MoE layer) and `mtp.norm`, every norm zero-centered; embedding and LM head are the
+main model's. The released config.json names no MTP count (vLLM's MTP model assumes 1): we read
+`num_nextn_predict_layers` (vLLM's key, which we write) or `mtp_num_hidden_layers` (Qwen3.5's),
+else 0, so loading the release with its MTP needs `"num_nextn_predict_layers": 1` added to its
+config.json. With mtp_layers 0 the `mtp.*` tensors are skipped, as transformers does.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from miles.models.families import Family, common_arch_kwargs, common_hf_config, register, rope_type_of
@@ -44,6 +50,9 @@ def _problems(arch) -> list[str]:
     if arch.rope_scaling is not None:
         out.append("family qwen3_next: RoPE scaling is not implemented for it")
     la = arch.linear_attn
+    if arch.mtp_layers > 1:
+        out.append("family qwen3_next: its checkpoint layout holds one MTP layer (mtp.fc, mtp.layers.0, ...): "
+                   "mtp_layers must be 0 or 1")
     if la is not None and (la.num_value_heads % la.num_key_heads or la.full_attention_interval < 1):
         out.append("linear_attn.num_value_heads must be a multiple of num_key_heads and "
                    "full_attention_interval >= 1")
@@ -99,6 +108,7 @@ def _from_hf(d: dict[str, Any]):
         ),
         moe=moe,
         mlp_only_layers=list(d.get("mlp_only_layers") or []),
+        mtp_layers=int(d.get("num_nextn_predict_layers", d.get("mtp_num_hidden_layers")) or 0),
     )
 
 
@@ -125,20 +135,28 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
         decoder_sparse_step=1 if m is None else m.layer_freq,
         mlp_only_layers=list(arch.mlp_only_layers),
         use_sliding_window=False,
+        num_nextn_predict_layers=arch.mtp_layers,
     )
     return out
 
 
 def _ignored(name: str, arch) -> bool:
-    # The multi-token-prediction layer of real checkpoints (speculative decoding / MTP loss only).
+    # The multi-token-prediction layer of real checkpoints, when not built.
     return name.startswith("mtp.") and arch.mtp_layers == 0
 
 
+# ours (after the "model." prefix rule) -> the checkpoint's mtp.* names, and back
+_MTP = (("enorm.", "pre_fc_norm_embedding."), ("hnorm.", "pre_fc_norm_hidden."), ("eh_proj.", "fc."),
+        ("norm.", "norm."), ("block.", "layers.0."))
+_RENAMES = tuple((rf"^model\.mtp\.0\.{re.escape(ours)}", f"mtp.{theirs}") for ours, theirs in _MTP)
+_RENAMES_BACK = tuple((rf"^mtp\.{re.escape(theirs)}", f"model.mtp.0.{ours}") for ours, theirs in _MTP)
+
 register(Family(
     "qwen3_next", "Qwen3NextForCausalLM", _from_hf, _to_hf, _problems,
+    renames=_RENAMES, renames_back=_RENAMES_BACK,
     to_hf_tensors=lambda t, arch: split_experts(t),
     from_hf_tensors=lambda t, arch: fuse_experts(t),
     ignored=_ignored,
     notes="hybrid gated DeltaNet + gated attention (partial rotary 0.25, zero-centered QK-norm), "
-          "softmax top-k MoE + sigmoid-gated shared expert; MTP tensors skipped",
+          "softmax top-k MoE + sigmoid-gated shared expert, MTP layer",
 ))

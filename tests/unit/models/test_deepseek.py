@@ -81,12 +81,13 @@ def _add_mtp_layer(path, num_layers):
 
 
 @torch.no_grad()
-def test_mtp_layers_of_real_checkpoints_are_skipped(tmp_path):
+def test_mtp_tensors_of_a_checkpoint_declaring_no_mtp_layer_are_skipped(tmp_path):
+    # With num_nextn_predict_layers >= 1 they load as MTP modules (tests/unit/models/test_mtp.py).
     hf = randomized(tiny_hf_model(tiny_deepseek_v3()))
     hf.save_pretrained(tmp_path / "hf")
     _add_mtp_layer(tmp_path / "hf", 3)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
+    config["num_nextn_predict_layers"] = 0
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     ours = from_pretrained(tmp_path / "hf")
     assert ours.config.mtp_layers == 0

@@ -37,7 +37,7 @@ def run_steps(ckpt, offloaded: bool, steps: int = 2):
     trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(lr=1e-2, global_batch_size=16,
                                                                           micro_batch_size=8), PrecisionCfg(name="fp32"))
     ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(trainer), weight_sync=None,
-                          after_sync=lambda ctx: None)
+                          after_sync=lambda ctx: None, draft_sync=False)
     cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"),  # the phases act on GPUs only
                           rollout=SimpleNamespace(offload=offloaded, check_weight_sync=True, asynchronous=False),
                           trainer=SimpleNamespace(offload=offloaded))

@@ -3,16 +3,14 @@
 The target and the draft are random tables of next-token logits indexed by the last token (4 tokens and
 a BOS row). Sequences of 3 tokens are generated speculatively, k = 3 drafts per round, and their
 empirical joint distribution is compared with the target's exact one, p(x1 | BOS) p(x2 | x1) p(x3 | x2),
-by a chi-square test. The threshold is the 1 - 1e-4 quantile of chi-square with (cells - 1) degrees of
-freedom (Wilson-Hilferty). 40,000 sequences are drawn, and the cells expecting fewer than 20 are
-pooled. Cells the target cannot reach (top-k, top-p) must stay empty. As a negative
+by a chi-square test (chi_square.py: the threshold at the 1 - 1e-4 quantile, rare cells pooled).
+40,000 sequences are drawn. Cells the target cannot reach (top-k, top-p) must stay empty. As a negative
 control, the same test applied to the draft's own samples (every draft kept) must fail.
 """
 
-import math
-
 import pytest
 import torch
+from chi_square import chi_square_counts
 
 from miles.rollout.sampling import sampling_probs
 from miles.rollout.speculative import verify_draft
@@ -63,21 +61,10 @@ def exact_joint(target, temperature, top_p, top_k) -> torch.Tensor:
 def chi_square(seqs: torch.Tensor, joint: torch.Tensor) -> tuple[float, float, int]:
     """(statistic, threshold, samples in cells the target cannot reach)."""
     cells = (seqs[:, 0] * V + seqs[:, 1]) * V + seqs[:, 2]
-    counts = torch.bincount(cells, minlength=V ** 3).double()
-    expected = joint.flatten() * len(seqs)
-    reachable = expected > 0
-    # Cells expecting fewer than 20 samples are pooled into one, so chi-square's approximation holds.
-    rare = reachable & (expected < 20)
-    big = reachable & ~rare
-    observed = torch.cat([counts[big], counts[rare].sum()[None]])
-    wanted = torch.cat([expected[big], expected[rare].sum()[None]])
-    if wanted[-1] < 20:  # too little pooled mass for a cell of its own: left out
-        observed, wanted = observed[:-1], wanted[:-1]
-    stat = float(((observed - wanted) ** 2 / wanted).sum())
-    df = len(wanted) - 1
-    z = 3.719  # the standard normal's 1 - 1e-4 quantile
-    threshold = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, threshold, int(counts[~reachable].sum())
+    counts = torch.bincount(cells, minlength=V ** 3)
+    exact = {cell: p for cell, p in enumerate(joint.flatten().tolist()) if p > 0}
+    stat, threshold = chi_square_counts(dict(enumerate(counts.tolist())), exact, len(seqs))
+    return stat, threshold, int(sum(n for cell, n in enumerate(counts.tolist()) if cell not in exact))
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 3), (1.3, 0.9, 0)])
