@@ -73,6 +73,7 @@ def accept(args) -> None:
     arms = {"online": spec + ["rollout.speculative.train_online=true"],
             "frozen": spec + ["rollout.speculative.train_online=false"],
             "off": (["model.mtp_layers=1"] if args.kind == "mtp" else [])}
+    arms = {arm: arms[arm] for arm in args.arms}
     windows = [(1, 20), (21, 50), (51, 100), (101, 150), (151, args.steps)]
     windows = [(a, min(b, args.steps)) for a, b in windows if a <= args.steps]
     results = {}
@@ -81,7 +82,7 @@ def accept(args) -> None:
             out = Path(tmp) / arm
             out.mkdir()
             results[arm] = launch("synchronous", args.seed, args.steps, base + overrides, out)
-    acc = next(k for k in results["off"][0] if k.startswith("eval/") and k.endswith("/accuracy"))
+    acc = next(k for k in next(iter(results.values()))[0] if k.startswith("eval/") and k.endswith("/accuracy"))
     head = " | ".join(f"accept len {a}-{b}" for a, b in windows)
     print(f"| arm | {head} | draft loss first / last | acc step 0 | acc step {args.steps} | rollout tok/s |")
     print("|---|" + "---:|" * (len(windows) + 4))
@@ -156,15 +157,20 @@ def speed(args) -> None:
             texts = prompts(rows // 8, args.prompt_len, seed=rows)
             base = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
                               n_samples_per_prompt=8, temperature=args.temperature)
-            sides = {"plain": base, "plain padded": replace(base, slot_decode=False)}
+            sides = {"plain": base}
+            if not args.skip_padded:
+                sides["plain padded"] = replace(base, slot_decode=False)
             for k in args.k:
                 sides[f"spec k={k}"] = replace(base, speculative=SpeculativeCfg(kind="draft_model", num_tokens=k))
-            sides["spec padded k=3"] = replace(base, slot_decode=False,
-                                               speculative=SpeculativeCfg(kind="draft_model", num_tokens=3))
+            if not args.skip_padded:
+                sides["spec padded k=3"] = replace(base, slot_decode=False,
+                                                   speculative=SpeculativeCfg(kind="draft_model", num_tokens=3))
             calls = {}
             for name, cfg in sides.items():
+                start = time.perf_counter()
                 engine = NativeEngine(target_dir, cfg, dtype, device=device, seed=0,
                                       draft_dir=f"{work}/draft_trained" if cfg.speculative.kind != "none" else None)
+                print(f"  rows {rows} {name}: engine built in {time.perf_counter() - start:.1f} s", flush=True)
                 none = torch.tensor([], dtype=torch.long, device=device)
                 engine.stop_ids = none  # exactly new_tokens per row
                 if engine.spec is not None:
@@ -172,7 +178,9 @@ def speed(args) -> None:
                 calls[name] = engine
             stats, times = {}, {name: [] for name in calls}
             for name, engine in calls.items():  # warm-up: kernels chosen, graphs captured
+                start = time.perf_counter()
                 engine.generate(texts, ["?"] * len(texts), n=8)
+                print(f"  rows {rows} {name}: first call {time.perf_counter() - start:.1f} s", flush=True)
             for _ in range(args.repeats):
                 for name, engine in calls.items():
                     sync()
@@ -188,6 +196,7 @@ def speed(args) -> None:
                 warm = statistics.median(times[name])
                 results.append(dict(rows=rows, side=name, warm_s=warm, tps=rows * args.new_tokens / warm,
                                     accept_len=stats.get(name)))
+                print(f"  rows {rows} {name}: {warm:.3f} s, accept len {stats.get(name)}", flush=True)
             del calls
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -214,6 +223,7 @@ def main() -> None:
     a.add_argument("--kind", default="mtp", choices=["mtp", "draft_model"])
     a.add_argument("--draft", default="qwen3_tiny_draft")
     a.add_argument("--k", type=int, default=3)
+    a.add_argument("--arms", nargs="+", default=["online", "frozen", "off"], choices=["online", "frozen", "off"])
     a.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides for every arm")
     a.add_argument("--json")
     s = sub.add_parser("speed")
@@ -230,7 +240,8 @@ def main() -> None:
     s.add_argument("--train-steps", type=int, default=100)
     s.add_argument("--train-rows", type=int, default=64)
     s.add_argument("--train-new-tokens", type=int, default=64)
-    s.add_argument("--train-lr", type=float, default=2e-3)
+    s.add_argument("--train-lr", type=float, default=5e-4)
+    s.add_argument("--skip-padded", action="store_true", help="no padded sides (on a GPU: slow, not its path)")
     s.add_argument("--json")
     args = parser.parse_args()
     accept(args) if args.mode == "accept" else speed(args)

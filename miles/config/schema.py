@@ -216,7 +216,7 @@ class SpeculativeCfg:
     kind: str = "none"  # none | mtp (the model's MTP modules, model.mtp_layers > 0) | draft_model (a small model)
     num_tokens: int = 3  # draft tokens proposed per verify step (k)
     train_online: bool = True  # train the draft on every RL step's rollouts (false: a frozen draft)
-    lr: float = 1.0e-3  # AdamW learning rate of the draft's online training
+    lr: float = 1.0e-4  # AdamW learning rate of the draft's online training (1e-3 upsets a warm-started draft)
     # kind=draft_model: a model config name (conf/model/, warm-started on the task as the policy is)
     # or an HF checkpoint directory with the policy's tokenizer
     draft_model: Optional[str] = None

@@ -167,6 +167,8 @@ class NativeEngine:
                 columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens + spec.num_tokens + 1) // 64) * 64
                 slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
                 graphs = cfg.cuda_graphs and self.model.config.moe is None and self.draft_model.config.moe is None
+                if cfg.compile and self.device.type == "cuda":
+                    fused.enable()  # as the slot decoder: the captured forwards run the fused kernels
                 return SlotSpeculativeDecoder(self.model, self.draft_model, spec.num_tokens, slots, columns,
                                               self.pad_id, self.stop_ids, graphs, self.compact_at, cfg.sync_every)
             draft = ModelDraft(self.draft_model)

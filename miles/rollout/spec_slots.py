@@ -65,7 +65,9 @@ class SlotSpeculativeDecoder:
         self.check_every = check_interval(k, sync_every)
         self.device = model.device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.buckets = default_buckets(slots)
+        # A call decodes a static batch: smaller buckets serve only the tail, powers of two suffice
+        # (each bucket captures three graphs).
+        self.buckets = sorted({b for b in default_buckets(slots) if b & (b - 1) == 0} | {slots})
         self.state = None  # allocated (and captured) at the first generate call after a release
 
     # ----------------------------------------------------------------------------- memory
