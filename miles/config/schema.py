@@ -216,10 +216,17 @@ class SpeculativeCfg:
     kind: str = "none"  # none | mtp (the model's MTP modules, model.mtp_layers > 0) | draft_model (a small model)
     num_tokens: int = 3  # draft tokens proposed per verify step (k)
     train_online: bool = True  # train the draft on every RL step's rollouts (false: a frozen draft)
-    lr: float = 1.0e-4  # AdamW learning rate of the draft's online training (1e-3 upsets a warm-started draft)
+    # AdamW learning rate of the draft's online training; null: the kind's measured default (draft_lr)
+    lr: Optional[float] = None
     # kind=draft_model: a model config name (conf/model/, warm-started on the task as the policy is)
     # or an HF checkpoint directory with the policy's tokenizer
     draft_model: Optional[str] = None
+
+    @property
+    def draft_lr(self) -> float:
+        """`lr`, or per kind what the 200-step CPU runs measured best (docs/benchmarks.md): 1e-3 for
+        MTP modules, 1e-4 for a draft model (1e-3 upsets a warm-started one at its first update)."""
+        return self.lr if self.lr is not None else {"mtp": 1.0e-3}.get(self.kind, 1.0e-4)
 
 
 @dataclass

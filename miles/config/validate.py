@@ -363,7 +363,7 @@ def speculative_problems(cfg: RunCfg) -> list[str]:
     problems = []
     if s.num_tokens < 1:
         problems.append(f"rollout.speculative.num_tokens must be >= 1 (got {s.num_tokens})")
-    if s.lr <= 0:
+    if s.lr is not None and s.lr <= 0:
         problems.append(f"rollout.speculative.lr must be > 0 (got {s.lr})")
     if r.engine != "native":
         problems.append(f"rollout.speculative runs in the native engine; rollout={r.engine} has its own speculative "

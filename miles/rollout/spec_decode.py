@@ -70,6 +70,19 @@ class Picker:
         return tuple(out) if isinstance(part, tuple) else out[0]
 
 
+def draft_chain(pick: Picker, logits: torch.Tensor, k: int, step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k draft tokens [B, k] and the distributions they came from [B, k, V] (None when greedy): each
+    token is drawn from `logits`, then `step(j, token)` runs the draft on it and gives the next logits."""
+    tokens, probs = [], []
+    for j in range(k):
+        token, q = pick(logits)
+        tokens.append(token)
+        probs.append(q)
+        if j < k - 1:
+            logits = step(j, token)
+    return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+
 class ModelDraft:
     """A small separate model (same tokenizer) as the draft: k single-token decode steps on its own
     cache. A row that accepted all k drafts has the last one not yet in that cache: the next round
@@ -95,17 +108,14 @@ class ModelDraft:
         self.mask = torch.cat([self.mask, valid.to(self.mask.dtype)], 1)
         logits = self.model(inputs, attention_mask=self.mask, position_ids=positions, cache=self.cache)[:, -1]
         self.round_start = self.mask.shape[1]  # the columns of draft tokens 1..k-1 start here
-        tokens, probs = [], []
-        for j in range(k):
-            token, q = pick(logits)
-            tokens.append(token)
-            probs.append(q)
-            if j < k - 1:
-                self.mask = torch.cat([self.mask, self.mask.new_ones(len(pos), 1)], 1)
-                logits = self.model(token[:, None], attention_mask=self.mask, position_ids=(pos + j + 1)[:, None],
-                                    cache=self.cache)[:, -1]
-        self.drafted = torch.stack(tokens, 1)
-        return self.drafted, None if probs[0] is None else torch.stack(probs, 1)
+
+        def step(j, token):
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(pos), 1)], 1)
+            return self.model(token[:, None], attention_mask=self.mask, position_ids=(pos + j + 1)[:, None],
+                              cache=self.cache)[:, -1]
+
+        self.drafted, probs = draft_chain(pick, logits, k, step)
+        return self.drafted, probs
 
     def commit(self, count: torch.Tensor, emitted, hidden, pos) -> None:
         accepted = count - 1
@@ -153,16 +163,15 @@ class MTPDraft:
                                 cache=self.cache, return_hidden=True)
         h = out[rows, self.pend_valid.sum(1) - 1]  # the last real pair: it predicts the token after `pending`
         self.round_start = self.mask.shape[1]
-        tokens, probs = [], []
-        for j in range(k):
-            token, q = pick(model.logits_from_hidden(h))
-            tokens.append(token)
-            probs.append(q)
-            if j < k - 1:
-                self.mask = torch.cat([self.mask, self.mask.new_ones(len(pos), 1)], 1)
-                h = model.mtp_forward(h[:, None], token[:, None], attention_mask=self.mask,
-                                      position_ids=(pos + j)[:, None], cache=self.cache, return_hidden=True)[:, 0]
-        return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+        last = [h]  # the chain's hidden state: the module's own output feeds its next step
+
+        def step(j, token):
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(pos), 1)], 1)
+            last[0] = model.mtp_forward(last[0][:, None], token[:, None], attention_mask=self.mask,
+                                        position_ids=(pos + j)[:, None], cache=self.cache, return_hidden=True)[:, 0]
+            return model.logits_from_hidden(last[0])
+
+        return draft_chain(pick, model.logits_from_hidden(h), k, step)
 
     def commit(self, count: torch.Tensor, emitted, hidden, pos) -> None:
         self.mask[:, self.round_start:] = 0

@@ -24,7 +24,7 @@ import torch
 
 from miles.models.cache import SlotCache
 from miles.rollout.slots import Sampling, _warmup_stream, default_buckets
-from miles.rollout.spec_decode import COMPACT_AT, Outputs, Picker, check_interval, verify
+from miles.rollout.spec_decode import COMPACT_AT, Outputs, Picker, check_interval, draft_chain, verify
 
 
 class BucketGraphs:
@@ -182,28 +182,24 @@ class SlotSpeculativeDecoder:
             draft.lengths[:n_rows] = pos - 1
             st["first_ids"][:n_rows] = torch.stack([prev, pending], 1)
             st["first_pos"][:n_rows] = torch.stack([pos - 1, pos], 1)
-            logits = graphs["first"].run(b)[:n_rows]
-            drafted, probs = [], []
-            for j in range(k):
-                token, q = pick(logits)
-                drafted.append(token)
-                probs.append(q)
-                if j < k - 1:
-                    draft.lengths[:n_rows] = pos + j + 1
-                    st["next_ids"][:n_rows, 0], st["next_pos"][:n_rows, 0] = token, pos + j + 1
-                    logits = graphs["next"].run(b)[:n_rows]
-            drafted = torch.stack(drafted, 1)
+
+            def step(j, token):
+                draft.lengths[:n_rows] = pos + j + 1
+                st["next_ids"][:n_rows, 0], st["next_pos"][:n_rows, 0] = token, pos + j + 1
+                return graphs["next"].run(b)[:n_rows]
+
+            drafted, draft_probs = draft_chain(pick, graphs["first"].run(b)[:n_rows], k, step)
             # Verify: the pending token and the drafts at the row's own columns.
             target.lengths[:n_rows] = pos
             st["verify_ids"][:n_rows] = torch.cat([pending[:, None], drafted], 1)
             st["verify_pos"][:n_rows] = pos[:, None] + span
             logits = graphs["verify"].run(b)[:n_rows]
-            emitted, count, logp = verify(logits, None if probs[0] is None else torch.stack(probs, 1), drafted,
-                                          sampling, pick)
-            step = count * live  # finished rows keep their position (their writes stay in their own slot)
+            emitted, count, logp = verify(logits, draft_probs, drafted, sampling, pick)
+            advance = count * live  # finished rows keep their position (their writes stay in their own slot)
             live = out.emit(rows, live, emitted, count, logp)
             index = torch.arange(n_rows, device=dev)
-            prev = torch.where(step >= 2, emitted[index, (count - 2).clamp(min=0)], torch.where(step > 0, pending, prev))
-            pending = torch.where(step > 0, emitted[index, count - 1], pending)
-            pos = pos + step
+            prev = torch.where(advance >= 2, emitted[index, (count - 2).clamp(min=0)],
+                               torch.where(advance > 0, pending, prev))
+            pending = torch.where(advance > 0, emitted[index, count - 1], pending)
+            pos = pos + advance
         return out.results()

@@ -74,7 +74,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros_like(entropy)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        # A frozen head (the speculative draft's detached, shared one) takes no gradient: none computed.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             for start in range(0, hidden.shape[0], chunk):
@@ -93,5 +94,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     dz.div_(t)
                 dz = dz.to(dtype)
                 grad_hidden[start:end] = dz @ w
-                grad_weight += (dz.t() @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+                if grad_weight is not None:
+                    grad_weight += (dz.t() @ h).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None

@@ -1,7 +1,7 @@
 """Online training of the speculative-decoding draft (rollout.speculative) on every step's batch.
 
-    draft = DraftTrainer("mtp", policy, trainer_cfg, lr=spec.lr)           # the policy's MTP modules
-    draft = DraftTrainer.from_checkpoint(draft_dir, trainer_cfg, lr=spec.lr)  # a separate small model
+    draft = DraftTrainer("mtp", policy, trainer_cfg, lr=spec.draft_lr)           # the policy's MTP modules
+    draft = DraftTrainer.from_checkpoint(draft_dir, trainer_cfg, lr=spec.draft_lr)  # a separate small model
     metrics = draft.train(batch)   # one AdamW step: spec/draft_loss, spec/draft_accuracy, spec/draft_grad_norm
 
 The engine proposes tokens with the draft and verifies them with the policy (miles/rollout/
@@ -43,7 +43,7 @@ The step: micro-batches of `trainer.micro_batch_size` padded rows (cut after the
 loss target: later tokens change no scored position in a causal model), a backward per micro-batch
 with the normalizer of the whole batch (each depth's number of scored positions), so the step's loss
 is the token mean over the whole batch; then clipping at trainer.grad_clip and one AdamW step
-(lr = rollout.speculative.lr, trainer.adam_beta1 / adam_beta2 / weight_decay). Under the trainer's
+(lr = rollout.speculative.draft_lr, trainer.adam_beta1 / adam_beta2 / weight_decay). Under the trainer's
 autocast, through the chunked head (miles/trainer/chunked_ce.py). Metrics, of the draft before the
 step: `spec/draft_loss` (the loss above), `spec/draft_accuracy` (the share of scored positions
 whose draft argmax equals the batch's token; with several depths the mean over depths, and per

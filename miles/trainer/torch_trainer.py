@@ -166,13 +166,13 @@ class TorchTrainer:
         common = dict(autocast=self._autocast, temperature=self.temperature, chunk_tokens=self.logits_chunk_tokens)
         if spec.kind == "mtp":
             hidden = functools.partial(self.recipe.forward, self.model, return_hidden=True)
-            return DraftTrainer("mtp", self.model, self.cfg, spec.lr, policy_hidden=hidden, **common)
+            return DraftTrainer("mtp", self.model, self.cfg, spec.draft_lr, policy_hidden=hidden, **common)
         if spec.kind != "draft_model":
             raise ValueError(f"unknown rollout.speculative.kind {spec.kind!r}; valid: none, mtp, draft_model")
         if draft_dir is None:
             raise ValueError("rollout.speculative.kind=draft_model with train_online needs the draft's checkpoint "
                              "(TorchTrainer draft_dir: rollout.speculative.draft_model, resolved to an HF dir)")
-        draft = DraftTrainer.from_checkpoint(draft_dir, self.cfg, spec.lr, self.device, **common)
+        draft = DraftTrainer.from_checkpoint(draft_dir, self.cfg, spec.draft_lr, self.device, **common)
         if draft.model.config.vocab_size != self.model.config.vocab_size:
             raise ValueError(f"the draft model {draft_dir} has vocab_size {draft.model.config.vocab_size}, the "
                              f"policy {self.model.config.vocab_size}: the draft must share the policy's tokenizer")
