@@ -33,7 +33,8 @@ CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
 PROMPTS = ["1+2=", "35+47=", "9*9=", "(12-3)*4="]
 FAMILIES = ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny", "deepseek_v3_2_tiny",
             "glm4_moe_tiny", "glm5_tiny", "qwen3_next_tiny", "llama4_tiny", "minimax_m2_tiny"]
-MTP_FAMILIES = ["deepseek_v3_tiny", "deepseek_v3_2_tiny", "glm4_moe_tiny", "glm5_tiny", "qwen3_next_tiny"]
+MTP_FAMILIES = ["deepseek_v3_tiny", "deepseek_v3_2_tiny", "glm4_moe_tiny", "glm4_7_flash_tiny", "glm5_tiny",
+                "qwen3_next_tiny"]
 
 
 def model_cfg(name: str, **overrides) -> ModelCfg:
