@@ -43,6 +43,7 @@ class Picker:
     def __init__(self, sampling: Sampling, generator: torch.Generator, generators: list | None, n: int):
         self.s, self.generator, self.generators, self.n = sampling, generator, generators, n
         self.rows: torch.Tensor | None = None  # the sample index of each batch row (set by the decoder)
+        self.live: torch.Tensor | None = None  # which batch rows still decode (None: all; set by the decoder)
 
     def probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sampling_probs(logits, self.s.temperature, self.s.top_p, self.s.top_k)
@@ -54,13 +55,17 @@ class Picker:
         return self.each_group(lambda p, g: torch.multinomial(p, 1, generator=g).squeeze(-1), probs), probs
 
     def each_group(self, draw, *tensors: torch.Tensor):
-        """draw(*tensors, generator) on all rows, or group by group with each group's own generator."""
+        """draw(*tensors, generator) on all rows, or group by group with each group's own generator,
+        for its live rows only: how many finished rows ride along (the batch's business) then changes
+        no draw of the group (rows left out get zeros)."""
         if self.generators is None:
             return draw(*tensors, self.generator)
         groups = self.rows // self.n
+        live = self.live if self.live is not None and bool(self.live.any()) else \
+            torch.ones_like(groups, dtype=torch.bool)
         out = None
-        for g in groups.unique().tolist():
-            at = (groups == g).nonzero().squeeze(1)
+        for g in groups[live].unique().tolist():
+            at = ((groups == g) & live).nonzero().squeeze(1)
             part = draw(*(t[at] for t in tensors), self.generators[g])
             parts = part if isinstance(part, tuple) else (part,)
             if out is None:
@@ -300,6 +305,7 @@ class SpeculativeDecoder:
                     self.draft.select(keep)
                     rows, live, mask, pos, pending = rows[keep], live[keep], mask[keep], pos[keep], pending[keep]
                     pick.rows = rows
+            pick.live = live
             drafted, draft_probs = self.draft.propose(pending, pos, k, pick)
             cache.track_steps(True)
             mask = torch.cat([mask, mask.new_ones(len(rows), k + 1)], 1)

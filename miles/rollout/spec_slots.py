@@ -177,7 +177,7 @@ class SlotSpeculativeDecoder:
                     draft.move_rows(dst, keep)
                     rows, live, pos, prev, pending = rows[keep], live[keep], pos[keep], prev[keep], pending[keep]
                     pick.rows, b = rows, smaller
-            n_rows = len(rows)
+            n_rows, pick.live = len(rows), live
             # Draft: the token before the pending one and the pending one, then k - 1 single steps.
             draft.lengths[:n_rows] = pos - 1
             st["first_ids"][:n_rows] = torch.stack([prev, pending], 1)

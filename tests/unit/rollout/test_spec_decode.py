@@ -172,11 +172,17 @@ def test_logprobs_are_the_targets_full_forward(checkpoint):
 
 @pytest.mark.parametrize("slots", [False, True], ids=["padded", "slots"])
 def test_a_groups_samples_do_not_depend_on_the_rest_of_the_batch(checkpoint, slots):
-    _, spec = engines(checkpoint("qwen3_tiny"), "draft_model", 2, checkpoint("qwen3_tiny", seed=1), slots)
-    both = spec.generate(PROMPTS[:2], ["", ""], n=3, seeds=[11, 12])
+    # Frequent stop tokens: rows finish at different steps. The batch of four groups never drops its
+    # finished rows, the group alone drops them at every check: a group's draws must not see either.
+    _, spec = engines(checkpoint("qwen3_tiny"), "draft_model", 2, checkpoint("qwen3_tiny", seed=1), slots,
+                      stop_tokens=["1", "="])
+    spec.spec.compact_at = 2.0
+    both = spec.generate(PROMPTS, [""] * 4, n=3, seeds=[11, 12, 13, 14])
+    spec.spec.compact_at = 0.0
     alone = spec.generate(PROMPTS[1:2], [""], n=3, seeds=[12])
-    assert [s.response_ids for s in both[3:]] == [s.response_ids for s in alone]
-    for x, y in zip(both[3:], alone):  # other padding widths: float noise only
+    assert len({len(s.response_ids) for s in both}) > 2  # rows did finish at different steps
+    assert [s.response_ids for s in both[3:6]] == [s.response_ids for s in alone]
+    for x, y in zip(both[3:6], alone):  # other padding widths: float noise only
         torch.testing.assert_close(torch.tensor(x.rollout_logprobs), torch.tensor(y.rollout_logprobs), atol=1e-5, rtol=0)
 
 
