@@ -3,6 +3,8 @@ speed with and without speculation, side by side in one process.
 
     python benchmarks/speculative.py accept --steps 200 --model glm4_moe_tiny --kind mtp
     python benchmarks/speculative.py accept --steps 200 --model qwen3_tiny --kind draft_model --draft qwen3_tiny_draft
+    python benchmarks/speculative.py accept --steps 100 --model qwen3_tiny --kind draft_model --draft qwen3_tiny \
+        --lrs 1e-3 3e-4 1e-4 --arms online frozen          # the draft's learning rate
     python benchmarks/speculative.py speed [--device cuda --dtype bf16 --shape qwen3_0_6b] [--rows 8 32 128]
 
 accept: three runs of the default experiment (warm start, arithmetic, GRPO), in-process, same seed:
@@ -74,6 +76,9 @@ def accept(args) -> None:
             "frozen": spec + ["rollout.speculative.train_online=false"],
             "off": (["model.mtp_layers=1"] if args.kind == "mtp" else [])}
     arms = {arm: arms[arm] for arm in args.arms}
+    if args.lrs:  # a learning-rate sweep: one online arm per rate, in place of the default-rate one
+        online = arms.pop("online", spec + ["rollout.speculative.train_online=true"])
+        arms = {**{f"online, lr {lr}": online + [f"rollout.speculative.lr={lr}"] for lr in args.lrs}, **arms}
     windows = [(1, 20), (21, 50), (51, 100), (101, 150), (151, args.steps)]
     windows = [(a, min(b, args.steps)) for a, b in windows if a <= args.steps]
     results = {}
@@ -224,6 +229,7 @@ def main() -> None:
     a.add_argument("--draft", default="qwen3_tiny_draft")
     a.add_argument("--k", type=int, default=3)
     a.add_argument("--arms", nargs="+", default=["online", "frozen", "off"], choices=["online", "frozen", "off"])
+    a.add_argument("--lrs", nargs="+", default=[], help="online arms at these draft learning rates")
     a.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides for every arm")
     a.add_argument("--json")
     s = sub.add_parser("speed")

@@ -45,13 +45,10 @@ class Picker:
         self.rows: torch.Tensor | None = None  # the sample index of each batch row (set by the decoder)
         self.live: torch.Tensor | None = None  # which batch rows still decode (None: all; set by the decoder)
 
-    def probs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sampling_probs(logits, self.s.temperature, self.s.top_p, self.s.top_k)
-
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.s.temperature == 0:
             return logits.float().argmax(-1), None
-        probs = self.probs(logits)[0]
+        probs = sampling_probs(logits, self.s.temperature, self.s.top_p, self.s.top_k)[0]
         return self.each_group(lambda p, g: torch.multinomial(p, 1, generator=g).squeeze(-1), probs), probs
 
     def each_group(self, draw, *tensors: torch.Tensor):
