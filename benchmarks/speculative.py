@@ -84,7 +84,7 @@ def accept(args) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arm, overrides in arms.items():
-            out = Path(tmp) / arm
+            out = Path(tmp) / "".join(c if c.isalnum() else "_" for c in arm)  # launch.py overrides take the path
             out.mkdir()
             results[arm] = launch("synchronous", args.seed, args.steps, base + overrides, out)
     acc = next(k for k in next(iter(results.values()))[0] if k.startswith("eval/") and k.endswith("/accuracy"))
