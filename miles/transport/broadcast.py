@@ -178,8 +178,11 @@ def _join(component, group_name: str, address: str, port: int, rank: int, world_
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
+        # The component's own GPU: in-process members join from threads, whose current device is 0.
+        device = getattr(component, "device", None)
+        member.device = device if device is not None and device.type == "cuda" and device.index is not None \
+            else torch.device("cuda", torch.cuda.current_device())
         member.backend = ProcessGroupNCCL(store, rank, world_size, options)
-        member.device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight update group backend {backend!r}: gloo or nccl")
 

@@ -162,3 +162,31 @@ def test_ray_actors_sync_by_broadcast(ckpt, ray_cluster, dtype):
     finally:
         for handle in [trainer, *engines]:
             ray.kill(handle.actor)
+
+
+def test_an_nccl_member_buffers_on_its_components_own_gpu(monkeypatch):
+    """In-process members join from threads, whose current CUDA device is 0: an engine on cuda:3
+    must still receive on cuda:3 (NCCL refuses two ranks on one GPU). ProcessGroupNCCL is replaced:
+    no CUDA here; the device choice is what is checked."""
+    from types import SimpleNamespace
+
+    from miles.transport import broadcast
+
+    class FakeNCCL:
+        Options = SimpleNamespace
+
+        def __init__(self, store, rank, world_size, options):
+            self.rank = rank
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    class Component:  # weakly referenced, as the group's members are
+        def __init__(self, device):
+            self.device = device
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    engine = Component(torch.device("cuda", 3))
+    bare = Component(torch.device("cuda"))  # no index: the thread's current device
+    for component, expected in ((engine, torch.device("cuda", 3)), (bare, torch.device("cuda", 0))):
+        broadcast._join(component, "g", "127.0.0.1", store.port, 1, 2, "nccl", 5.0, ())
+        assert broadcast._member(component, "g").device == expected
