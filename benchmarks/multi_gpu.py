@@ -286,10 +286,11 @@ def main() -> None:
         s.add_argument("--json")
         if name != "fsdp":
             s.add_argument("--repeats", type=int, default=3)
+        if name != "broadcast":  # broadcast: --models, bf16
+            s.add_argument("--model", default="qwen3_tiny")
+            s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     f = sub.choices["fsdp"]
     f.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="1 first: the reference")
-    f.add_argument("--model", default="qwen3_tiny")
-    f.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     f.add_argument("--steps", type=int, default=5)
     f.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     f.add_argument("--shrink", type=int, default=None, help="divide token counts (default: 8 cpu, 1 cuda)")
@@ -301,8 +302,6 @@ def main() -> None:
     b.add_argument("--bucket-mb", type=float, default=64.0)
     r = sub.choices["fleet"]
     r.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="1 first: the reference")
-    r.add_argument("--model", default="qwen3_tiny")
-    r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     r.add_argument("--prompts", type=int, default=16)
     r.add_argument("--samples", type=int, default=8)
     r.add_argument("--prompt-len", type=int, default=16)
