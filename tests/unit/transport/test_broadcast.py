@@ -180,6 +180,7 @@ def test_an_nccl_member_buffers_on_its_components_own_gpu(monkeypatch):
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
     class Component:  # weakly referenced, as the group's members are
         def __init__(self, device):
             self.device = device
