@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_speed import CASES, flops_per_token, model_cfg, shrunk, synthetic_batch  # noqa: E402
+from speculative import prompts  # noqa: E402
+from train_speed import CASES, batch_flops, model_cfg, shrunk, synthetic_batch  # noqa: E402
 
 from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, RolloutCfg, TrainerCfg  # noqa: E402
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
@@ -128,14 +129,8 @@ def fsdp(args) -> None:
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as work:
         ckpt = checkpoint(args.model, work)
-        shapes = json.loads((Path(ckpt) / "config.json").read_text())
-        batch = synthetic_batch(case, shapes["vocab_size"])
-        lengths = (batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1) + 1).tolist()
-        from miles.models import CausalLM, from_hf_config
-
-        with torch.device("meta"):
-            arch = CausalLM(from_hf_config(shapes))
-        flops = sum(flops_per_token(arch, n) * n for n in lengths)
+        batch = synthetic_batch(case, json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"])
+        tokens, flops = batch_flops(ckpt, batch)
         results = {}
         for world in args.ranks:
             out = f"{work}/ranks_{world}.pt"
@@ -146,7 +141,7 @@ def fsdp(args) -> None:
         ref_tps = None
         for world, r in results.items():
             seconds = statistics.median(r["times"][args.warmup:])
-            tps = sum(lengths) / seconds
+            tps = tokens / seconds
             ref_tps = ref_tps or tps
             metric_diff = max(abs(a[k] - b[k]) / max(1.0, abs(b[k]))
                               for a, b in zip(r["metrics"], ref["metrics"], strict=True) for k in b)
@@ -157,8 +152,8 @@ def fsdp(args) -> None:
             rows.append(dict(ranks=world, seconds=seconds, tokens_per_s=tps, per_device=tps / world,
                              mfu=flops / seconds / (world * args.peak_tflops * 1e12), scaling=tps / (world * ref_tps),
                              metric_diff=metric_diff, weight_diff=weight_diff, peak_gb=r["peak_gb"], equal=ok))
-    print(f"\ntrain_rl, {args.model}, {args.device}, {args.dtype}, {len(lengths)} samples x {batch.tokens.shape[1]}, "
-          f"{sum(lengths)} tokens, {args.steps} steps (median of the last {args.steps - args.warmup}); "
+    print(f"\ntrain_rl, {args.model}, {args.device}, {args.dtype}, {batch.tokens.shape[0]} samples x {batch.tokens.shape[1]}, "
+          f"{tokens} tokens, {args.steps} steps (median of the last {args.steps - args.warmup}); "
           f"MFU per device of {args.peak_tflops:g} TFLOP/s; tolerance {tol:g}")
     print("| ranks | s / step | tokens/s | tokens/s per device | MFU per device | scaling | max metric diff "
           "| max weight diff | peak GB | equal |")
@@ -228,10 +223,7 @@ def fleet_rank(rank: int, world: int, ckpt: str, args, barrier, out: str) -> Non
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
     share = args.prompts // world
-    gen = torch.Generator().manual_seed(rank)
-    digits = "0123456789+-*="
-    texts = ["".join(digits[i] for i in torch.randint(0, len(digits), (args.prompt_len,), generator=gen))
-             for _ in range(share)]
+    texts = prompts(share, args.prompt_len + 1, seed=rank)  # prompt_len characters each
     cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len + 1,
                      max_running=share * args.samples)
     engine = NativeEngine(ckpt, cfg, DType(args.dtype), device=device, threads=args.threads, seed=rank)

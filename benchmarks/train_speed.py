@@ -118,6 +118,15 @@ def flops_per_token(arch, seq: int) -> float:
     return 6 * model_params + 12 * c.num_layers * c.num_heads * c.head_dim * seq
 
 
+def batch_flops(ckpt: str, batch: TrainBatch) -> tuple[int, float]:
+    """(the batch's real tokens, the model FLOPs of one training step on them): F per token at each
+    sample's own length, padding not counted."""
+    lengths = (batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1) + 1).tolist()
+    with torch.device("meta"):  # the shapes only, whatever holds the weights
+        shapes = CausalLM(from_hf_config(json.loads((Path(ckpt) / "config.json").read_text())))
+    return sum(lengths), sum(flops_per_token(shapes, n) * n for n in lengths)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -150,16 +159,13 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
             times.append(time.perf_counter() - start)
         first = first or metrics  # every configuration's first step starts from the same weights
     seconds = statistics.median(times)
-    lengths = (batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1) + 1).tolist()  # real tokens
-    with torch.device("meta"):  # the shapes only, whatever holds the weights
-        shapes = CausalLM(from_hf_config(json.loads((Path(ckpt) / "config.json").read_text())))
-    flops = sum(flops_per_token(shapes, n) * n for n in lengths)
+    tokens, flops = batch_flops(ckpt, batch)
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del trainer
     gc.collect()
     return dict(case=case.name, config=config, samples=case.samples,
-                width=batch.tokens.shape[1], max_tokens=case.max_tokens, tokens=sum(lengths), seconds=seconds,
-                tokens_per_s=sum(lengths) / seconds, mfu=flops / seconds / (args.peak_tflops * 1e12),
+                width=batch.tokens.shape[1], max_tokens=case.max_tokens, tokens=tokens, seconds=seconds,
+                tokens_per_s=tokens / seconds, mfu=flops / seconds / (args.peak_tflops * 1e12),
                 peak_gb=peak_gb, first_loss=first["train/loss"])
 
 
