@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from miles.precision import fp8_triton
 from miles.precision.fp8 import BLOCK, FP8_DTYPE, _pad, dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_act
 
 BACKENDS = ("emulated", "scaled_mm", "deep_gemm")
@@ -93,7 +94,10 @@ def quantize_act_for_scaled_mm(x2: torch.Tensor, kp: int) -> tuple[torch.Tensor,
 
     Zero padding leaves every tile's amax unchanged, so q[:M, :K] and scale[:M] equal
     quantize_fp8_act(x2) bitwise; padded rows quantize to 0 with scale 1 and are sliced off the output.
+    On CUDA one fused Triton kernel (miles/precision/fp8_triton.py, the same bits) does it all.
     """
+    if fp8_triton.available(x2):
+        return fp8_triton.quantize_act_fused(x2, kp, _M_ALIGN)
     m, k = x2.shape
     xq, xs = quantize_fp8_act(_pad(x2, (0, kp - k, 0, -m % _M_ALIGN)))
     return xq, xs.t().contiguous().t()
@@ -121,13 +125,20 @@ def _gemm_deep_gemm(x2, q_w, w_scale, out_dtype):
     if k % BLOCK:
         raise ValueError(f"deep_gemm needs K divisible by {BLOCK}, got {k}")
     xq, xs = quantize_fp8_act(x2)
-    out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x2.device)
+    return _deep_gemm_quantized(xq, xs, q_w, w_scale).to(out_dtype)
+
+
+def _deep_gemm_quantized(xq, xs, q_w, w_scale):
+    """DeepGEMM's FP8 NT GEMM of 1x128-quantized rows and a 128x128-block weight -> bf16 [M, N]."""
+    import deep_gemm  # optional: the `gpu` extra
+
+    out = torch.empty(xq.shape[0], q_w.shape[0], dtype=torch.bfloat16, device=xq.device)
     if hasattr(deep_gemm, "fp8_gemm_nt"):  # DeepGEMM 2.x: lays out the scales itself
         deep_gemm.fp8_gemm_nt((xq, xs), (q_w, w_scale.to(torch.float32)), out)
     else:  # DeepGEMM 1.x: LHS scales column-major, TMA-aligned
         xs = deep_gemm.get_col_major_tma_aligned_tensor(xs)
         deep_gemm.gemm_fp8_fp8_bf16_nt((xq, xs), (q_w, w_scale.to(torch.float32)), out)
-    return out.to(out_dtype)
+    return out
 
 
 def _gemm_emulated(x, q_w, w_scale, out_dtype, quantize_act=True, bias=None):
@@ -268,3 +279,54 @@ def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor, bias: 
     gemm = _gemm_scaled_mm if name == "scaled_mm" else _gemm_deep_gemm
     y = gemm(x2, q_w, w_scale, out_dtype).reshape(*lead, q_w.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8Operand(NamedTuple):
+    """A weight made ready once (per weight sync, or per optimizer step on the training side) for
+    fp8_linear_with on `backend`: the payload (q [N, K] fp8, scale [ceil(N/128), ceil(K/128)] fp32)
+    and, for scaled_mm, its laid-out copy."""
+
+    backend: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    mm: PreparedFP8Weight | None
+
+
+def prepare_fp8_weight(q_w: torch.Tensor, w_scale: torch.Tensor, backend: str = "auto") -> FP8Operand:
+    name = resolve_fp8_backend(backend, q_w.device)
+    return FP8Operand(name, q_w, w_scale, prepare_scaled_mm_weight(q_w, w_scale) if name == "scaled_mm" else None)
+
+
+def quantize_input(x2: torch.Tensor, w: FP8Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] -> its 1x128 codes and scales in the layout w's backend reads (scaled_mm: padded,
+    outer-dim-major scales; the others: quantize_fp8_act's). Rows [:M], columns [:K] are
+    quantize_fp8_act(x2) bitwise on every backend."""
+    if w.backend == "scaled_mm":
+        return quantize_act_for_scaled_mm(x2, w.mm.q.shape[1])
+    return quantize_fp8_act(x2)
+
+
+def gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, m: int, w: FP8Operand, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """quantize_input's (xq, xs) of M rows times w -> [M, N] in out_dtype (+ bias), on w's backend."""
+    n = w.q.shape[0]
+    if w.backend == "emulated":
+        # bias inside F.linear (one addmm), as fake_fp8_linear does: the sums round the same way.
+        return F.linear(dequantize_fp8_act(xq, xs, out_dtype), dequantize_fp8_weight(w.q, w.scale, out_dtype),
+                        None if bias is None else bias.to(out_dtype))
+    if w.backend == "scaled_mm":
+        y = scaled_mm_gemm(xq, xs, w.mm, out_dtype)[:m, :n]
+    else:
+        y = _deep_gemm_quantized(xq, xs, w.q, w.scale).to(out_dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def fp8_linear_with(x: torch.Tensor, w: FP8Operand, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fp8_linear with a prepared weight: x [..., K] -> [..., N] (the same bits as fp8_linear on w's backend)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != w.q.shape[-1]:
+        raise ValueError(f"x has K={k} but the weight has K={w.q.shape[-1]}")
+    x2 = x.reshape(-1, k)
+    xq, xs = quantize_input(x2, w)
+    return gemm_quantized(xq, xs, x2.shape[0], w, out_dtype or x.dtype, bias).reshape(*lead, w.q.shape[0])

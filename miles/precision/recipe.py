@@ -7,27 +7,31 @@
               recipe.load_engine(model, payload, dtype)        # install the payload
               recipe.held_checksum(model) == recipe.expected_checksum(payload, model, dtype)
 
-One quantizer serves both sides (`miles.precision`): the trainer's forward weights are
-`dequantize(quantize(w))` through the very functions the engine uses to rebuild its weights from the
-payload, so with the same compute dtype the two sides multiply the same numbers. The engine keeps
-each quantized `nn.Linear` in the payload's own format (FP8 + block scales, or packed INT4 + group
-scales) and multiplies through `fp8_linear` (emulated on CPU, `torch._scaled_mm` on Hopper) or
-`int4_linear`. Stacked MoE expert tensors are quantized alike but held dequantized by the engine:
-the fused expert kernels take dense weights.
+One quantizer serves both sides (`miles.precision`). The engine keeps each quantized `nn.Linear` in
+the payload's own format (FP8 + block scales, or packed INT4 + group scales), laid out for its GEMM
+once per sync, and multiplies through `fp8_linear_with` (emulated on CPU, `torch._scaled_mm` on
+Hopper, DeepGEMM where it loads) or `int4_linear_auto` (a fused W4A16 Triton kernel on CUDA). On the
+training side an FP8 nn.Linear runs that same FP8 GEMM on the same operands (`fp8_train_linear`:
+the engine's bits for the same input, a bf16 backward), and every other quantized weight (INT4
+QAT, stacked MoE experts, which the engine holds dequantized) is `dequantize(quantize(w))` through
+the very functions the engine rebuilds its weights with. So the two sides multiply the same numbers
+with the same arithmetic.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.precision.fake_quant import fake_quant_fp8_act, fake_quant_fp8_weight, fake_quant_int4
-from miles.precision.fp8_gemm import fp8_linear
-from miles.precision.int4 import int4_linear
+from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
+from miles.precision.fp8_gemm import FP8Operand, fp8_linear_with, prepare_fp8_weight
+from miles.precision.fp8_train import FP8WeightCache, fp8_train_linear
+from miles.precision.int4_triton import int4_linear_auto
 from miles.precision.rollout_format import (FP8_SCALE_SUFFIX, from_rollout_format, high_precision_predicate,
                                             rollout_checksum, rollout_format)
 
@@ -49,14 +53,34 @@ class QuantLinear(nn.Module):
         self.bias = linear.bias  # biases travel unquantized (1-D)
         for name in self.buffer_names():
             self.register_buffer(name, torch.empty(0), persistent=False)
+        self.operand: FP8Operand | None = None  # fp8: the payload laid out for the GEMM (refresh)
 
     def buffer_names(self) -> tuple[str, ...]:
         return payload_names(self.quant)
 
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After the payload changed: lay the FP8 weight out for its GEMM backend, in place where a
+        layout exists already (a captured CUDA graph reads these addresses)."""
+        if self.quant != FP8:
+            return
+        new = prepare_fp8_weight(self.weight, self.weight_scale_inv)
+        old = self.operand
+        if old is None or old.mm is None or new.mm is None or old.backend != new.backend \
+                or old.mm.q.shape != new.mm.q.shape or old.mm.scale_b.shape != new.mm.scale_b.shape:
+            self.operand = new
+            return
+        if old.mm.q.data_ptr() != new.mm.q.data_ptr():  # padded: a copy of its own
+            old.mm.q.copy_(new.mm.q)
+        old.mm.scale_b.copy_(new.mm.scale_b)
+        self.operand = old._replace(q=self.weight, scale=self.weight_scale_inv)
+
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         if self.quant == FP8:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
-        return int4_linear(x, self.weight_packed, self.weight_scale, self.group, self.bias)
+            if self.operand is None:
+                self.refresh()
+            return fp8_linear_with(x, self.operand, self.bias)
+        return int4_linear_auto(x, self.weight_packed, self.weight_scale, self.group, self.bias)
 
 
 def payload_names(quant: str) -> tuple[str, ...]:
@@ -70,6 +94,8 @@ class Recipe:
     rollout_quant: str  # what the engine holds: none (the rollout dtype), fp8, int4
     group: int  # int4 group size
     keep: Callable[[str], bool]  # True: never quantized (embeddings, head, norms, routers, chosen layers)
+    # The training forward's FP8 operands, made once per optimizer step (see release_training_cache).
+    fp8_cache: FP8WeightCache = field(default_factory=FP8WeightCache, repr=False, compare=False)
 
     @classmethod
     def from_cfg(cls, precision, num_layers: int) -> "Recipe":
@@ -82,22 +108,30 @@ class Recipe:
 
     # ---- training side ----
     def forward(self, model: nn.Module, *args, **kwargs) -> torch.Tensor:
-        """model(*args, **kwargs) with the recipe's training-side quantization: selected weights
-        fake-quantized (gradients pass straight through to the fp32 master weights); with fp8, the
-        inputs of the selected nn.Linear layers fake-quantized in 1x128 tiles, as the engine does."""
+        """model(*args, **kwargs) with the recipe's training-side quantization (gradients pass
+        straight through to the fp32 master weights). fp8: each selected nn.Linear runs the engine's
+        FP8 GEMM (fp8_train_linear); the other selected weights (stacked MoE experts), and all of
+        them with int4, are fake-quantized, as the engine rebuilds them."""
         if self.train_quant == NONE:
             return model(*args, **kwargs)
-        fq = {name: self._fake_quant(p) for name, p in model.named_parameters() if self.quantizes(name, p)}
-        hooks = []
+        fp8_linears = {}
         if self.train_quant == FP8:
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Linear) and f"{name}.weight" in fq:
-                    hooks.append(module.register_forward_pre_hook(_quantize_input))
+            fp8_linears = {name: m for name, m in model.named_modules()
+                           if isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)}
+        fq = {name: self._fake_quant(p) for name, p in model.named_parameters()
+              if self.quantizes(name, p) and name.rpartition(".")[0] not in fp8_linears}
+        for module in fp8_linears.values():
+            module.forward = functools.partial(_fp8_linear_forward, module, self.fp8_cache)
         try:
-            return torch.func.functional_call(model, fq, args, kwargs, strict=False)
+            return torch.func.functional_call(model, fq, args, kwargs, strict=False) if fq else model(*args, **kwargs)
         finally:
-            for hook in hooks:
-                hook.remove()
+            for module in fp8_linears.values():
+                del module.forward
+
+    def release_training_cache(self) -> None:
+        """Free the training forward's FP8 operands (the trainer calls this when a train step ends
+        and before it offloads; the next forward quantizes the weights again)."""
+        self.fp8_cache.clear()
 
     def _fake_quant(self, w: torch.Tensor) -> torch.Tensor:
         return fake_quant_fp8_weight(w) if self.train_quant == FP8 else fake_quant_int4(w, self.group)
@@ -133,6 +167,7 @@ class Recipe:
                     old.copy_(new)  # in place: a captured CUDA graph keeps reading this buffer
                 else:  # the first load replaces the empty placeholder
                     setattr(module, buffer, new.to(device))
+            module.refresh()
 
     def held_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What the engine holds: QuantLinear payload tensors and its dense state."""
@@ -178,13 +213,10 @@ class Recipe:
         return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def _quantize_input(module: nn.Module, args: tuple):
-    x = args[0]
-    if torch.is_autocast_enabled(x.device.type):
-        # Quantize what the matmul will see (the autocast dtype), as the engine quantizes its bf16
-        # activations, rather than the fp32 values autocast would round again afterwards.
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    return (fake_quant_fp8_act(x), *args[1:])
+def _fp8_linear_forward(module: nn.Linear, cache: FP8WeightCache, x: torch.Tensor) -> torch.Tensor:
+    # Under autocast the input is quantized in the autocast dtype, as the engine quantizes its bf16
+    # activations, rather than in the fp32 values autocast would round again afterwards.
+    return fp8_train_linear(x, module.weight, module.bias, cache)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -62,7 +62,7 @@ from miles.rollout.slots import Sampling, SlotDecoder
 from miles.rollout.spec_decode import MTPDraft, ModelDraft, SpeculativeDecoder
 from miles.rollout.spec_slots import SlotSpeculativeDecoder
 from miles.trainer.offload import free_device_memory
-from miles.transport.flat import FlatWeights
+from miles.transport.flat import DEVICE_DIGEST, FlatWeights, tensors_checksum
 from miles.types import (FinishReason, Sample, index_layers, keys_dtype, moe_layers, routing_dtype, stack_keys,
                          stack_routing)
 
@@ -404,8 +404,11 @@ class NativeEngine:
         self.weights_memory.stale = False
         if expected_checksum is None:
             return ""
-        held = checksum(self.model.state_dict()) if self.recipe.rollout_quant == "none" else \
-            self.recipe.held_checksum(self.model)
+        if expected_checksum.startswith(DEVICE_DIGEST):  # an in-process quantized payload: checked on the device
+            held = tensors_checksum(self.recipe.held_tensors(self.model))
+        else:
+            held = checksum(self.model.state_dict()) if self.recipe.rollout_quant == "none" else \
+                self.recipe.held_checksum(self.model)
         if held != expected_checksum:
             raise WeightSyncError(f"engine weights checksum {held[:12]} != trainer's {expected_checksum[:12]}")
         return held

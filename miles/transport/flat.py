@@ -108,3 +108,27 @@ def _prod(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+DEVICE_DIGEST = "dev:"
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """FlatWeights.checksum's integrity check for a dict of tensors of any dtypes, computed where
+    they live (an in-process quantized sync: FP8 codes, INT4 bytes, fp32 scales on the GPU): the
+    names, dtypes and shapes hashed on the host, the bytes (in name order) reduced on the device."""
+    import hashlib
+
+    names = sorted(tensors)
+    meta = hashlib.sha256("|".join(f"{n}:{tensors[n].dtype}:{tuple(tensors[n].shape)}" for n in names).encode())
+    chunks = [tensors[n].detach().reshape(-1).view(torch.uint8) for n in names if tensors[n].numel()]
+    data = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    if data.numel() % (ROW * 4):  # whole [ROW]-word rows; zero bytes at the end
+        data = torch.nn.functional.pad(data, (0, -data.numel() % (ROW * 4)))
+    words = data.view(torch.int32).view(-1, ROW)
+    rows = words.sum(dim=1, dtype=torch.int64)
+    cols = words.sum(dim=0, dtype=torch.int64)
+    row_index = torch.arange(1, rows.numel() + 1, device=words.device)
+    col_index = torch.arange(1, ROW + 1, device=words.device)
+    digest = torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
+    return DEVICE_DIGEST + meta.hexdigest()[:16] + "-" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in digest)
