@@ -19,23 +19,42 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return inverse, counts
 
 
-def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and unbiased std of its group's rewards (std 0 for singleton groups)."""
+def _constant_groups(rewards: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """bool [N]: the sample's group has a single reward value (singleton groups included).
+
+    Compared through max == min, not std == 0 or r == mean: the float mean of n equal non-dyadic
+    values is in general not that value (fp32 mean of eight 0.7s misses by 6e-8), so "r - mean" of a
+    constant group is tiny but non-zero, and a std division blows it up to a same-sign advantage.
+    """
+    hi = torch.full((n_groups,), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amax")
+    lo = torch.full((n_groups,), torch.inf, dtype=rewards.dtype).scatter_reduce(0, inverse, rewards, "amin")
+    return (hi == lo)[inverse]
+
+
+def _group_centred(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: r_i - mean(group(i)) and the group's unbiased std (0 for singletons), both exactly
+    0 for constant groups (see `_constant_groups`)."""
     inverse, counts = _group_index(group_ids)
     sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
     means = sums / counts
     sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
     stds = torch.sqrt(sq / (counts - 1).clamp(min=1))
-    return means[inverse], stds[inverse]
+    constant = _constant_groups(rewards, inverse, len(counts))
+    zero = torch.zeros_like(rewards)
+    return torch.where(constant, zero, rewards - means[inverse]), torch.where(constant, zero, stds[inverse])
 
 
-def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (unbiased std + eps) over the whole batch; a constant batch (or N < 2) gives 0."""
+def _batch_whiten(x: torch.Tensor, eps: float, centre: bool = True) -> torch.Tensor:
+    """(x - mean) / (unbiased std + eps) over the whole batch; a constant batch (or N < 2) gives 0.
+
+    centre=False skips the mean subtraction, for inputs whose mean is 0 by construction (group-centred
+    rewards): subtracting their float mean (~1e-8, not 0) would move the exact zeros of constant groups.
+    """
     if x.numel() < 2 or bool((x == x[0]).all()):
         # Tested exactly rather than through std > 0: the float mean of equal values can miss them.
         return torch.zeros_like(x)
-    centred = x - x.mean()
-    return centred / (centred.std() + eps)
+    centred = x - x.mean() if centre else x
+    return centred / (x.std() + eps)
 
 
 @register_advantage("grpo")
@@ -45,14 +64,14 @@ def grpo_advantages(
     """GRPO (DeepSeekMath, eq. 3): A_i = (r_i - mean(group)) / (std(group) + eps).
 
     Without std normalization it is the group-mean baseline (Dr. GRPO's fix for the std bias).
-    A group whose rewards are all equal gets advantage 0 (no learning signal).
+    A group whose rewards are all equal gets advantage exactly 0 (no learning signal), whatever the
+    reward values and dtype.
     """
     rewards = rewards.to(torch.float32)
-    mean, std = _group_stats(rewards, group_ids)
-    centred = rewards - mean
+    centred, std = _group_centred(rewards, group_ids)
     if not norm_by_std:
         return centred
-    # A zero-variance group has centred == 0; keep it exactly 0 even with eps == 0.
+    # Constant groups have centred == std == 0 exactly; the where keeps them 0 (not NaN) with eps == 0.
     return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
 
 
@@ -71,14 +90,15 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, **_: object)
     """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(group)).
 
     The leave-one-out baseline is independent of r_i, so the estimator stays unbiased. A singleton
-    group has no other sample to form a baseline and gets 0. `norm_by_std` is ignored.
+    group has no other sample to form a baseline and gets 0, as does every group of equal rewards
+    (exactly). `norm_by_std` is ignored.
     """
     rewards = rewards.to(torch.float32)
     inverse, counts = _group_index(group_ids)
     n = counts[inverse].to(rewards.dtype)
-    mean, _ = _group_stats(rewards, group_ids)
-    # A singleton has r_i == mean, so the clamp only avoids 1 / 0 and the result is exactly 0.
-    return n / (n - 1).clamp(min=1) * (rewards - mean)
+    centred, _ = _group_centred(rewards, group_ids)
+    # A singleton is a constant group (centred exactly 0), so the clamp only avoids 1 / 0.
+    return n / (n - 1).clamp(min=1) * centred
 
 
 @register_advantage("reinforce_pp")
@@ -99,11 +119,12 @@ def reinforce_pp_baseline_advantages(
 ) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025): subtract the group mean, then whiten over the whole batch.
 
-    A_i = c_i / (std_batch(c) + eps), c_i = r_i - mean(group(i)); the batch mean of c is already 0.
+    A_i = c_i / (std_batch(c) + eps), c_i = r_i - mean(group(i)); the batch mean of c is already 0
+    (so it is not subtracted again, which keeps constant groups at exactly 0 in a mixed batch).
     Uses the batch std instead of GRPO's per-group std, so low-variance groups are not amplified.
     """
     centred = grpo_advantages(rewards, group_ids, norm_by_std=False)
-    return _batch_whiten(centred, eps)
+    return _batch_whiten(centred, eps, centre=False)
 
 
 @register_advantage("none")
@@ -155,16 +176,23 @@ def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the unmasked tokens of the whole batch, 0 outside the mask: [N, T] -> [N, T].
+    """(x - mean) / sqrt(var + eps) over the unmasked tokens of the whole batch, 0 outside the mask:
+    [N, T] -> [N, T]. `var` is the unbiased (n - 1) variance, as in verl's `masked_whiten`, so
+    x = [1, 2, 3] gives [-1, 0, 1].
 
     PPO whitens GAE advantages per batch (as verl and OpenRLHF do) so the step size does not depend
-    on the reward scale or on how well the critic fits.
+    on the reward scale or on how well the critic fits. Equal values under the mask (one token
+    included) give exactly 0: their float mean can miss them, and rsqrt(eps) would magnify the miss.
     """
+    inside = mask > 0
     mask = mask.to(x.dtype)
-    count = mask.sum().clamp(min=1)
-    mean = (x * mask).sum() / count
-    var = (((x - mean) * mask) ** 2).sum() / count
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+    count = mask.sum()
+    mean = (x * mask).sum() / count.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
+    hi = x.masked_fill(~inside, -torch.inf).amax()
+    lo = x.masked_fill(~inside, torch.inf).amin()
+    # hi <= lo: no token (hi = -inf) or a single value; a where, not an if, so no host sync on a GPU.
+    return torch.where(hi <= lo, torch.zeros_like(x), (x - mean) * torch.rsqrt(var + eps) * mask)
 
 
 def clip_rewards(rewards: torch.Tensor, low: float, high: float) -> torch.Tensor:
@@ -191,8 +219,5 @@ def keep_groups_with_variance(rewards: torch.Tensor, group_ids: torch.Tensor) ->
     groups): their group-baseline advantages are 0, so they only dilute the batch.
     """
     inverse, counts = _group_index(group_ids)
-    rewards = rewards.to(torch.float32)
-    # Compared through max / min rather than std so that equal rewards are detected exactly.
-    hi = torch.full((len(counts),), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
-    lo = torch.full((len(counts),), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
-    return (hi > lo)[inverse]
+    # The same exact test as the advantages use, so a dropped group is exactly a zero-advantage one.
+    return ~_constant_groups(rewards.to(torch.float32), inverse, len(counts))

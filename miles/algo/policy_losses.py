@@ -25,20 +25,28 @@ def gspo_loss(
     eps_clip_high: float = 4e-4,
     agg_mode: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO clipping on a sequence ratio.
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its GSPO-token form (eq. 13).
 
     s_i = exp(mean_t (logp - old_logp)) over the sequence's loss tokens (length-normalized, so
-    its scale does not depend on the length), clipped per sequence to [1 - eps_clip, 1 + eps_clip_high];
-    loss per token = max(-A s_i, -A clip(s_i)) broadcast to the sequence's tokens. The ratio is a
-    geometric mean of token ratios, hence the small clip ranges (paper: 3e-4 / 4e-4; set
-    `algo.eps_clip` / `algo.eps_clip_high` accordingly). The paper's objective averages per sequence:
-    agg_mode="seq_mean_token_mean"; the default token mean weighs each sequence by its length.
-    With one loss token per sequence s_i is the token ratio and this is exactly `ppo_clip_loss`.
+    its scale does not depend on the length). Each token uses the ratio
+    s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: its value is s_i, its gradient is s_i * grad logp_t.
+    Loss per token = max(-A_t s_i,t, -A_t clip(s_i,t)), clipped per sequence (same value on every
+    token) to [1 - eps_clip, 1 + eps_clip_high]. With per-sequence advantages (A_t = A_i, what every
+    sequence-level estimator gives) this equals the paper's sequence-level GSPO in value and
+    gradient; with per-token ones (GAE, on-policy distillation, token-level TIS) token t's gradient
+    follows its own A_t, where differentiating s_i itself would give every token the sequence's mean
+    advantage. The ratio is a geometric mean of token ratios, hence the small clip ranges (paper:
+    3e-4 / 4e-4; set `algo.eps_clip` / `algo.eps_clip_high` accordingly). The paper's objective
+    averages per sequence: agg_mode="seq_mean_token_mean"; the default token mean weighs each
+    sequence by its length. With one loss token per sequence s_i is the token ratio and this is
+    exactly `ppo_clip_loss`.
     Metrics: `ppo_kl` (token-level, as for PPO); `pg_clipfrac` = share of tokens in clipped sequences.
     """
     log_ratio = logp - old_logp
     seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(seq_log_ratio)  # [B, 1], broadcast over the tokens
+    # logp - sg[logp] is exactly 0 in value and 1 in gradient: `ratio` equals s_i bit for bit (so the
+    # clip decisions are the sequence's), and d ratio / d logp_t = s_i for token t alone.
+    ratio = torch.exp(seq_log_ratio.detach() + (logp - logp.detach()))  # [B, T]
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)

@@ -129,6 +129,9 @@ def validate(cfg: RunCfg) -> list[str]:
             problems.append("algo.eps_clip must be in [0, 1] and algo.eps_clip_high >= 0")
         if a.loss_agg not in AGG_MODES:
             problems.append(f"algo.loss_agg={a.loss_agg!r} is unknown; valid: {', '.join(AGG_MODES)}")
+        # No rule ties policy_loss=gspo to sequence-level advantages: with per-token ones
+        # (advantage=gae, opd_kl_coef > 0, tis=token) gspo_loss is GSPO-token, each token's gradient
+        # weighted by its own advantage, and equals sequence-level GSPO when they are per-sequence.
         if a.dual_clip_c is not None and (a.dual_clip_c <= 1 or a.policy_loss != "ppo_clip"):
             problems.append("algo.dual_clip_c must be > 1 and needs algo.policy_loss=ppo_clip")
         for key, level in (("algo.tis", a.tis), ("algo.mis", a.mis)):

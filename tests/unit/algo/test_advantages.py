@@ -146,12 +146,24 @@ def test_gae_with_terminal_reward_and_gamma_lambda_1_is_reward_minus_value():
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
 
 
+def test_masked_whiten_uses_the_unbiased_variance_as_verl():
+    # 1, 2, 3: mean 2, unbiased variance (1 + 0 + 1) / 2 = 1 -> -1, 0, 1 (the population variance,
+    # 2/3, would give -1.2247, 0, 1.2247); verl's masked_whiten gives -1, 0, 1
+    torch.testing.assert_close(masked_whiten(torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3), eps=0.0),
+                               torch.tensor([[-1.0, 0.0, 1.0]]))
+
+
 def test_masked_whiten_hand_computed():
-    # unmasked 1, 2, 3, 6: mean 3, biased variance (4 + 1 + 0 + 9) / 4 = 3.5; masked entries -> 0
+    # unmasked 1, 2, 3, 6: mean 3, unbiased variance (4 + 1 + 0 + 9) / 3 = 14 / 3; masked entries -> 0
+    # and do not enter the statistics
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 6.0, -100.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    expected = torch.tensor([[-2.0, -1.0, 0.0], [0.0, 3.0, 0.0]]) / math.sqrt(3.5)
+    expected = torch.tensor([[-2.0, -1.0, 0.0], [0.0, 3.0, 0.0]]) / math.sqrt(14 / 3)
     torch.testing.assert_close(masked_whiten(x, mask, eps=0.0), expected)
+    # the default eps = 1e-8 sits inside the square root (verl's rsqrt(var + 1e-8)): no visible change
+    torch.testing.assert_close(masked_whiten(x, mask), expected)
+    # one loss token: no spread to divide by, exactly 0 (verl raises here)
+    assert torch.equal(masked_whiten(x, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])), torch.zeros(2, 3))
 
 
 def test_none_gives_no_reward_signal():

@@ -166,6 +166,81 @@ def test_gspo_hand_computed():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0], [-0.5, -0.5]]))
 
 
+def _sequence_level_gspo(logp, old, adv, mask, normalizer, eps_clip, eps_clip_high, agg_mode):
+    """The paper's sequence-level GSPO (what gspo_loss computed before GSPO-token): the loss
+    differentiates s_i itself, so each token's gradient carries the sequence's advantages."""
+    seq = ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(seq)
+    per_token = torch.maximum(-adv * s, -adv * torch.clamp(s, 1.0 - eps_clip, 1.0 + eps_clip_high))
+    return aggregate(per_token, mask, agg_mode, normalizer)
+
+
+def test_gspo_token_repro_per_token_advantages():
+    # issue 25: old = logp, A = [1, -1], seq-mean-token-mean over one sequence. s = 1, loss
+    # (-A_0 s - A_1 s) / 2 = 0. GSPO-token: d loss / d logp_t = -A_t s / 2 = [-0.5, 0.5]; the
+    # sequence-level form gives -mean(A) s / 2 = 0 to both tokens, no signal at all.
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    loss, m = gspo_loss(logp, logp.detach().clone(), adv, mask, 1.0, agg_mode="seq_mean_token_mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == 0.0 and m["pg_clipfrac"].item() == 0.0
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, 0.5]]))
+    seq_loss = _sequence_level_gspo(logp, logp.detach(), adv, mask, 1.0, 3e-4, 4e-4, "seq_mean_token_mean")
+    assert torch.equal(torch.autograd.grad(seq_loss, logp)[0], torch.zeros(1, 2))
+
+
+def test_gspo_token_hand_computed_with_clipping():
+    # eps 0.2 / 0.2, token mean over 4 tokens.
+    # seq 0: log-ratios 0.1, 0.3 -> s = e^0.2 = 1.2214 > 1.2. A = [+1, -1]:
+    #   token 0 (A > 0): max(-s, -1.2) = -1.2, clipped, no gradient;
+    #   token 1 (A < 0): max(s, 1.2) = s, unclipped, gradient -A_1 s / 4 = s / 4 on token 1 alone.
+    #   (Sequence-level: d s / d logp_t = s / 2 on both tokens -> [s / 8, s / 8].)
+    # seq 1: 0.3, -0.3 -> s = 1, A = [2, 0.5], unclipped: gradient -A_t / 4 = [-0.5, -0.125].
+    #   (Sequence-level: -(2 + 0.5) / 2 / 4 = -0.3125 on both.)
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.1, 0.3], [0.3, -0.3]], requires_grad=True)
+    adv, mask = torch.tensor([[1.0, -1.0], [2.0, 0.5]]), torch.ones(2, 2)
+    s = math.exp(0.2)
+    loss, m = gspo_loss(logp, old, adv, mask, 4.0, eps_clip=0.2, eps_clip_high=0.2)
+    torch.testing.assert_close(loss, torch.tensor((-1.2 + s - 2.0 - 0.5) / 4))
+    torch.testing.assert_close(m["pg_clipfrac"], torch.tensor(1 / 4))
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, s / 4], [-0.5, -0.125]]))
+    seq_loss = _sequence_level_gspo(logp, old, adv, mask, 4.0, 0.2, 0.2, "token_mean")
+    torch.testing.assert_close(loss, seq_loss)  # same value: s_i,t equals s_i
+    torch.testing.assert_close(torch.autograd.grad(seq_loss, logp)[0],
+                               torch.tensor([[s / 8, s / 8], [-0.3125, -0.3125]]))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_gspo_token_equals_sequence_level_gspo_for_per_sequence_advantages(mode):
+    # Per-sequence advantages are what every sequence-level estimator gives: there GSPO-token must
+    # be the paper's GSPO, value and gradient, clipped sequences included.
+    torch.manual_seed(6)
+    old = torch.randn(8, 6) * 0.5 - 1
+    # sequence log-ratios up to ~1e-3, against clip ranges of 3e-4 / 4e-4: some sequences clip, some not
+    logp = (old + torch.randn(8, 6) * 1e-3).requires_grad_()
+    adv = torch.randn(8, 1).expand(8, 6).contiguous()
+    mask = (torch.rand(8, 6) > 0.25).float()
+    mask[:, 0] = 1.0
+    norm = loss_normalizer([mask], mode, max_len=6)
+    loss, m = gspo_loss(logp, old, adv, mask, norm, agg_mode=mode)
+    ref = _sequence_level_gspo(logp, old, adv, mask, norm, 3e-4, 4e-4, mode)
+    frac = float(aggregate(torch.ones(8, 6), mask, mode, norm))  # what pg_clipfrac reads if all clip
+    assert 0 < m["pg_clipfrac"].item() < frac  # clipping is active on part of the batch
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(ref, logp)[0])
+
+
+@pytest.mark.parametrize("overrides", [["algo.advantage=gae"], ["algo.opd_kl_coef=0.5"], ["algo.tis=token"]],
+                         ids=lambda o: o[0])
+def test_gspo_with_per_token_advantages_validates(compose, overrides):
+    # The three ways per-token advantages reach algo=gspo are allowed: gspo_loss is GSPO-token there.
+    from miles.config.validate import validate
+
+    assert validate(compose(["algo=gspo", *overrides])) == []
+
+
 # ----------------------------------------------------------------------------- CISPO
 def test_cispo_hand_computed_value_and_gradient():
     # ratios 2 (A=+1: weight clipped to 1.28), 1 (A=-1: weight 1), 0.5 (A=+2: weight clipped to 0.8)
