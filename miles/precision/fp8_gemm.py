@@ -182,6 +182,12 @@ def _probe(backend: str, device: torch.device, layout: str | None = None) -> tup
     return True, f"max error {err:.2g} of the output's max" + (f", layout {layout}" if layout else "")
 
 
+def _import_deep_gemm():
+    import deep_gemm  # optional: loads its compiled operators, which must match this torch's ABI
+
+    return deep_gemm
+
+
 def _device(device: torch.device | str | None) -> torch.device:
     """Normalize so "cuda" and "cuda:0" share one probe."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -218,9 +224,14 @@ def _probe_cached(backend: str, device: torch.device) -> tuple[bool, str]:
                 result = (False, "; ".join(tried))
     else:  # deep_gemm
         try:
-            import deep_gemm  # noqa: F401
+            _import_deep_gemm()
         except ImportError:
             result = (False, "deep_gemm is not installed (pip install 'miles[gpu]' or deep-gemm from source)")
+        except Exception as e:  # noqa: BLE001 - installed but does not load: say why, fall back
+            # Seen with sgl-deep-gemm 0.2.5 on torch 2.11: OSError, undefined symbol
+            # c10::cuda::CUDAErrorLogCapture (its _C.so was built against a newer torch).
+            cause = e.__cause__ or e
+            result = (False, f"deep_gemm does not load: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
         else:
             result = _probe(backend, device)
     _PROBES[key] = result

@@ -79,6 +79,8 @@ def shard(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) ->
 
 
 class FSDPTrainer(TorchTrainer):
+    shards_policy = True  # `_shard_models` below: so no online speculative draft (TorchTrainer refuses it)
+
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, *args, **kwargs):
         """`rank` of `world_size` ranks, which meet at master_addr:master_port (rank 0's host and a
         port free there); the rest are TorchTrainer's arguments, the same on every rank."""

@@ -61,7 +61,7 @@ from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.draft import MTP_PREFIX, DraftTrainer
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
-from miles.transport.flat import FlatLayout, FlatWeights
+from miles.transport.flat import FlatLayout, FlatWeights, tensors_checksum
 from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, routing_replay, stack_keys,
                          stack_routing)
 
@@ -69,6 +69,10 @@ from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, rout
 class TorchTrainer:
     # The speculative draft's trainer, or None (subclasses that build themselves, MegatronTrainer, have none).
     draft: DraftTrainer | None = None
+    # Whether `_shard_models` splits the policy across ranks (miles.trainer.fsdp sets it): the online
+    # draft trains in one process, on whole weights. A plain attribute on purpose, not a comparison of
+    # classes or methods: a Ray actor's class is a wrapper whose methods Ray replaces with its own.
+    shards_policy: bool = False
 
     def __init__(
         self,
@@ -135,7 +139,7 @@ class TorchTrainer:
                                  f"recipe (train_quant={self.recipe.train_quant}) yet")
             enable_recompute(self.model)
         trains_draft = (speculative is not None and speculative.kind != "none" and speculative.train_online)
-        if trains_draft and type(self)._shard_models is not TorchTrainer._shard_models:
+        if trains_draft and self.shards_policy:
             raise ValueError(f"rollout.speculative.train_online=true (kind {speculative.kind}) trains the draft in "
                              f"one process; {type(self).__name__} shards the policy across ranks: set "
                              "rollout.speculative.train_online=false or trainer.backend=torch")
@@ -435,6 +439,7 @@ class TorchTrainer:
         out = {**dict(zip(names, values)), **extra}
         if self.draft is not None:  # after the update: toward the policy that samples the next rollout
             out.update(self.draft.train(rollout_batch))
+        self.recipe.release_training_cache()  # stale after the update; its memory is the engine's now
         return out
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
@@ -452,6 +457,7 @@ class TorchTrainer:
         out = {"train/loss": loss, "train/grad_norm": grad_norm}
         if self.draft is not None:  # the warm start pretrains the draft with the policy
             out.update(self.draft.train(batch))
+        self.recipe.release_training_cache()
         return out
 
     # ----------------------------------------------------------------------------- weights
@@ -459,7 +465,8 @@ class TorchTrainer:
         """What weight sync carries, on CPU, with the checksum of what the engine must then hold:
         weights in the engine's dtype, or the recipe's rollout format (quantized from the fp32
         master weights) when the engine holds FP8 / INT4. `in_process` (the engine shares this
-        process) and plain weights: a FlatWeights on this trainer's device and its device checksum.
+        process): plain weights as a FlatWeights on this trainer's device, the rollout format as
+        tensors on it, each with a device checksum (miles/transport/flat.py).
         Not while the parameters are offloaded (a RuntimeError says to onload them)."""
         self._require_onloaded("get_weights", (off.PARAMS,))
         state = self._policy_state()
@@ -469,6 +476,10 @@ class TorchTrainer:
                 self._flat_sync = FlatWeights.like(layout, self.device)
             self._flat_sync.fill_from(state)
             return self._flat_sync, self._flat_sync.checksum()
+        if in_process:  # FP8 / INT4: quantized where the weights are, checked there (no host hop)
+            payload = self.recipe.sync_payload(state)
+            expected = self.recipe.expected_tensors(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
+            return payload, tensors_checksum(expected)
         return self._weights_of(state)
 
     def _policy_state(self) -> dict[str, torch.Tensor]:
@@ -523,6 +534,7 @@ class TorchTrainer:
             self.offloaded.add(off.OPTIMIZER)
         if off.PARAMS in tags and off.PARAMS not in self.offloaded:
             self._flat_sync = None
+            self.recipe.release_training_cache()
             self._move_models(host=True)
             self.offloaded.add(off.PARAMS)
         off.free_device_memory(self.device)

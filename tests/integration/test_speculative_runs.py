@@ -1,8 +1,12 @@
-"""Speculative rollout end to end on the CPU, in-process: the draft trains online and reaches the
-engine, a frozen draft does not move, and a resumed run continues with the draft's optimizer state.
+"""Speculative rollout end to end on the CPU, in-process and with Ray on (the default: the engine and
+the trainer in actors of their own): the draft trains online and reaches the engine, a frozen draft
+does not move, and a resumed run continues with the draft's optimizer state.
 
 The engine's samples are exact whatever the draft (tests/unit/rollout/test_spec_decode.py), so here
 the checks are about the draft: its metrics, its weights on both sides, its state across a resume.
+The Ray variants exist because the in-process runs alone let a trainer check that only failed inside a
+Ray actor through (issue 25, item 4); test_the_documented_command_with_ray_on_logs_the_acceptance runs
+that issue's command as a user would.
 """
 
 import json
@@ -11,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runs import TINY, journal_metrics, run_inprocess, without_timing
+from launch_cli import run_launch
+from ray_runs import WITH_AND_WITHOUT_RAY, run_with
+from runs import TINY, journal_metrics, without_timing
 
 pytestmark = pytest.mark.slow
 MTP = [*TINY, "model=glm4_moe_tiny", "model.mtp_layers=1", "rollout.speculative.kind=mtp"]
@@ -27,19 +33,20 @@ def mtp_tensors(run_dir):
     return {k: v for k, v in weights.items() if k.startswith(f"model.layers.{layers}.") and not k.endswith(shared)}
 
 
-def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose):
+@WITH_AND_WITHOUT_RAY
+def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
     # debug.check_weight_sync compares every engine tensor with the trainer's after each sync: the MTP too.
-    run_inprocess(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "debug.check_weight_sync=true"],
-                  tmp_path / "online")
+    run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "debug.check_weight_sync=true"],
+             tmp_path / "online", ray)
     metrics = journal_metrics(tmp_path / "online")
     for step in range(1, 5):
         m = metrics[step]
         assert 1.0 <= m["spec/accept_len"] <= 4.0 and 0.0 <= m["spec/accept_rate"] <= 1.0
         assert m["spec/accept_len"] == pytest.approx(1 + 3 * m["spec/accept_rate"])
         assert m["spec/draft_loss"] > 0 and 0.0 <= m["spec/draft_accuracy"] <= 1.0
-    run_inprocess(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "rollout.speculative.train_online=false"],
-                  tmp_path / "frozen")
+    run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "rollout.speculative.train_online=false"],
+             tmp_path / "frozen", ray)
     frozen = journal_metrics(tmp_path / "frozen")
     assert "spec/draft_loss" not in frozen[1] and "spec/accept_len" in frozen[1]
     online, still = mtp_tensors(tmp_path / "online"), mtp_tensors(tmp_path / "frozen")
@@ -49,15 +56,40 @@ def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, mon
     assert not all(torch.equal(online[k], init[k]) for k in online)
 
 
-def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose):
+@WITH_AND_WITHOUT_RAY
+def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
-    run_inprocess(compose, [*DRAFT, "steps=4"], tmp_path / "straight")
+    run_with(compose, [*DRAFT, "steps=4"], tmp_path / "straight", ray)
     ckpt = tmp_path / "ckpt"
-    run_inprocess(compose, [*DRAFT, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "first")
+    run_with(compose, [*DRAFT, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "first", ray)
     state = torch.load(ckpt / "step_000002" / "trainer.pt", weights_only=True)
     assert state["draft"]["kind"] == "draft_model" and state["draft"]["optimizer"]["state"]
-    run_inprocess(compose, [*DRAFT, "steps=4", f"checkpoint.dir={ckpt}"], tmp_path / "second")
+    run_with(compose, [*DRAFT, "steps=4", f"checkpoint.dir={ckpt}"], tmp_path / "second", ray)
     straight = without_timing(journal_metrics(tmp_path / "straight"))
     second = without_timing(journal_metrics(tmp_path / "second"))
     assert second[3] == straight[3] and second[4] == straight[4]  # the draft's metrics and the samples too
     assert straight[4]["spec/draft_loss"] != straight[1]["spec/draft_loss"]
+
+
+# The command of issue 25 (item 4), as a user types it: Ray on, the default.
+DOCUMENTED = ["model=deepseek_v3_tiny", "model.mtp_layers=1", "rollout.speculative.kind=mtp",
+              "rollout.speculative.train_online=true", "steps=2", "warm_start.enabled=false"]
+
+
+def test_the_documented_command_with_ray_on_logs_the_acceptance(tmp_path):
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    proc = run_launch(DOCUMENTED, cwd=tmp_path, env_extra={"MILES_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    resolved = OmegaConf.load(run_dir / "resolved.yaml")
+    assert resolved.ray.enabled and resolved.rollout.speculative.train_online  # the default arrangement
+    metrics = journal_metrics(run_dir)
+    for step in (1, 2):  # the engine drafted, and the trainer trained the draft, in their Ray actors
+        assert 1.0 <= metrics[step]["spec/accept_len"] <= 4.0
+        assert metrics[step]["spec/draft_loss"] > 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
+    (record,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert record.info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(record.info.run_id, "spec/accept_len")} == {1, 2}

@@ -95,3 +95,19 @@ def test_scaled_mm_operand_layouts_on_cpu():
         assert torch.equal(p.scale_b.t()[:, :3] if layout == "v2" else p.scale_b.t(), s)
     with pytest.raises(ValueError, match="layout"):
         prepare_scaled_mm_weight(q, s, "v3")
+
+
+def test_a_deep_gemm_that_does_not_load_is_reported_not_raised(monkeypatch):
+    """An installed DeepGEMM whose compiled operators do not match this torch (sgl-deep-gemm 0.2.5 on
+    torch 2.11: OSError, undefined symbol) must leave "auto" on the next backend, with the reason."""
+    import miles.precision.fp8_gemm as fg
+
+    def broken():
+        raise OSError("Could not load this library: .../deep_gemm/_C.so") from OSError(
+            "_C.so: undefined symbol: _ZN3c104cuda19CUDAErrorLogCaptureC1Ev")
+
+    monkeypatch.setattr(fg, "_import_deep_gemm", broken)
+    monkeypatch.setattr(fg, "_PROBES", {})
+    monkeypatch.setattr(fg, "_device", lambda d: torch.device("cuda", 0))  # the import is tried on CUDA only
+    ok, why = fg._probe_cached("deep_gemm", torch.device("cuda", 0))
+    assert not ok and "does not load" in why and "undefined symbol" in why
