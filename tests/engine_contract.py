@@ -7,7 +7,11 @@ group's seed reproduces its samples whatever else is in the batch, unseeded call
 (temperature 0) is deterministic; what update_weights loads is what generate then computes with
 (greedy decoding and log-probs equal those of the project's own model on those weights), and
 restoring the weights restores the outputs; release_memory / resume_memory / health keep the
-protocol's bookkeeping. References are engine-independent: the checkpoint's tokenizer and the
+protocol's bookkeeping, also called as the colocated loop calls them (miles/orchestrate/colocate.py's
+MemoryPhases itself drives the engine: release_memory(keep_weights=False), then resume, a checked
+sync and resume). Every method is called with the arguments its callers pass, and
+`check_engine` checks that each takes the protocol's, so an engine that drifts from what the loop
+calls fails here. References are engine-independent: the checkpoint's tokenizer and the
 project's model (miles.models) loaded from the same checkpoint, never the engine's own attributes.
 
 Each tier imports these test functions into a module of its own that defines a `contract` fixture
@@ -52,6 +56,7 @@ __all__ = [
     "test_greedy_is_deterministic",
     "test_update_weights_changes_and_restores_what_is_generated",
     "test_release_resume_memory_and_health",
+    "test_colocation_phases_as_the_loop_runs_them",
 ]
 
 PROMPTS = ["12+30=", "7+5=", "99+1=", "45+45="]
@@ -376,3 +381,60 @@ def test_release_resume_memory_and_health(contract):
     after = engine.generate(PROMPTS, LABELS, **kw)
     assert ids(after) == ids(before)
     assert_logprobs_close(after, before)
+    # keep_weights=False (the colocated loop's release): the weights need not survive, so generate
+    # refuses after resume until update_weights has loaded them again
+    engine.release_memory(TAGS, keep_weights=False)
+    engine.resume_memory()
+    assert engine.health()["resident"] == TAGS
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate(PROMPTS, LABELS, **kw)
+    engine.update_weights(base)
+    assert ids(engine.generate(PROMPTS, LABELS, **kw)) == ids(before)
+
+
+class _TrainerWeights:
+    """The trainer's side of a weight sync and nothing else (what miles/orchestrate/sync.py asks of it):
+    the weights it holds and their checksum, as `get_weights` returns them."""
+
+    def __init__(self, weights):
+        self.weights, self.device = weights, torch.device("cpu")
+
+    def get_weights(self, in_process: bool = False):
+        from miles.orchestrate.weight_sync import checksum
+
+        return self.weights, checksum(self.weights)
+
+
+def test_colocation_phases_as_the_loop_runs_them(contract):
+    """miles/orchestrate/colocate.py's MemoryPhases drives the engine, through a handle, as a colocated
+    GPU run with rollout.offload=true does (the phases are a no-op on the CPU, so the config says
+    cuda): the train turn releases everything with keep_weights=False and generate refuses; the sync
+    resumes the weights, loads the trainer's with the checksum check, resumes the KV cache; the
+    seeded samples are those of before."""
+    from types import SimpleNamespace
+
+    from miles.orchestrate.colocate import MemoryPhases
+    from miles.orchestrate.handles import LocalHandle
+
+    engine, base = contract.engine, base_weights(contract.ckpt)
+    engine.update_weights(base)
+    kw = dict(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seeds=SEEDS)
+    before = engine.generate(PROMPTS, LABELS, **kw)
+    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(_TrainerWeights(base)), weight_sync=None,
+                          draft_sync=False, after_sync=lambda ctx: None)
+    # asynchronous: no per-phase device peaks to read (they need the CUDA allocator)
+    cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"), trainer=SimpleNamespace(offload=False),
+                          rollout=SimpleNamespace(offload=True, check_weight_sync=True, asynchronous=True))
+    phases = MemoryPhases(ctx, cfg)
+    assert phases.engine and phases.engine_released
+    phases.start()
+    for _ in range(2):  # two steps
+        phases.train_turn()
+        assert engine.health()["resident"] == []
+        with pytest.raises(RuntimeError, match="resume_memory"):
+            engine.generate(PROMPTS, LABELS, **kw)
+        phases.sync()
+        assert engine.health()["resident"] == TAGS
+        after = engine.generate(PROMPTS, LABELS, **kw)
+        assert ids(after) == ids(before)
+        assert_logprobs_close(after, before)

@@ -3,12 +3,23 @@ transports (miles/transport/) call on an engine, whichever backend it is (`rollo
 native (miles/rollout/native.py), vLLM, SGLang.
 
 An engine is a plain class, built in-process or as a Ray actor (miles/orchestrate/handles.py); the
-callers go through a handle (`handle.call("generate", ...)`), so this protocol states the methods
-and their contracts, and `check_engine` names what a class lacks.
+callers go through a handle (`handle.call("generate", ...)`), by method name, so nothing type-checks a
+call: this protocol states every method and argument a caller passes (the loops in miles/orchestrate/,
+the fleet in miles/rollout/router.py, the transports), and `check_engine` names what a class lacks, a
+method or an argument. The contract suite (tests/engine_contract.py) calls these methods as the
+callers do, against every engine:
+
+    generate(prompts, labels, n, temperature, max_new_tokens[, prompt_ids=, seeds=])  loop, multi-turn, router
+    update_weights(weights, expected_checksum)        sync (miles/orchestrate/sync.py), transports, router
+    update_draft_weights(weights, expected_checksum)  sync, with rollout.speculative.kind=draft_model
+    release_memory(keep_weights=False)                colocation's train turn (miles/orchestrate/colocate.py)
+    resume_memory(("weights",)), resume_memory(("kv_cache",))   colocation's sync
+    health(), decode(ids), device                      supervision, multi-turn, colocation's memory peaks
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,7 +34,7 @@ class RolloutEngine(Protocol):
     device: torch.device
 
     def generate(self, prompts: list[str], labels: list[str], n: int = 1, temperature: float | None = None,
-                 max_new_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
+                 max_new_tokens: int | None = None, *, prompt_ids: list[list[int]] | None = None,
                  seeds: list[int] | None = None) -> list[Sample]:
         """n samples per prompt, grouped (samples[i*n:(i+1)*n] answer prompts[i], `group` = i), each
         with its response token ids, the engine's log-prob of every sampled token under
@@ -37,9 +48,17 @@ class RolloutEngine(Protocol):
         what the engine then holds (miles.orchestrate.weight_sync.checksum) and raise WeightSyncError
         on a difference. Returns the held checksum ("" unchecked)."""
 
-    def release_memory(self, tags: tuple[str, ...] = TAGS) -> None:
+    def update_draft_weights(self, weights, expected_checksum: str | None = None) -> str:
+        """Load the online-trained speculative draft model (rollout.speculative.kind=draft_model), as
+        update_weights; an engine without such a draft raises (validation keeps it from being asked)."""
+
+    def release_memory(self, tags: tuple[str, ...] = TAGS, *, keep_weights: bool = True) -> None:
         """Free the device memory of `tags` (colocation: the trainer's turn); generate raises until
-        resume_memory. Releasing what is released is a no-op."""
+        resume_memory. Releasing what is released is a no-op. keep_weights=False: the caller reloads the
+        weights after resuming them (the colocated loop syncs every step), so the engine need keep no
+        copy: until the next update_weights, generate raises. keep_weights=True: the weights come back
+        by themselves where the engine can keep a copy (native: a host copy; vLLM: sleep level 1; SGLang:
+        only with the server's enable_weights_cpu_backup), else update_weights is needed all the same."""
 
     def resume_memory(self, tags: tuple[str, ...] = TAGS) -> None:
         """Take the memory of `tags` back; weights released are reloaded by the next update_weights."""
@@ -52,11 +71,33 @@ class RolloutEngine(Protocol):
         """Token ids -> text, special tokens skipped (multi-turn tool parsing)."""
 
 
-METHODS = ("generate", "update_weights", "release_memory", "resume_memory", "health", "decode")
+METHODS = ("generate", "update_weights", "update_draft_weights", "release_memory", "resume_memory", "health",
+           "decode")
 
 
 def check_engine(cls: type) -> None:
-    """Raise TypeError naming the protocol methods `cls` lacks."""
+    """Raise TypeError naming the protocol methods `cls` lacks, then the protocol arguments its methods
+    do not take as the callers pass them: a positional one at its place and by name, a keyword-only one
+    (callers pass it by name) by name; *args / **kwargs take anything."""
     missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(f"{cls.__name__} is not a rollout engine: it lacks {', '.join(missing)}")
+    problems = [f"{m}({p})" for m in METHODS for p in _unaccepted(getattr(RolloutEngine, m), getattr(cls, m))]
+    if problems:
+        raise TypeError(f"{cls.__name__} is not a rollout engine: its methods do not take the protocol's "
+                        f"arguments {', '.join(problems)}")
+
+
+def _unaccepted(spec, impl) -> list[str]:
+    want = [p for p in inspect.signature(spec).parameters.values() if p.name != "self"]
+    have = [p for p in inspect.signature(impl).parameters.values() if p.name != "self"]
+    kinds = {p.kind for p in have}
+    positional = [p.name for p in have if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name for p in have if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    out = []
+    for i, p in enumerate(want):
+        at_place = inspect.Parameter.VAR_POSITIONAL in kinds or (i < len(positional) and positional[i] == p.name)
+        named = inspect.Parameter.VAR_KEYWORD in kinds or p.name in by_name
+        if not (named and (at_place or p.kind == p.KEYWORD_ONLY)):
+            out.append(p.name)
+    return out

@@ -27,6 +27,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from miles.rollout.protocol import TAGS as ENGINE_TAGS
 from miles.types import Sample
 
 # Chunks per engine in one call (N > 1): enough for an early finisher to take over a share of the
@@ -112,12 +113,12 @@ class EngineFleet:
     def decode(self, ids: list[int]) -> str:
         return self.engines[0].call("decode", ids)  # every engine holds the same tokenizer
 
-    def release_memory(self, *args: Any, **kwargs: Any) -> None:
-        """Every engine releases (colocation: the trainer's turn)."""
-        self._on_each("release_memory", *args, **kwargs)
+    def release_memory(self, tags: tuple[str, ...] = ENGINE_TAGS, keep_weights: bool = True) -> None:
+        """Every engine releases (colocation: the trainer's turn), with the caller's arguments."""
+        self._on_each("release_memory", tags, keep_weights=keep_weights)
 
-    def resume_memory(self, *args: Any, **kwargs: Any) -> None:
-        self._on_each("resume_memory", *args, **kwargs)
+    def resume_memory(self, tags: tuple[str, ...] = ENGINE_TAGS) -> None:
+        self._on_each("resume_memory", tags)
 
     def health(self) -> list[dict]:
         return self._on_each("health")

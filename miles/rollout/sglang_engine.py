@@ -1,9 +1,11 @@
 """SGLang rollout engine: the RolloutEngine protocol (miles/rollout/protocol.py) over an SGLang server's HTTP API.
 
-UNVERIFIED AGAINST A LIVE SGLANG. SGLang does not run on the machines this was written on (CUDA-only
-kernels; its CPU backend needs AVX-512 / AMX). The adapter follows the 0.5.23 API as documented in
-../shared/reference/backend-apis.md §1, and its test drives it against a local stand-in server that
-implements those request / response schemas over the native engine (tests/unit/rollout/sglang_standin.py).
+SGLang does not run on the machines this was written on. The adapter follows the 0.5.23 API as documented
+in ../shared/reference/backend-apis.md §1 and as the 0.5.23 source has it (the sglang-0.5.23 wheel, read
+for the weight check, the server flags and /model_info); its tests drive it against a local stand-in
+server that implements those request / response schemas over the native engine
+(tests/unit/rollout/sglang_standin.py). It was also driven once against a real SGLang 0.5.23 server on a
+CPU (issue 25), which found what the weight check, the seed check and the weights directory below fix.
 
     engine = SGLangEngine(ckpt, RolloutCfg(), DType.bf16, url="http://10.0.0.5:30000")  # a running server
     engine = SGLangEngine(ckpt, RolloutCfg(), DType.bf16, device="cuda:0")                # launches one
@@ -17,23 +19,31 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   shares the prefill) with one `sampling_params` dict per row, `return_logprob` and (R3)
   `return_routed_experts`. Every row carries a `sampling_seed` derived from its group's seed and its index
   (from the engine's own seeded stream without `seeds`): a group samples alike on any engine of a fleet.
+  SGLang uses sampling_seed only when the server runs with `--enable-deterministic-inference`
+  (/server_info `enable_deterministic_inference`, read at start; the launcher passes the flag on CUDA):
+  without it the adapter warns at start and refuses `seeds` at temperature > 0 (a fleet needs them).
   The response tokens and their log-probs are read from `meta_info.output_token_logprobs`
   (`(logprob, token_id, text)` per generated token, log_softmax(logits / temperature)); the launched
   server runs without SGLANG_RETURN_ORIGINAL_LOGPROB, an external one must too.
 - update_weights: the state dict under HF names (`family.to_hf_name` + `to_hf_tensors`, as save_pretrained
   writes them), by `weight_update="disk"` (safetensors + config.json in a temporary directory the server
-  can read, POST /update_weights_from_disk: works wherever the server sees that directory) or "tensor"
+  can read, POST /update_weights_from_disk: works wherever the server sees that directory; the server's
+  /model_info then names that directory as its model_path, so it is kept until the next update has
+  loaded, and removed at shutdown() of a launched server) or "tensor"
   (POST /update_weights_from_tensor between /begin_weight_update and /end_weight_update: the default load
   format, a base64 ForkingPickler payload of [(name, tensor)] per TP rank; the tensors cross by handle,
   CPU ones through file-system shared memory, CUDA ones by IPC: the server must be on the same host).
-  With a checksum: the payload's own checksum, then what the server holds, read back through
-  /get_weights_by_name (`verify`, below).
+  With a checksum: the payload's own checksum, then what the server holds, through /weights_checker
+  (`check_held`): the server's per-tensor hashes under its own fused parameter names, against the sent
+  tensors put in that layout and hashed as the server hashes (miles/rollout/sglang_weights.py).
+  (/get_weights_by_name, a read-back by name, answers HTTP 400 in 0.5.23 for every Miles family: only
+  llama, granite, exaone4 and opt implement it.)
 - Distributed route (request side, for miles/transport/broadcast.py's bucket stream):
   `init_weights_update_group` + `update_weights_from_distributed` / `update_weights_from_bucket`.
 - release_memory / resume_memory: /release_memory_occupation and /resume_memory_occupation with tags
   ("kv_cache" also carries SGLang's "cuda_graph"); the server needs `enable_memory_saver` (the launcher
-  sets it when rollout.colocate on CUDA). Weights resumed without `enable_weights_cpu_backup` are
-  undefined: generate refuses until the next update_weights.
+  sets it when rollout.colocate on CUDA). Weights resumed without `enable_weights_cpu_backup`, or
+  released with keep_weights=False, are undefined: generate refuses until the next update_weights.
 - health: GET /health (+ /health_generate while nothing is released) and /model_info.
 Errors: a server that cannot be reached (refused, reset, exited, HTTP 503) raises SGLangServerGone, a
 ConnectionError, which the supervisor treats as transient (miles/orchestrate/supervise.py); a timeout
@@ -49,6 +59,7 @@ import http.client
 import importlib.util
 import io
 import json
+import logging
 import os
 import random
 import shutil
@@ -74,11 +85,13 @@ from miles.models.config import from_hf_config
 from miles.models.families import get_family
 from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
+from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample, moe_layers, routing_dtype
 
 SERVER_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-FULL_VERIFY_NUMEL = 1 << 22  # verify="auto": read every weight back up to this many elements, else sample rows
+SEED_FLAG = "--enable-deterministic-inference"  # SGLang ignores sampling_seed without it
+log = logging.getLogger(__name__)
 INSTALL_HINT = ("sglang is not installed: install the `gpu` extra (pip install 'miles[gpu]') on a CUDA machine, "
                 "or point Miles at a running server (url=...)")
 
@@ -113,6 +126,10 @@ def server_command(checkpoint_dir: str, host: str, port: int, dtype: torch.dtype
     if device.type == "cuda":
         args["base_gpu_id"] = device.index or 0
         args["enable_memory_saver"] = cfg.colocate  # release / resume_memory_occupation need it
+        # sampling_seed is honoured only with it (per-group seeds: a fleet samples as one engine). Not
+        # on the CPU: 0.5.23 allows it only with the fa3 / fa4 / flashinfer / triton / ascend / intel_xpu
+        # attention backends, none of which its CPU backend runs.
+        args["enable_deterministic_inference"] = True
     else:
         args["device"] = device.type
     if record_routing:
@@ -148,8 +165,6 @@ class SGLangEngine:
         server_args: dict | None = None,
         launcher: list[str] | None = None,
         weight_update: str = "disk",
-        verify: str = "auto",
-        verify_rows: int = 2,
         weights_dir: str | None = None,
         weight_session: bool = True,
         selector: str = "all",
@@ -159,10 +174,8 @@ class SGLangEngine:
         """Positional arguments as NativeEngine's (threads: the server's business, unused). Options:
         url: an SGLang server to use; None launches `python -m sglang.launch_server` (`launcher` replaces
           that argv prefix) with `server_args` (ServerArgs fields), waits for /health and kills it at
-          shutdown(). weight_update: "disk" | "tensor". verify (with a checksum): "full" reads every
-          weight back and checksums it, "sample" compares the first `verify_rows` rows of each, "auto"
-          full up to FULL_VERIFY_NUMEL elements. weights_dir: where "disk" writes (a directory the server
-          sees). weight_session: wrap tensor / distributed updates in begin/end_weight_update (0.5.21+;
+          shutdown(). weight_update: "disk" | "tensor". weights_dir: where "disk" writes (a directory the
+          server sees). weight_session: wrap tensor / distributed updates in begin/end_weight_update (0.5.21+;
           False for 0.5.16). selector: "all" | "target" | "draft" (speculative decoding's draft).
         request_timeout_s: any one call, generate included (a TimeoutError past it)."""
         if true_on_policy is not None:
@@ -173,11 +186,11 @@ class SGLangEngine:
             raise NotImplementedError(f"precision={precision.name} quantizes the rollout with Miles' quantizer; "
                                       "SGLang quantizes with its own (server_args quantization=...): use a "
                                       "bf16 / fp32 recipe with rollout.engine=sglang")
-        if weight_update not in ("disk", "tensor") or verify not in ("auto", "full", "sample"):
-            raise ValueError(f"weight_update={weight_update!r} (disk | tensor), verify={verify!r} (auto | full | sample)")
+        if weight_update not in ("disk", "tensor"):
+            raise ValueError(f"weight_update={weight_update!r}: disk | tensor")
         self.cfg, self.device, self.dtype = cfg, torch.device(device), TORCH_DTYPES[DType(dtype)]
         self.checkpoint_dir = str(checkpoint_dir)
-        self.weight_update, self.verify, self.verify_rows = weight_update, verify, verify_rows
+        self.weight_update = weight_update
         self.weights_dir, self.weight_session, self.selector = weights_dir, weight_session, selector
         self.timeout_s = request_timeout_s
         self.arch = from_hf_config(json.loads((Path(checkpoint_dir) / "config.json").read_text()))
@@ -205,7 +218,11 @@ class SGLangEngine:
         self._rng = random.Random(seed)  # group seeds when generate gets none
         self.released: set[str] = set()
         self.weights_stale = False  # resumed without a host copy: update_weights must fill them
+        self._drop_weights = False  # released with keep_weights=False
         self.version = 0
+        self.weights_path: Path | None = None  # weight_update=disk: the directory the server loaded last
+        self._dir_finalizer = None
+        self.last_check: dict = {}  # check_held's counts: checked, unchecked server tensors
         self.process, self.log_path = None, None
         if url is None:
             url = self._launch(server_command(self.checkpoint_dir, "127.0.0.1", _free_port(), self.dtype, seed,
@@ -222,6 +239,13 @@ class SGLangEngine:
         if record_routing and self.server_info.get("enable_return_routed_experts") is False:
             raise ValueError(f"routing record (R3) needs the SGLang server at {self.url} started with "
                              "--enable-return-routed-experts")
+        # /server_info has the resolved ServerArgs fields (rl_on_policy_target forces this one on too).
+        self.seeded = bool(self.server_info.get("enable_deterministic_inference", False))
+        if not self.seeded:
+            log.warning("the SGLang server at %s runs without %s: it ignores sampling_seed, so samples do not "
+                        "follow per-group seeds (generate(seeds=...) at temperature > 0 is refused; a fleet, "
+                        "rollout.num_engines > 1, needs the flag). Start the server with %s (CUDA attention "
+                        "backends fa3 / fa4 / flashinfer / triton)", self.url, SEED_FLAG, SEED_FLAG)
 
     # ----------------------------------------------------------------------------- server process
     def _launch(self, argv: list[str], needs_sglang: bool) -> str:
@@ -268,10 +292,14 @@ class SGLangEngine:
         return f"; its log ({self.log_path}) ends:\n" + "\n".join(tail) if tail else ""
 
     def shutdown(self) -> None:
-        """Kill the server this engine launched (an external one is left alone)."""
+        """Kill the server this engine launched and remove its last weights directory. An external
+        server is left alone, and so is the directory it now serves from (its /model_info names it)."""
         if self.process is not None:
             self._finalizer()
             self.process = None
+            if self._dir_finalizer is not None:
+                self._dir_finalizer()
+                self._dir_finalizer, self.weights_path = None, None
 
     # ----------------------------------------------------------------------------- HTTP
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
@@ -328,6 +356,11 @@ class SGLangEngine:
             return []
         if seeds is not None and len(seeds) != len(distinct):
             raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(distinct)} prompts")
+        if seeds is not None and temperature > 0 and not self.seeded:
+            raise ValueError(f"generate(seeds=...): the SGLang server at {self.url} ignores sampling_seed (it runs "
+                             f"without {SEED_FLAG}), so these groups would not follow their seeds. Restart it "
+                             f"with {SEED_FLAG} (rollout.sglang.server_args.enable_deterministic_inference=true "
+                             "when Miles launches it; CUDA only in SGLang 0.5.23)")
         width, limit = max(len(p) for p in distinct), self.arch.max_position_embeddings
         if width + max_new > limit:
             raise ValueError(f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
@@ -419,51 +452,62 @@ class SGLangEngine:
         self.weights_stale = False
         if expected_checksum is None:
             return ""
-        mode = self.verify
-        if mode == "auto":
-            mode = "full" if sum(t.numel() for t in hf.values()) <= FULL_VERIFY_NUMEL else "sample"
-        if mode == "full":
-            held = self.held_checksum()
-            if held != expected_checksum:
-                raise WeightSyncError(f"SGLang's weights checksum {held[:12]} != trainer's {expected_checksum[:12]}")
-            return held
-        for name, sent_tensor in hf.items():  # "sample": the first rows of every tensor, bit for bit
-            held_rows = self._read_back(name, (min(self.verify_rows, sent_tensor.shape[0]), *sent_tensor.shape[1:]))
-            if not torch.equal(held_rows, sent_tensor[: self.verify_rows].to("cpu", self.dtype)):
-                raise WeightSyncError(f"SGLang holds other values than were sent in {name} (first rows)")
-        return expected_checksum  # the payload's checksum, its load checked by sample
+        self.check_held(hf)
+        return expected_checksum  # the payload's checksum, what the server holds checked tensor by tensor
 
-    def held_checksum(self) -> str:
-        """weight_sync.checksum of the weights the server holds, read back in full via /get_weights_by_name
-        (HF names -> the project's, this engine's dtype). One JSON float list per tensor: small models."""
-        held = {name: self._read_back(name, shape) for name, shape in self._hf_layout.items()}
-        return checksum(self._from_hf(held))
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The server's /get_weights_by_name: the first `truncate_size` rows of a tensor (HF name), as floats."""
-        return self._post("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
-
-    def _read_back(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        values = self.get_weights_by_name(name, shape[0] if shape else 1)
+    def check_held(self, weights: dict[str, torch.Tensor]) -> dict:
+        """Raise WeightSyncError unless the server holds these weights (the project's state dict, or the
+        HF-named tensors update_weights sent): POST /weights_checker {"action": "checksum"} gives the
+        hash of every tensor the target model holds, under SGLang's parameter names and layout; the
+        sent tensors, put in that layout (sglang_weights.sglang_layout) and hashed as the server
+        hashes them on its device, must match, every one of them. Server tensors that no sent tensor
+        predicts (buffers of its own) are counted, not compared. Returns (and keeps in `last_check`)
+        {"checked": n, "unchecked": [names]}."""
+        hf = weights if set(weights) <= set(self._hf_layout) else self._to_hf(weights)
+        if self.tp_size != 1 or int(self.server_info.get("pp_size", 1) or 1) != 1 \
+                or int(self.server_info.get("ep_size", 1) or 1) != 1:
+            raise WeightSyncError(f"the checked sync predicts SGLang's parameter layout for tp_size = pp_size = "
+                                  f"ep_size = 1 only (this server: tp {self.tp_size}, pp "
+                                  f"{self.server_info.get('pp_size')}, ep {self.server_info.get('ep_size')}): set "
+                                  "rollout.check_weight_sync=false")
         try:
-            held = torch.tensor(values, dtype=torch.float32)
-        except (TypeError, ValueError) as error:
-            raise WeightSyncError(f"/get_weights_by_name {name}: not a float array ({error})") from None
-        if tuple(held.shape) != tuple(shape):
-            raise WeightSyncError(f"/get_weights_by_name {name}: shape {tuple(held.shape)}, expected {tuple(shape)}")
-        return held.to(self.dtype)
+            answer = self._post("/weights_checker", {"action": "checksum", "selector": "target"})
+        except SGLangError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            raise SGLangError(f"{error} (the checked sync reads SGLang's per-tensor checksums from /weights_checker, "
+                              "which SGLang 0.5.23 has; a server without it: set rollout.check_weight_sync=false)"
+                              ) from None
+        ranks = answer.get("ranks") if isinstance(answer, dict) else None
+        if not answer.get("success") or not isinstance(ranks, list) or len(ranks) != 1:
+            raise WeightSyncError(f"/weights_checker answered {str(answer)[:300]}: expected one rank's checksums")
+        held = ranks[0].get("checksums") or {}
+        device = str(self.server_info.get("device") or "cuda")
+        fused_shared = self.arch.moe is not None and not any(".shared_experts." in name for name in held)
+        layout = sglang_layout(hf, self.arch.tie_word_embeddings, fuse_shared_experts=fused_shared)
+        differ, missing, unchecked = compare_checksums(layout, held, device, self.dtype)
+        if differ or missing:
+            problems = []
+            if differ:
+                problems.append(f"SGLang holds other values than were sent in {len(differ)} tensors "
+                                f"(e.g. {differ[:4]})")
+            if missing:
+                problems.append(f"SGLang reports no tensor named {missing[:4]} ({len(missing)} in all)")
+            raise WeightSyncError("; ".join(problems) + f". Unless the load itself is wrong, this server's layout "
+                                  f"differs from the one Miles predicts for {self.family.hf_architecture} "
+                                  "(miles/rollout/sglang_weights.py: weights repacked after loading, e.g. CPU AMX "
+                                  "with bf16, ROCm aiter, FlashInfer TRT-LLM MoE): set "
+                                  "rollout.check_weight_sync=false")
+        if unchecked and not self.last_check.get("unchecked"):
+            log.info("SGLang /weights_checker: %d tensors of the server's own are not compared (e.g. %s)",
+                     len(unchecked), unchecked[:3])
+        self.last_check = {"checked": len(held) - len(unchecked), "unchecked": unchecked}
+        return self.last_check
 
     # ----------------------------------------------------------------------------- weight routes
     def _to_hf(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The project's names -> the HF checkpoint layout (save_pretrained's)."""
         return self.family.to_hf_tensors({self.family.to_hf_name(n): t.detach() for n, t in weights.items()}, self.arch)
-
-    def _from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = self.family.from_hf_tensors(hf, self.arch)
-        unknown = sorted(set(ours) - set(self._hf_names))
-        if unknown:
-            raise WeightSyncError(f"read back tensors the model does not have: {unknown[:5]}")
-        return {self._hf_names[k]: v for k, v in ours.items()}
 
     def _update_from_disk(self, hf: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -478,8 +522,19 @@ class SGLangEngine:
                       metadata={"format": "pt"})
             self._post_ok("/update_weights_from_disk", {"model_path": str(directory), "weight_version": str(self.version),
                                                         "flush_cache": True})
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # the server still serves from the previous one
+            raise
+        # The server's /model_info now names this directory (its model_path): it stays until the next
+        # update has loaded (or shutdown() of a launched server); the previous one is no longer named.
+        previous, self.weights_path = self.weights_path, directory
+        if self._dir_finalizer is not None:
+            self._dir_finalizer.detach()
+        # A launched server dies with this engine (shutdown, or its collection): so does its directory.
+        self._dir_finalizer = weakref.finalize(self, shutil.rmtree, str(directory), True) \
+            if self.process is not None else None
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def _update_from_tensors(self, hf: dict[str, torch.Tensor], bucket_bytes: int = 1 << 30) -> None:
         chunks, chunk, size = [], [], 0
@@ -560,13 +615,17 @@ class SGLangEngine:
 
     # ----------------------------------------------------------------------------- memory, control
     def release_memory(self, tags=ENGINE_TAGS, keep_weights: bool = True) -> None:
-        """/release_memory_occupation for the tags not released yet. `keep_weights` is the server's
-        choice here (enable_weights_cpu_backup), not the call's."""
+        """/release_memory_occupation for the tags not released yet. Whether the server keeps a host copy
+        of the weights is its own flag (enable_weights_cpu_backup), not the call's: keep_weights=False
+        (the colocated loop, which syncs after every resume) only says the caller reloads them, so
+        generate refuses after resume until update_weights either way."""
         tags = check_tags(tags, ENGINE_TAGS, "release_memory")
         todo = [t for t in ENGINE_TAGS if t in tags and t not in self.released]
         if todo:
             self._post("/release_memory_occupation", {"tags": _server_tags(todo)})
             self.released.update(todo)
+        if WEIGHTS in todo and not keep_weights:
+            self._drop_weights = True
 
     def resume_memory(self, tags=ENGINE_TAGS) -> None:
         """/resume_memory_occupation for the released tags among `tags`. Weights come back undefined
@@ -576,8 +635,10 @@ class SGLangEngine:
         if todo:
             self._post("/resume_memory_occupation", {"tags": _server_tags(todo)})
             self.released.difference_update(todo)
-            if WEIGHTS in todo and not self.server_info.get("enable_weights_cpu_backup", False):
+            if WEIGHTS in todo and (self._drop_weights or not self.server_info.get("enable_weights_cpu_backup", False)):
                 self.weights_stale = True
+            if WEIGHTS in todo:
+                self._drop_weights = False
 
     def pause_generation(self, mode: str = "abort") -> None:
         """/pause_generation: "abort" running requests, "retract" them to the queue, or pause "in_place"."""
@@ -587,6 +648,13 @@ class SGLangEngine:
 
     def continue_generation(self, torch_empty_cache: bool = True) -> None:
         self._post("/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+    def update_draft_weights(self, weights, expected_checksum: str | None = None) -> str:
+        """The protocol's draft-model sync (rollout.speculative.kind=draft_model, native only: validation
+        refuses rollout.speculative with rollout=sglang). SGLang's draft weights load through
+        update_weights with selector="draft"."""
+        raise NotImplementedError("update_draft_weights: Miles' online-trained draft runs in the native engine "
+                                  "(rollout.speculative needs rollout=native)")
 
     def flush_cache(self) -> None:
         """/flush_cache (the radix cache); SGLangError while requests are in flight."""
@@ -601,7 +669,8 @@ class SGLangEngine:
             self._request("GET", "/health_generate")
         return {"engine": "sglang", "device": str(self.device), "url": self.url,
                 "resident": [t for t in ENGINE_TAGS if t not in self.released],
-                "weight_version": info.get("weight_version")}
+                "weight_version": info.get("weight_version"), "model_path": info.get("model_path"),
+                "seeded_sampling": self.seeded}
 
     def _check_not_released(self) -> None:
         if WEIGHTS in self.released:

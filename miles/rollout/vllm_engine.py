@@ -34,8 +34,10 @@ How the protocol maps onto vLLM:
   from its modules (`read_weights`) and hashed as the trainer hashed what it sent; a difference raises
   WeightSyncError. See `read_weights` for how packed CPU kernels are read.
 - Memory: vLLM's sleep mode (`release_memory` / `resume_memory`) needs CUDA; on the CPU both calls
-  keep the protocol's bookkeeping (generate refuses between them) but free nothing, and `health()`
-  says so (`"frees_memory": False`). On CUDA, `enable_sleep_mode=True` maps them to `LLM.sleep` /
+  keep the protocol's bookkeeping (generate refuses between them, and after `keep_weights=False` until
+  the next update_weights) but free nothing, and `health()` says so (`"frees_memory": False`). On CUDA,
+  `enable_sleep_mode=True` maps them to `LLM.sleep(level=1)` (weights to host memory), or level 2 with
+  `keep_weights=False` (weights discarded: the colocated loop reloads them after resuming), and
   `LLM.wake_up(tags)` (not verified here: no CUDA vLLM on these machines).
 - Not supported (ValueError at construction): R3 routing record, true on-policy mode, quantized
   rollout recipes (FP8 / INT4 payloads), top-k / top-p (above).
@@ -202,6 +204,7 @@ class VLLMEngine:
             torch.set_num_threads = set_threads  # vLLM's CPU worker makes it a no-op for the process
             torch.set_num_threads(self.threads)
         self.released: set[str] = set()
+        self.weights_stale = False  # released with keep_weights=False: update_weights before generate
         global _CURRENT
         _CURRENT = weakref.ref(self)
         logging.getLogger(__name__).info("vLLM %s engine ready: %s, %s, max_model_len %d, prefix caching %s",
@@ -300,6 +303,7 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.items())})
             if self.arch.tie_word_embeddings and self.device.type == "cpu":
                 self.llm.apply_model(refresh_tied_heads)
+        self.weights_stale = False
         if expected_checksum is None:
             return ""
         held = self.held_weights(tensors)
@@ -344,18 +348,27 @@ class VLLMEngine:
                                   "rollout.check_weight_sync=false to load without the check")
         return out
 
+    def update_draft_weights(self, weights, expected_checksum: str | None = None) -> str:
+        """The protocol's draft-model sync: Miles' online-trained draft runs in the native engine only
+        (validation refuses rollout.speculative with rollout=vllm)."""
+        raise NotImplementedError("update_draft_weights: Miles' online-trained draft runs in the native engine "
+                                  "(rollout.speculative needs rollout=native)")
+
     # ----------------------------------------------------------------------------- memory and health
-    def release_memory(self, tags=ENGINE_TAGS) -> None:
-        """CUDA with enable_sleep_mode: LLM.sleep(level=1), which moves the weights to host memory
-        and drops the KV cache whatever the tags, so both count as released until resumed. CPU:
-        vLLM has no sleep mode; nothing is freed, but generate refuses until resume_memory (the
-        protocol's order of calls stays checked)."""
+    def release_memory(self, tags=ENGINE_TAGS, keep_weights: bool = True) -> None:
+        """CUDA with enable_sleep_mode: LLM.sleep, level 1 (the weights to host memory) or, with
+        keep_weights=False, level 2 (the weights discarded: the caller reloads them); either drops the
+        KV cache whatever the tags, so both count as released until resumed. CPU: vLLM has no sleep
+        mode; nothing is freed, but generate refuses until resume_memory (the protocol's order of calls
+        stays checked), and with keep_weights=False until the next update_weights, as on CUDA."""
         tags = check_tags(tags, ENGINE_TAGS, "release_memory")
         new = [t for t in tags if t not in self.released]
         if new and self.sleep_mode:
             if not self.released:
-                self.llm.sleep(level=1)
+                self.llm.sleep(level=1 if keep_weights else 2)
             new = list(ENGINE_TAGS)
+        if "weights" in new and not keep_weights:
+            self.weights_stale = True
         self.released.update(new)
 
     def resume_memory(self, tags=ENGINE_TAGS) -> None:
@@ -388,6 +401,9 @@ class VLLMEngine:
             tags = tuple(t for t in ENGINE_TAGS if t in self.released)
             raise RuntimeError(f"{what}: the engine's {' and '.join(tags)} memory is released (colocation): "
                                f"call resume_memory({tags}) first")
+        if self.weights_stale:
+            raise RuntimeError(f"{what}: the engine's weights were released with keep_weights=False: load them "
+                               "with update_weights(...) first")
 
 
 _CURRENT: weakref.ref | None = None  # the process's live engine (vLLM's parallel state is per process)

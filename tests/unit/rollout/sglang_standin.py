@@ -1,10 +1,28 @@
 """A STAND-IN for an SGLang 0.5.23 HTTP server, for testing miles/rollout/sglang_engine.py where SGLang cannot run.
 
 THIS IS NOT SGLANG. It implements the request and response schemas of the endpoints the adapter uses, as
-../shared/reference/backend-apis.md §1 documents them (not as SGLang's code has them: that was not run),
+../shared/reference/backend-apis.md §1 documents them and as SGLang 0.5.23's source has them where that
+was read (the sglang-0.5.23 wheel: srt/entrypoints/http_server.py, srt/managers/io_struct.py,
+srt/utils/weight_checker.py, srt/sampling/sampling_batch_info.py, srt/managers/tokenizer_manager.py),
 over the project's own NativeEngine: its tokens and log-probs are those of a real tiny model, its
 routed experts those the model chose, its weights what the requests loaded. It is a stand-in for the
 server process, not a mock of results.
+
+Behaviours taken from 0.5.23's source (a real 0.5.23 server on a CPU showed the first three):
+- `/get_weights_by_name` answers HTTP 400 {"error": {"message": "Get parameter by name failed"}} unless
+  the model class implements `get_weights_by_name` (llama, granite, exaone4, opt, embedding_gemma2):
+  for every Miles family (Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek / GLM / ...) it fails.
+- `sampling_seed` is used only with `--enable-deterministic-inference` (sampling_batch_info.py builds
+  the batch's seeds only then, 42 for a row without one); without it, rows sample from the server's
+  own stream and the seed is ignored.
+- `/model_info`'s `model_path` (and `served_model_name`) become the directory of the last successful
+  `/update_weights_from_disk` (TokenizerManager._update_model_path_info).
+- `/weights_checker` (action "checksum"): per-tensor hashes of the model's parameters under SGLang's
+  fused names and layout (`sglang_parameters`, which loads the HF tensors the way 0.5.23's loaders do:
+  stacked qkv_proj / gate_up_proj, FusedMoE w13_weight / w2_weight, DeepSeek's
+  fused_qkv_a_proj_with_mqa, vocabulary rows padded to 64, a tied head once), hashed as
+  mm_utils.tensor_hash does on the server's `device` ("cpu": SHA-256, "cuda": the Triton kernel's
+  arithmetic, here in numpy), in the response layout of http_server.py `check_weights`.
 
 Strict on purpose, so a test catches adapter drift: a body with an unknown field, a missing required
 field or a wrongly typed value gets HTTP 400; a documented field the stand-in does not reproduce is
@@ -21,7 +39,9 @@ retracting running requests on pause (new requests wait until continue), and the
 SGLang's safe unpickler (here: the families the document names; SGLang's exact list was not read).
 Choices where the document is silent: output_ids drop the matched stop token unless no_stop_trim (the
 output_token_logprobs keep it); dense layers' rows of routed_experts are 0; sampling `n` > 1 expands
-prompt-major; sampling_seed seeds a row's own generator.
+prompt-major; with deterministic inference, sampling_seed seeds a row's own generator (SGLang hashes
+(seed, position) instead: the same property, other samples). /weights_checker reproduces "checksum"
+only (not snapshot / compare / reset_tensors), TP = 1.
 
     server = StandInServer(ckpt, enable_return_routed_experts=True).start()   # server.url
     server.kill()                                                             # connections now refused
@@ -33,15 +53,18 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import hashlib
 import io
 import json
 import pickle
+import re
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
@@ -64,6 +87,145 @@ class BadRequest(Exception):
 
 class Unavailable(Exception):
     status = 503
+
+
+class _Reply:
+    """An endpoint's answer with its own status (SGLang's {success: false} bodies come back as 400)."""
+
+    def __init__(self, status: int, body):
+        self.status, self.body = status, body
+
+
+# SGLang 0.5.23 model classes with a get_weights_by_name method (srt/models/{llama,granite,exaone4,opt,
+# embedding_gemma2}.py, and llama's subclasses); every other model answers /get_weights_by_name with 400.
+GET_WEIGHTS_BY_NAME = {"LlamaForCausalLM", "GraniteForCausalLM", "Exaone4ForCausalLM", "OPTForCausalLM",
+                       "Gemma2ForSequenceClassification"}
+
+
+# ----------------------------------------------------------------------------- SGLang's parameter layout
+def sglang_parameters(hf: dict[str, torch.Tensor], config: dict, dtype: torch.dtype,
+                      shared_experts_fusion: bool = False) -> dict[str, torch.Tensor]:
+    """The model's named_parameters as SGLang 0.5.23 would hold them after loading these HF tensors
+    (TP = 1): parameters allocated from config.json's sizes, then each checkpoint tensor copied into
+    its slice the way the loaders do it (qwen3.py / qwen3_moe.py stacked_params_mapping and
+    QKVParallelLinear / MergedColumnParallelLinear shard offsets, FusedMoE._load_w13 / _load_w2,
+    deepseek_weight_loader.py's cached q_a / kv_a fusion and shared-experts fusion,
+    VocabParallelEmbedding.weight_loader's zero-padded rows; a tied head is the embedding's tensor)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    routed = config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts")
+    moe_inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    shared_inter = moe_inter * (config.get("n_shared_experts") or 1)
+    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+    q_offsets = {"q": (0, heads * head_dim), "k": (heads * head_dim, kv_heads * head_dim),
+                 "v": ((heads + kv_heads) * head_dim, kv_heads * head_dim)}
+    params: dict[str, torch.Tensor] = {}
+
+    def param(name: str, shape, kind=dtype) -> torch.Tensor:
+        if name not in params:
+            params[name] = torch.full(tuple(shape), float("nan"), dtype=kind)  # torch.empty, made visible
+        return params[name]
+
+    hf = dict(hf)
+    if config.get("tie_word_embeddings"):
+        hf.pop("lm_head.weight", None)
+    if shared_experts_fusion and routed:
+        hf = {n.replace("mlp.shared_experts", f"mlp.experts.{routed}"): t for n, t in hf.items()}
+    experts = (routed + any(f".experts.{routed}." in n for n in hf)) if routed else 0  # + a fused shared one
+    cached_a = {}
+    for name, w in hf.items():
+        if (m := re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$", name)):
+            e, which = int(m.group(2)), {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}.get(m.group(3), m.group(3))
+            if which == "w2":
+                param(f"{m.group(1)}.w2_weight", (experts, w.shape[0], moe_inter))[e].copy_(w)
+            else:
+                w13 = param(f"{m.group(1)}.w13_weight", (experts, 2 * moe_inter, w.shape[1]))
+                w13[e].narrow(0, moe_inter if which == "w3" else 0, moe_inter).copy_(w)  # w1 first, then w3
+            continue
+        if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")) and config.get("q_lora_rank"):
+            cached_a[name] = w
+            q = name.replace("kv_a_proj_with_mqa", "q_a_proj")
+            kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
+            if q in cached_a and kv in cached_a:
+                fused = torch.cat([cached_a.pop(q), cached_a.pop(kv)], dim=0)
+                target = q.replace("q_a_proj", "fused_qkv_a_proj_with_mqa")
+                param(target, fused.shape).copy_(fused)
+            continue
+        for fused, shard, shard_id in stacked:
+            prefix, dot, suffix = name.rpartition(f".{shard}.")
+            if not dot or (shard_id in q_offsets and not all(f"{prefix}.{s}_proj.{suffix}" in hf for s in "qkv")):
+                continue
+            if shard_id in q_offsets:
+                start, size = q_offsets[shard_id]
+                total = (heads + 2 * kv_heads) * head_dim
+            else:
+                size = shared_inter if ".shared_experts" in prefix else config["intermediate_size"]
+                start, total = shard_id * size, 2 * size
+            target = param(f"{prefix}.{fused}.{suffix}", (total, *w.shape[1:]))
+            target.narrow(0, start, size).copy_(w)
+            break
+        else:
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                rows = (w.shape[0] + 63) // 64 * 64
+                target = param(name, (rows, w.shape[1]))
+                target[: w.shape[0]].copy_(w)
+                target[w.shape[0]:].fill_(0)
+            elif name.endswith("e_score_correction_bias"):  # deepseek_v2.py MoEGate: fp32 for noaux_tc
+                param(name, w.shape, torch.float32).copy_(w)
+            else:
+                param(name, w.shape).copy_(w)
+    unloaded = [n for n, t in params.items() if torch.isnan(t).any()]
+    if unloaded or cached_a:
+        raise BadRequest(f"stand-in layout: parameters not fully loaded: {unloaded[:3]} {list(cached_a)[:3]}")
+    return params
+
+
+def _cpu_tensor_hash(t: torch.Tensor) -> int:
+    """mm_utils.tensor_hash of a CPU tensor: the first 8 bytes of SHA-256 of its bytes, big-endian."""
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return int.from_bytes(hashlib.sha256(data.tobytes()).digest()[:8], byteorder="big", signed=False)
+
+
+def _gpu_tensor_hash(t: torch.Tensor, seed: int = 0x243F6A88, tile: int = 8192) -> int:
+    """kernels/ops/memory/gpu_tensor_hash.py's arithmetic (hash_tiles32_kernel_blocked, the add-tree
+    reduce, _final_splitmix64) in numpy uint32 / uint64, which wrap as Triton's do."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw += b"\0" * ((4 - len(raw) % 4) % 4)
+    v = np.frombuffer(raw, dtype="<u4").astype(np.uint32)
+    n = v.size
+    if n == 0:
+        return 0
+
+    def fmix(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x85EBCA6B)
+        x = x ^ (x >> np.uint32(13))
+        x = x * np.uint32(0xC2B2AE35)
+        return x ^ (x >> np.uint32(16))
+
+    def rotl(x, r):
+        return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+    with np.errstate(over="ignore"):
+        s1 = np.uint32(seed & 0xFFFFFFFF)
+        s2 = np.uint32(((seed * 0x9E3779B1) ^ 0xDEADBEEF) & 0xFFFFFFFF)
+        iu = np.arange(n, dtype=np.uint64).astype(np.uint32)
+        k1 = fmix(v ^ ((iu * np.uint32(0x27D4EB2D) + s1) ^ rotl(iu, 15)))
+        k2 = fmix(v ^ ((iu * np.uint32(0x165667B1) + s2) ^ rotl(iu, 13)))
+        pad = (-n) % tile
+        k1, k2 = np.concatenate([k1, np.zeros(pad, np.uint32)]), np.concatenate([k2, np.zeros(pad, np.uint32)])
+        nbytes = np.uint32((n * 4) & 0xFFFFFFFF)
+        h1 = fmix(k1.reshape(-1, tile).sum(axis=1, dtype=np.uint32) ^ nbytes)
+        h2 = fmix(k2.reshape(-1, tile).sum(axis=1, dtype=np.uint32) ^ nbytes)
+        total = int(((h1.astype(np.uint64) << np.uint64(32)) | h2.astype(np.uint64)).sum(dtype=np.uint64))
+    mask = (1 << 64) - 1
+    total ^= total >> 30
+    total = (total * 0xBF58476D1CE4E5B9) & mask
+    total ^= total >> 27
+    total = (total * 0x94D049BB133111EB) & mask
+    return total ^ (total >> 31)
 
 
 # ----------------------------------------------------------------------------- schemas (doc §1.3-§1.6)
@@ -123,6 +285,8 @@ BODIES = {  # path -> (fields, required)
     "/begin_weight_update": ({"selector": (SELECTOR, NO)}, ()),
     "/end_weight_update": ({}, ()),
     "/get_weights_by_name": ({"name": (STR, NO), "truncate_size": (INT, NO)}, ("name",)),
+    "/weights_checker": ({"action": (STR, NO), "allow_quant_error": (BOOL, False),
+                          "skip_tensor_list": (_opt(_list_of(STR)), NO), "selector": (SELECTOR, NO)}, ()),
     "/release_memory_occupation": ({"tags": (_opt(_list_of(lambda t: t in MEMORY_TAGS)), NO)}, ()),
     "/resume_memory_occupation": ({"tags": (_opt(_list_of(lambda t: t in MEMORY_TAGS)), NO)}, ()),
     "/pause_generation": ({"mode": (lambda v: v in ("abort", "retract", "in_place"), NO)}, ()),
@@ -183,12 +347,21 @@ class StandInServer:
     def __init__(self, model_path: str, dtype: str = "float32", random_seed: int = 0, host: str = "127.0.0.1",
                  port: int = 0, tp_size: int = 1, skip_tokenizer_init: bool = True,
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = True,
-                 enable_weights_cpu_backup: bool = False, weight_version: str = "default", **other_args):
+                 enable_weights_cpu_backup: bool = False, weight_version: str = "default",
+                 enable_deterministic_inference: bool = False, device: str = "cpu",
+                 shared_experts_fusion: bool = False, **other_args):
+        """device: what /server_info says and which hash /weights_checker computes ("cpu" or "cuda");
+        the stand-in itself runs on the CPU. shared_experts_fusion: DeepSeek's shared expert held as
+        the last fused expert (SGLang's shared-experts fusion, on for some CUDA setups)."""
         self.args = dict(model_path=model_path, dtype=dtype, random_seed=random_seed, host=host, tp_size=tp_size,
                          dp_size=1, skip_tokenizer_init=skip_tokenizer_init,
                          enable_return_routed_experts=enable_return_routed_experts,
                          enable_memory_saver=enable_memory_saver, enable_weights_cpu_backup=enable_weights_cpu_backup,
+                         enable_deterministic_inference=enable_deterministic_inference, device=device,
                          **other_args)
+        self.model_path = model_path  # /model_info's: moved by each successful update from disk
+        self.hf_config = json.loads((Path(model_path) / "config.json").read_text())
+        self.shared_experts_fusion = shared_experts_fusion
         engine_dtype = DType.bf16 if dtype in ("bfloat16", "bf16") else DType.fp32
         self.base_cfg = RolloutCfg(slot_decode=False)
         self.engine = NativeEngine(model_path, self.base_cfg, engine_dtype, seed=random_seed,
@@ -228,6 +401,7 @@ class StandInServer:
         routes = {
             "/health": ("GET",), "/health_generate": ("GET",), "/model_info": ("GET",), "/server_info": ("GET",),
             "/flush_cache": ("GET", "POST"), "/generate": ("POST", "PUT"), "/get_weights_by_name": ("GET", "POST"),
+            "/weights_checker": ("GET", "POST"),
             "/release_memory_occupation": ("GET", "POST"), "/resume_memory_occupation": ("GET", "POST"),
         }
         if path not in routes and path not in BODIES:
@@ -250,8 +424,10 @@ class StandInServer:
         return None
 
     def _model_info(self, body):
-        return {"model_path": self.args["model_path"], "tokenizer_path": self.args["model_path"],
-                "is_generation": True, "weight_version": self.weight_version}
+        return {"model_path": self.model_path, "served_model_name": self.model_path,
+                "tokenizer_path": self.args["model_path"], "is_generation": True,
+                "weight_version": self.weight_version, "model_type": self.hf_config.get("model_type"),
+                "architectures": self.hf_config.get("architectures")}
 
     def _server_info(self, body):
         return dict(self.args, version=VERSION)
@@ -301,14 +477,16 @@ class StandInServer:
             if temperature < 0 or not 0 < top_p <= 1 or (top_k != -1 and top_k < 1):
                 raise BadRequest(f"sampling_params: invalid temperature / top_p / top_k in {p}")
             stop = tuple(sorted(set(p.get("stop_token_ids") or ()) | ({eos} if eos is not None else set())))
-            key = (temperature, top_p, top_k, int(p.get("max_new_tokens", 128)), stop, "sampling_seed" in p)
+            key = (temperature, top_p, top_k, int(p.get("max_new_tokens", 128)), stop)
             partitions.setdefault(key, []).append(i)
-        for (temperature, top_p, top_k, max_new, stop, seeded), index in partitions.items():
+        seeded = self.args["enable_deterministic_inference"]  # else SGLang ignores sampling_seed
+        for (temperature, top_p, top_k, max_new, stop), index in partitions.items():
             if max_new < 1:
                 raise BadRequest("max_new_tokens < 1 is not reproduced by the stand-in")
             self.engine.cfg = replace(self.base_cfg, top_p=top_p, top_k=max(top_k, 0), max_new_tokens=max_new)
             self.engine.stop_ids = torch.tensor(stop, dtype=torch.long)
-            seeds = [int(params[i]["sampling_seed"]) for i in index] if seeded else None
+            seeds = [int(params[i].get("sampling_seed") if params[i].get("sampling_seed") is not None else 42)
+                     for i in index] if seeded else None
             try:
                 samples = self.engine.generate([""] * len(index), [""] * len(index), n=1, temperature=temperature,
                                                max_new_tokens=max_new, prompt_ids=[rows[i] for i in index], seeds=seeds)
@@ -400,6 +578,7 @@ class StandInServer:
             state = model.state_dict()
             self.load_hf(self.family.to_hf_tensors({self.family.to_hf_name(n): t for n, t in state.items()}, self.config))
         self._new_version(body)
+        self.model_path = body["model_path"]
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def _new_version(self, body):
@@ -407,10 +586,35 @@ class StandInServer:
             self.weight_version = body["weight_version"]
 
     def _get_weights_by_name(self, body):
-        tensor = self.hf_view().get(body["name"])
-        if tensor is None:
-            raise BadRequest(f"Get parameter by name failed: {body['name']}")
-        return tensor.float().numpy().tolist()[: body.get("truncate_size", 100)]
+        # weight_exporter.get_weights_by_name -> model.get_weights_by_name, which only these classes have;
+        # the AttributeError becomes None, and http_server.py answers _create_error_response (HTTP 400).
+        if not set(self.hf_config.get("architectures") or ()) & GET_WEIGHTS_BY_NAME:
+            raise BadRequest("Get parameter by name failed")
+        raise BadRequest("Get parameter by name failed (no Miles family is a model class with "
+                         "get_weights_by_name: not reproduced)")
+
+    def _weights_checker(self, body):
+        """http_server.py check_weights: {success, message, ranks: [ChecksumInfo per TP rank],
+        per_engine_checksum}; HTTP 400 with success false on an error."""
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            raise BadRequest(f"weights_checker action={action!r} is not reproduced by the stand-in (only checksum)")
+        skip = body.get("skip_tensor_list") or ()
+        with self.lock:
+            if "weights" in self.engine.released:
+                return _Reply(400, {"success": False, "message": "weights are released"})
+            params = sglang_parameters(self.hf_view(), self.hf_config, self.engine.dtype, self.shared_experts_fusion)
+        hash_of = _gpu_tensor_hash if self.args["device"].startswith("cuda") else _cpu_tensor_hash
+        checksums = {name: f"{hash_of(t):016x}" for name, t in params.items() if not any(s in name for s in skip)}
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                "pp_size": 1, "rank": 0, "size": 1}
+        rank = {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [info]}
+        return {"success": True, "message": "Success.", "ranks": [rank],
+                "per_engine_checksum": hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()}
 
     def _init_weights_update_group(self, body):
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
@@ -515,6 +719,8 @@ def _handler(server: StandInServer):
             except Exception as error:  # noqa: BLE001  (a server bug or an engine refusal: 500 with its text)
                 return self._reply(500, {"error": {"message": f"{type(error).__name__}: {error}",
                                                    "traceback": traceback.format_exc()[-2000:]}})
+            if isinstance(result, _Reply):
+                return self._reply(result.status, result.body)
             self._reply(200, result)
 
         def _reply(self, status: int, result):
@@ -558,7 +764,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--base-gpu-id", type=int, default=0)
     for flag in ("--skip-tokenizer-init", "--skip-server-warmup", "--enable-return-routed-experts",
-                 "--enable-memory-saver", "--enable-weights-cpu-backup"):
+                 "--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-deterministic-inference"):
         parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
     dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
@@ -567,6 +773,7 @@ def main(argv=None) -> None:
                            enable_return_routed_experts=args.enable_return_routed_experts,
                            enable_memory_saver=args.enable_memory_saver,
                            enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+                           enable_deterministic_inference=args.enable_deterministic_inference,
                            max_running_requests=args.max_running_requests, device=args.device)
     server.httpd.serve_forever()
 
