@@ -1,6 +1,7 @@
 """GRPO step breakdown on one GPU: the real loop (`launch.py`, in-process), per precision recipe.
 
     python benchmarks/grpo_step.py [--recipes bf16 fp8] [--steps 4] [--model qwen3_0_6b] [--modes sync async]
+    python benchmarks/grpo_step.py --recipes bf16 fp8,precision.forward_weights=rollout   # a recipe with overrides
 
 Each recipe runs `launch.py hardware=gpu ray.enabled=false model=<model> warm_start.enabled=false
 precision=<recipe> rollout.max_new_tokens=256 steps=<steps>` (64 prompts x 8 samples, random
@@ -26,10 +27,12 @@ KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/we
         "rollout/tokens_per_s", "mismatch/logprob_abs_diff"]
 
 
-def run(recipe: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
-    out = work / f"{recipe}_{mode}"
+def run(spec: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
+    """spec: a recipe name, optionally with overrides after commas (fp8,precision.forward_weights=rollout)."""
+    recipe, *overrides = spec.split(",")
+    out = work / f"{len(list(work.glob('*_*')))}_{recipe}_{mode}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "hardware=gpu", "ray.enabled=false", f"model={model}",
-           "warm_start.enabled=false", f"precision={recipe}", "rollout.max_new_tokens=256", f"steps={steps}",
+           "warm_start.enabled=false", f"precision={recipe}", *overrides, "rollout.max_new_tokens=256", f"steps={steps}",
            "eval.interval=1000", "task.eval_size=16", f"tracking.uri=sqlite:///{work}/mlflow.db",
            f"hydra.run.dir={out}", *(["rollout.asynchronous=true"] if mode == "async" else [])]
     subprocess.run(cmd, check=True, cwd=work)
@@ -57,6 +60,8 @@ def main() -> None:
                 label = recipe if args.modes == ["sync"] else f"{recipe} {mode}"
                 rows.append((label, {k: statistics.median(m[k] for m in later) for k in KEYS},
                              metrics[1]["perf/step_time_s"]))
+                print(f"# {label}: {rows[-1][1]} (step 1: {rows[-1][2]:.1f} s, mismatch "
+                      f"{metrics[1]['mismatch/logprob_abs_diff']:.3e})", flush=True)  # kept if a later run fails
     print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for recipe, m, first in rows:

@@ -126,6 +126,10 @@ class PrecisionCfg:
         default_factory=lambda: ["embed_tokens", "lm_head", "norm", r"(^|\.)gate\.weight$", "shared_expert_gate"])
     keep_first_layers: int = 0
     keep_last_layers: int = 0
+    # What the training forward multiplies: "master" (the fp32 master weights, autocast to train_dtype
+    # at each matmul: the residual stream stays fp32) or "rollout" (the weights cast to rollout_dtype,
+    # as the engine holds them: the residual stream in that dtype too, Megatron's bf16 params).
+    forward_weights: str = "master"
 
 
 @dataclass
@@ -187,7 +191,6 @@ class SGLangCfg:
     url: Optional[str] = None  # a running server; null: launch `python -m sglang.launch_server`
     server_args: Dict[str, Any] = field(default_factory=dict)  # more ServerArgs fields when launching
     weight_update: str = "disk"  # disk: safetensors + /update_weights_from_disk; tensor: /update_weights_from_tensor
-    verify: str = "auto"  # after a checked sync: full / sample read-back through /get_weights_by_name (auto: by size)
     weights_dir: Optional[str] = None  # weight_update=disk: a directory the server can read (null: a temp dir)
     weight_session: bool = True  # begin / end_weight_update around updates (SGLang >= 0.5.21)
     startup_timeout_s: float = 600.0

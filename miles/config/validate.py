@@ -193,9 +193,12 @@ def validate(cfg: RunCfg) -> list[str]:
                         "set rollout.num_engines=1")
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
-    if cfg.trainer.recompute and cfg.precision.train_quant.value != "none":
+    if cfg.trainer.recompute and (cfg.precision.train_quant.value != "none" or cfg.precision.forward_weights != "master"):
         problems.append(f"trainer.recompute=true does not combine with precision={cfg.precision.name} (its "
-                        "fake-quantized training forward): set trainer.recompute=false")
+                        "quantized or cast training forward): set trainer.recompute=false")
+    if cfg.precision.forward_weights not in ("master", "rollout"):
+        problems.append(f"precision.forward_weights={cfg.precision.forward_weights!r} is unknown; valid: master "
+                        "(fp32 master weights under autocast), rollout (cast to precision.rollout_dtype, as the engine)")
     for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
                               ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
                               ("fault.max_retries", cfg.fault.max_retries, 0),
@@ -274,7 +277,8 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
             problems.append("trainer.backend=fsdp runs its ranks as Ray actors: set ray.enabled=true")
         unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",
                        f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
-                       "true_on_policy=true": cfg.true_on_policy}
+                       "true_on_policy=true": cfg.true_on_policy,
+                       "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout"}
         problems += [f"trainer.backend=fsdp does not support {what} yet: use trainer.backend=torch"
                      for what, bad in unsupported.items() if bad]
     if r.weight_sync not in ("object_store", "broadcast", "shared_memory"):
@@ -342,8 +346,6 @@ def engine_problems(cfg: RunCfg) -> list[str]:
         s = r.sglang
         if s.weight_update not in ("disk", "tensor"):
             problems.append(f"rollout.sglang.weight_update={s.weight_update!r} is unknown; valid: disk, tensor")
-        if s.verify not in ("auto", "full", "sample"):
-            problems.append(f"rollout.sglang.verify={s.verify!r} is unknown; valid: auto, full, sample")
         if cfg.precision.rollout_quant.value != "none":
             problems.append(f"rollout=sglang quantizes with SGLang's own kernels, not precision={cfg.precision.name}'s "
                             "rollout format: use precision=bf16 and rollout.sglang.server_args.quantization")
@@ -435,6 +437,7 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
                         f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
     unsupported = {f"precision={cfg.precision.name}": cfg.precision.train_quant.value != "none"
                    or cfg.precision.rollout_quant.value != "none",
+                   "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
                    f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
                    "true_on_policy=true": cfg.true_on_policy,
                    "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
@@ -479,6 +482,9 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"true_on_policy=true needs one set of kernels on both sides, but precision={p.name} "
                         "runs quantized GEMMs in the engine and fake quantization in the trainer: "
                         "use precision=bf16 or precision=fp32")
+    if p.forward_weights != "master":
+        problems.append("true_on_policy=true runs the engine on the trainer's fp32 masters under autocast: "
+                        "set precision.forward_weights=master")
     if r.top_p < 1.0 or r.top_k > 0:
         problems.append("true_on_policy=true samples from the policy's own distribution; top-p / top-k "
                         "truncate it: set rollout.top_p=1.0 rollout.top_k=0")

@@ -94,6 +94,8 @@ class Recipe:
     rollout_quant: str  # what the engine holds: none (the rollout dtype), fp8, int4
     group: int  # int4 group size
     keep: Callable[[str], bool]  # True: never quantized (embeddings, head, norms, routers, chosen layers)
+    # precision.forward_weights=rollout: the dtype the forward casts the master weights to (None: master).
+    forward_dtype: torch.dtype | None = None
     # The training forward's FP8 operands, made once per optimizer step (see release_training_cache).
     fp8_cache: FP8WeightCache = field(default_factory=FP8WeightCache, repr=False, compare=False)
 
@@ -101,7 +103,10 @@ class Recipe:
     def from_cfg(cls, precision, num_layers: int) -> "Recipe":
         keep = high_precision_predicate(precision.keep_high_precision, precision.keep_first_layers,
                                         precision.keep_last_layers, num_layers)
-        return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep)
+        forward_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision.rollout_dtype.value] \
+            if precision.forward_weights == "rollout" else None
+        return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep,
+                   forward_dtype)
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.is_floating_point() and tensor.dim() >= 2 and not self.keep(name)
@@ -112,18 +117,24 @@ class Recipe:
         straight through to the fp32 master weights). fp8: each selected nn.Linear runs the engine's
         FP8 GEMM (fp8_train_linear); the other selected weights (stacked MoE experts), and all of
         them with int4, are fake-quantized, as the engine rebuilds them."""
-        if self.train_quant == NONE:
+        if self.train_quant == NONE and self.forward_dtype is None:
             return model(*args, **kwargs)
         fp8_linears = {}
         if self.train_quant == FP8:
             fp8_linears = {name: m for name, m in model.named_modules()
                            if isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)}
-        fq = {name: self._fake_quant(p) for name, p in model.named_parameters()
-              if self.quantizes(name, p) and name.rpartition(".")[0] not in fp8_linears}
+        weights = {}
+        if self.forward_dtype is not None:  # differentiable casts: the gradients reach the fp32 masters
+            weights = {name: p.to(self.forward_dtype) for name, p in model.named_parameters()
+                       if p.is_floating_point() and name.rpartition(".")[0] not in fp8_linears}
+        if self.train_quant != NONE:
+            weights.update({name: self._fake_quant(p) for name, p in model.named_parameters()
+                            if self.quantizes(name, p) and name.rpartition(".")[0] not in fp8_linears})
         for module in fp8_linears.values():
             module.forward = functools.partial(_fp8_linear_forward, module, self.fp8_cache)
         try:
-            return torch.func.functional_call(model, fq, args, kwargs, strict=False) if fq else model(*args, **kwargs)
+            return torch.func.functional_call(model, weights, args, kwargs, strict=False) if weights \
+                else model(*args, **kwargs)
         finally:
             for module in fp8_linears.values():
                 del module.forward
@@ -134,7 +145,9 @@ class Recipe:
         self.fp8_cache.clear()
 
     def _fake_quant(self, w: torch.Tensor) -> torch.Tensor:
-        return fake_quant_fp8_weight(w) if self.train_quant == FP8 else fake_quant_int4(w, self.group)
+        # From the master weight (as the payload is), rounded once to the forward's dtype.
+        dtype = self.forward_dtype or w.dtype
+        return fake_quant_fp8_weight(w, dtype=dtype) if self.train_quant == FP8 else fake_quant_int4(w, self.group, dtype)
 
     def sync_payload(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What weight sync carries: the rollout format of the trainer's (master) weights."""

@@ -241,3 +241,11 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert any("set rollout.colocate=true" in p for p in validate(compose([*gpu, "rollout.colocate=false"])))
     assert any("set one of them false" in p for p in validate(compose([*gpu, "rollout.asynchronous=true"])))
     assert validate(compose(["rollout.asynchronous=true", "rollout.max_staleness=2", "rollout.num_engines=2"])) == []
+
+
+def test_forward_weights_rule(compose):
+    assert validate(compose(["precision=fp8", "precision.forward_weights=rollout"])) == []
+    problems = validate(compose(["precision.forward_weights=bf16"]))
+    assert len(problems) == 1 and "precision.forward_weights='bf16' is unknown; valid: master" in problems[0]
+    assert "set trainer.recompute=false" in validate(compose(["trainer.recompute=true", "precision=bf16",
+                                                              "precision.forward_weights=rollout"]))[0]

@@ -98,3 +98,30 @@ def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
     payload["layers.1.mlp.down_proj.weight_scale"] = payload["layers.1.mlp.down_proj.weight_scale"] * 1.5
     with pytest.raises(WeightSyncError):
         engine.update_weights(payload, digest)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "int4"])
+def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant):
+    """precision.forward_weights=rollout: the training forward multiplies the master weights cast to
+    the engine's dtype (bf16 here), so its residual stream is the engine's too: the logits equal the
+    engine's full forward bit for bit (with the fp32 masters under autocast they do not), and the
+    gradients still reach the fp32 masters."""
+    from miles.config.schema import DType
+
+    model = CausalLM(ARCH, seed=0)
+    cfg = PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant), train_dtype=DType.bf16,
+                       rollout_dtype=DType.bf16, forward_weights="rollout")
+    r = Recipe.from_cfg(cfg, ARCH.num_layers)
+    engine = copy.deepcopy(model).requires_grad_(False).to(torch.bfloat16)
+    if quant != "none":
+        r.prepare_engine(engine)
+        r.load_engine(engine, r.sync_payload(model.state_dict()), torch.bfloat16)
+    ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(r.forward(model, ids), engine(ids))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            master = Recipe.from_cfg(PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant)),
+                                     ARCH.num_layers).forward(model, ids)
+        assert not torch.equal(master, engine(ids))
+    r.forward(model, ids).float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

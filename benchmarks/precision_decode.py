@@ -1,0 +1,118 @@
+"""Decode speed per precision recipe on one GPU: the native engine (slot decode, CUDA graphs) holding
+bf16, FP8 or INT4 weights, each against its own memory roofline.
+
+    python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 int4]
+
+Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
+per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
+the recipes' calls are interleaved. Roofline per recipe: a decode step reads every weight once in the
+format the engine holds (quantized Linear layers: fp8 1 byte + scales, int4 0.5 byte + scales; the
+rest, embeddings / head / norms, bf16) and each row's KV cache so far:
+tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW), BW the measured
+device-to-device copy bandwidth. Imports torch and miles only (no Hydra / MLflow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from rollout_gpu import SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
+
+from miles.config.schema import DType, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
+from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
+from miles.hardware.footprint import kv_bytes_per_token  # noqa: E402
+from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
+from miles.rollout.native import NativeEngine  # noqa: E402
+
+MODELS = {
+    "qwen3_0_6b": ModelCfg(name="qwen3_0_6b", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                           num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                           tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3_4b": ModelCfg(name="qwen3_4b", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=40960),
+}
+
+
+def held_bytes(engine: NativeEngine) -> int:
+    """Bytes a decode step reads: every tensor the engine holds, once (a tied embedding is one)."""
+    seen, total = set(), 0
+    for t in engine.recipe.held_tensors(engine.model).values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", nargs="+", default=["qwen3_0_6b", "qwen3_4b"], choices=sorted(MODELS))
+    parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    results = []
+    for model_name in args.model:
+        model = MODELS[model_name]
+        arch = model.arch(model.vocab_size)
+        kv_token = kv_bytes_per_token(arch, 2)
+        with tempfile.TemporaryDirectory() as work:
+            ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
+            for rows in args.rows:
+                texts = prompts(rows // SAMPLES, args.prompt_len)
+                cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
+                                 n_samples_per_prompt=SAMPLES, temperature=1.0)
+                engines = {}
+                for recipe in args.recipes:
+                    quant = Quant.none if recipe == "bf16" else Quant(recipe)
+                    precision = PrecisionCfg(name=recipe, rollout_quant=quant)
+                    # The engine quantizes the checkpoint into the recipe's format as it starts.
+                    engine = NativeEngine(ckpt, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
+                    engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")
+                    engines[recipe] = engine
+                calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES)) for name, e in engines.items()}
+                for fn in calls.values():
+                    fn()  # warm-up: graphs captured, kernels compiled
+                times = {name: [] for name in calls}
+                for _ in range(args.repeats):
+                    for name, fn in calls.items():
+                        times[name].append(timed(fn))
+                context = args.prompt_len + args.new_tokens / 2
+                for name, engine in engines.items():
+                    wbytes = held_bytes(engine)
+                    step_bytes = wbytes + rows * context * kv_token
+                    warm = statistics.median(times[name])
+                    results.append(dict(model=model_name, rows=rows, recipe=name, warm_s=warm,
+                                        tps=rows * args.new_tokens / warm, weight_gb=wbytes / 1e9,
+                                        roofline_tps=rows * bandwidth / step_bytes, bandwidth=bandwidth))
+                    print(results[-1], flush=True)
+                del engines, calls
+                torch.cuda.empty_cache()
+    print("\n| model | rows | recipe | weights GB | tok/s | vs bf16 | roofline tok/s | % of roofline |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        base = next(x for x in results if x["model"] == r["model"] and x["rows"] == r["rows"]
+                    and x["recipe"] == args.recipes[0])
+        print(f"| {r['model']} | {r['rows']} | {r['recipe']} | {r['weight_gb']:.2f} | {r['tps']:,.0f} | "
+              f"{r['tps'] / base['tps']:.2f}x | {r['roofline_tps']:,.0f} | {100 * r['tps'] / r['roofline_tps']:.1f}% |")
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
