@@ -12,12 +12,23 @@ by side for every (projection, token count):
   (activation quantization in plain torch ops, then the kernel); the act quant time alone is listed;
   fp8_linear, which also lays the weight out on every call, is in the JSON;
 - int4: int4_linear (unpack + dequantize in torch ops, then a bf16 GEMM) and its dequantization alone;
+- int4 fused: int4_linear_fused, the Triton W4A16 kernel (miles/precision/int4_triton.py) that reads
+  the packed nibbles and never writes the bf16 weight; its error against the fp32 reference and its
+  distance to int4_linear (only the fp32 summation order differs);
+- deep_gemm: fp8_linear(backend="deep_gemm") (activation quantization + DeepGEMM's NT GEMM), only where
+  fp8_backend_report says DeepGEMM loads and computes the right numbers;
+- for M <= --graph-max-tokens also the bf16 and int4 fused times inside a CUDA graph (`*_graph_ms`):
+  what the engine's graph-captured decoder pays, without the Python launch cost (Triton's launcher
+  is much slower than cuBLAS's, so eager decode timings of the fused kernel are CPU-bound);
 with speed-ups = bf16 time / time, relative errors against an fp32 GEMM of the same bf16 inputs, and
 then the bitwise comparison of the quantizers' outputs (fp8 q bytes + scales, int4 packed bytes +
 scales, dequantized weights) computed on the CPU and on the GPU from the same weights.
 
 Timing: CUDA events around each call, warm-up first, the median of --iters calls. TF32 is off so the
-fp32 references are fp32.
+fp32 references are fp32. The same weight is used call after call, so a weight that fits in L2 (50 MB
+on an H200: every int4 weight here, bf16 up to ~25M parameters) is read from L2 after the first call;
+--flush-l2 overwrites a 256 MB buffer before every timed call (outside the events) for cold-weight
+numbers, which is what a decode step over many layers sees.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from miles.precision import (  # noqa: E402
     resolve_fp8_backend,
     scaled_mm_gemm,
 )
+from miles.precision.int4_triton import int4_linear_fused, triton_available  # noqa: E402
 
 # (model, projection, N = out features, K = in features), from the published configs.
 SHAPES = [
@@ -66,6 +78,18 @@ SHAPES = [
     ("DeepSeek-V3", "expert down", 7168, 2048),
     ("DeepSeek-V3", "dense gate/up", 18432, 7168),
     ("DeepSeek-V3", "dense down", 7168, 18432),
+    # Qwen3-4B: hidden 2560, 32 q / 8 kv heads of 128, intermediate 9728 (where the GEMMs dominate).
+    ("Qwen3-4B", "q_proj (32x128)", 4096, 2560),
+    ("Qwen3-4B", "k/v_proj (8x128)", 1024, 2560),
+    ("Qwen3-4B", "o_proj", 2560, 4096),
+    ("Qwen3-4B", "gate/up", 9728, 2560),
+    ("Qwen3-4B", "down", 2560, 9728),
+    # Qwen3-0.6B: hidden 1024, 16 q / 8 kv heads of 128, intermediate 3072 (the GRPO benchmark's shape).
+    ("Qwen3-0.6B", "q_proj (16x128)", 2048, 1024),
+    ("Qwen3-0.6B", "k/v_proj (8x128)", 1024, 1024),
+    ("Qwen3-0.6B", "o_proj", 1024, 2048),
+    ("Qwen3-0.6B", "gate/up", 3072, 1024),
+    ("Qwen3-0.6B", "down", 1024, 3072),
 ]
 BITWISE_ROWS = 2048  # row blocks quantize independently, so the first 2048 rows are a faithful sample
 
@@ -79,6 +103,9 @@ def weight(n: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(n, k, generator=g) * 0.02 * mag).to(torch.bfloat16)
 
 
+_FLUSH: list[torch.Tensor] = []  # the --flush-l2 buffer, made once
+
+
 def cuda_ms(fn, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()
@@ -86,11 +113,39 @@ def cuda_ms(fn, warmup: int, iters: int) -> float:
     start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for s, e in zip(start, end):
+        if _FLUSH:
+            _FLUSH[0].zero_()
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def graph_ms(fn, iters: int) -> float:
+    """Per-call time of `iters` calls captured in one CUDA graph (the launch cost the engine avoids).
+    Back-to-back calls on one weight: L2-warm, like cuda_ms without --flush-l2."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks) outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / iters)
+    del graph
+    return statistics.median(times)
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -106,7 +161,10 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def bench_gemms(args, dev) -> list[dict]:
     rows = []
-    fp8_ok = fp8_backend_report(dev)["scaled_mm"].startswith("ok")
+    report = fp8_backend_report(dev)
+    fp8_ok = report["scaled_mm"].startswith("ok")
+    dg_ok = report["deep_gemm"].startswith("ok")
+    fused_ok = triton_available()
     for i, (model, proj, n, k) in enumerate(SHAPES):
         w = weight(n, k, seed=i).to(dev)
         q_w, s_w = quantize_fp8_weight(w)
@@ -131,6 +189,17 @@ def bench_gemms(args, dev) -> list[dict]:
             row["int4_ms"] = cuda_ms(lambda: int4_linear(x, p4, s4, 128), args.warmup, args.iters)
             row["int4_dequant_ms"] = cuda_ms(lambda: dequantize_int4(p4, s4, 128, k=k, dtype=torch.bfloat16),
                                              args.warmup, args.iters)
+            if fused_ok:
+                row["int4_fused_ms"] = cuda_ms(lambda: int4_linear_fused(x, p4, s4, 128), args.warmup, args.iters)
+                # Cheap (no fp32 GEMM), so at every M: prefill and decode take different tile configs.
+                row["int4_fused_vs_int4"] = rel(int4_linear_fused(x, p4, s4, 128), int4_linear(x, p4, s4, 128).float())
+            if dg_ok:
+                row["deep_gemm_ms"] = cuda_ms(lambda: fp8_linear(x, q_w, s_w, backend="deep_gemm"),
+                                              args.warmup, args.iters)
+            if m <= args.graph_max_tokens:
+                row["bf16_graph_ms"] = graph_ms(lambda: F.linear(x, w), args.iters)
+                if fused_ok:
+                    row["int4_fused_graph_ms"] = graph_ms(lambda: int4_linear_fused(x, p4, s4, 128), args.iters)
             for key in [c for c in row if c.endswith("_ms")]:
                 row[key.replace("_ms", "_tflops")] = flop / (row[key] * 1e-3) / 1e12
             if m == args.tokens[0]:  # accuracy once per shape: fp32 references are slow
@@ -143,13 +212,25 @@ def bench_gemms(args, dev) -> list[dict]:
                     row["fp8_kernel_vs_emulated"] = rel(y8, emu)
                     row["fp8_err"] = rel(y8, ref)
                 row["int4_err"] = rel(int4_linear(x, p4, s4, 128), ref)
+                if fused_ok:
+                    row["int4_fused_err"] = rel(int4_linear_fused(x, p4, s4, 128), ref)
+                if dg_ok:
+                    y8 = fp8_linear(x, q_w, s_w, backend="deep_gemm")
+                    row["deep_gemm_vs_emulated"] = rel(y8, emu)
+                    row["deep_gemm_err"] = rel(y8, ref)
                 del ref, emu
             rows.append(row)
             r = row
             print(f"  {model:14s} {proj:20s} M={m:6d} bf16 {r['bf16_ms']:8.3f} ms"
                   + (f"  fp8 gemm {r['fp8_gemm_ms']:8.3f} ms ({r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x)"
                      f"  fp8 act quant + GEMM {r['fp8_engine_ms']:8.3f} ms" if fp8_ok else "")
-                  + f"  int4 {r['int4_ms']:8.3f} ms", flush=True)
+                  + f"  int4 {r['int4_ms']:8.3f} ms"
+                  + (f"  int4 fused {r['int4_fused_ms']:8.3f} ms ({r['bf16_ms'] / r['int4_fused_ms']:.2f}x)"
+                     if fused_ok else "")
+                  + (f"  graph: bf16 {r['bf16_graph_ms']:7.4f} int4 fused {r['int4_fused_graph_ms']:7.4f} ms "
+                     f"({r['bf16_graph_ms'] / r['int4_fused_graph_ms']:.2f}x)" if fused_ok and "bf16_graph_ms" in r else "")
+                  + (f"  deep_gemm {r['deep_gemm_ms']:8.3f} ms ({r['bf16_ms'] / r['deep_gemm_ms']:.2f}x)"
+                     if dg_ok else ""), flush=True)
             del x
         del w, q_w, s_w, prepared, q4, s4, p4
         torch.cuda.empty_cache()
@@ -207,12 +288,29 @@ def quantizer_speed(args, dev) -> list[dict]:
     return rows
 
 
+def _opt(r: dict, key: str, fmt: str = "{:.3f}") -> str:
+    return fmt.format(r[key]) if key in r else "-"
+
+
+def _speedup(r: dict, base: str, key: str) -> str:
+    return f"{r[base] / r[key]:.2f}x" if key in r and base in r else "-"
+
+
 def table(rows: list[dict], fp8: bool) -> str:
+    fused = any("int4_fused_ms" in r for r in rows)
+    dg = any("deep_gemm_ms" in r for r in rows)
+    graph = fused and any("bf16_graph_ms" in r for r in rows)
     head = ["model", "projection", "N x K", "tokens", "bf16 ms (TFLOP/s)"]
     if fp8:
         head += ["fp8 GEMM ms (TFLOP/s)", "fp8 GEMM speed-up", "fp8 act quant + GEMM ms", "its speed-up",
                  "act quant ms"]
+    if dg:
+        head += ["deep_gemm (act quant + GEMM) ms", "its speed-up"]
     head += ["int4 ms", "int4 speed-up", "int4 dequant ms"]
+    if fused:
+        head += ["int4 fused ms", "its speed-up"]
+    if graph:
+        head += ["in a CUDA graph: bf16 ms", "int4 fused ms", "its speed-up"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["projection"], f"{r['N']}x{r['K']}", str(r["M"]),
@@ -221,29 +319,49 @@ def table(rows: list[dict], fp8: bool) -> str:
             cells += [f"{r['fp8_gemm_ms']:.3f} ({r['fp8_gemm_tflops']:.0f})", f"{r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x",
                       f"{r['fp8_engine_ms']:.3f}", f"{r['bf16_ms'] / r['fp8_engine_ms']:.2f}x",
                       f"{r['act_quant_ms']:.3f}"]
+        if dg:
+            cells += [_opt(r, "deep_gemm_ms"), _speedup(r, "bf16_ms", "deep_gemm_ms")]
         cells += [f"{r['int4_ms']:.3f}", f"{r['bf16_ms'] / r['int4_ms']:.2f}x", f"{r['int4_dequant_ms']:.3f}"]
+        if fused:
+            cells += [_opt(r, "int4_fused_ms"), _speedup(r, "bf16_ms", "int4_fused_ms")]
+        if graph:
+            cells += [_opt(r, "bf16_graph_ms", "{:.4f}"), _opt(r, "int4_fused_graph_ms", "{:.4f}"),
+                      _speedup(r, "bf16_graph_ms", "int4_fused_graph_ms")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def err_table(rows: list[dict], fp8: bool) -> str:
+    fused = any("int4_fused_err" in r for r in rows)
+    dg = any("deep_gemm_err" in r for r in rows)
     head = ["model", "projection", "bf16", "fp8 (quantization, emulated fp32)"]
     head += ["fp8 scaled_mm", "scaled_mm vs emulated"] if fp8 else []
+    head += ["deep_gemm", "deep_gemm vs emulated"] if dg else []
     head += ["int4 g128"]
+    head += ["int4 fused", "int4 fused vs int4_linear (max over M)"] if fused else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "bf16_err" not in r:
             continue
         cells = [r["model"], r["projection"], f"{r['bf16_err']:.1e}", f"{r['fp8_quant_err']:.1e}"]
         cells += [f"{r['fp8_err']:.1e}", f"{r['fp8_kernel_vs_emulated']:.1e}"] if fp8 else []
+        cells += [_opt(r, "deep_gemm_err", "{:.1e}"), _opt(r, "deep_gemm_vs_emulated", "{:.1e}")] if dg else []
         cells += [f"{r['int4_err']:.1e}"]
+        if fused:
+            dist = [o["int4_fused_vs_int4"] for o in rows if (o["N"], o["K"]) == (r["N"], r["K"])
+                    and o["model"] == r["model"] and o["projection"] == r["projection"] and "int4_fused_vs_int4" in o]
+            cells += [_opt(r, "int4_fused_err", "{:.1e}"), f"{max(dist):.1e}" if dist else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 4096, 16384],
+                    help="rows of x: 1-64 are decode (memory bound), 4096+ prefill")
+    ap.add_argument("--graph-max-tokens", type=int, default=256,
+                    help="also time bf16 and the fused int4 kernel inside a CUDA graph up to this many rows")
+    ap.add_argument("--flush-l2", action="store_true", help="overwrite 256 MB before each timed call (cold weights)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-bitwise", action="store_true")
@@ -254,6 +372,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", torch.cuda.current_device())
+    if args.flush_l2:
+        _FLUSH.append(torch.empty(256 * 2**20, dtype=torch.uint8, device=dev))
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(dev),
            "capability": ".".join(map(str, torch.cuda.get_device_capability(dev))), "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
@@ -262,6 +382,7 @@ def main() -> None:
     report = fp8_backend_report(dev)
     print("fp8 backends:", json.dumps(report, indent=1))
     print("auto picks:", resolve_fp8_backend("auto", dev))
+    print("int4 fused (Triton):", "available" if triton_available() else "triton not importable: column skipped")
     fp8 = report["scaled_mm"].startswith("ok")
 
     out = {"env": env, "fp8_backends": report}
