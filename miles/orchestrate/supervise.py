@@ -99,6 +99,13 @@ def _is_ray_task_error(error: BaseException) -> bool:
     return isinstance(error, RayTaskError)
 
 
+def _constructor_failed(error: BaseException) -> bool:
+    """An actor that died because its constructor raised (Ray's ActorDiedError with
+    actor_init_failed; its message holds the creation task's traceback): the code is wrong, not the
+    process gone, so a fresh actor fails the same way."""
+    return bool(getattr(error, "actor_init_failed", False))
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault)): ?(.*)$")
@@ -132,10 +139,10 @@ class Fault:
 
     @classmethod
     def of(cls, error: BaseException, at: str = "") -> "Fault":
-        transient = isinstance(error, _transient_types())
-        if _is_ray_task_error(error):
-            cause = error.cause if error.cause is not None else error
-            transient = transient or isinstance(cause, _transient_types())
+        transient = isinstance(error, _transient_types()) and not _constructor_failed(error)
+        if _is_ray_task_error(error) or _constructor_failed(error):
+            cause = getattr(error, "cause", None) or error
+            transient = transient or isinstance(cause, _transient_types()) and not _constructor_failed(cause)
             text = _ANSI.sub("", str(error))  # the remote traceback, down to the innermost error
             task = re.search(r"ray::[\w.]+\(\)", text)
             lines = [line for line in text.splitlines() if line.strip()]

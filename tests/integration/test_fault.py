@@ -190,3 +190,51 @@ def test_an_identical_failure_inside_a_ray_actor_is_reported_after_the_first_ret
     assert (fault.type, fault.at) == ("ValueError", "in step 1")
     assert fault.where.startswith("tests/integration/test_fault.py:") and \
         fault.where.endswith(" in generate, in ray::Engine.generate()")
+
+
+def test_an_actor_whose_constructor_raises_is_reported_after_the_first_retry(tmp_path, compose):
+    """Ray reports a constructor's error as ActorDiedError, a RayActorError, which alone would count
+    as a dead process a retry can cure: the same ValueError was rebuilt fault.max_retries times. An
+    actor whose creation task raised is a deterministic fault: one retry, then RepeatedFault naming
+    the constructor's error and where it was raised."""
+    import types
+
+    import ray
+
+    from miles.orchestrate.handles import spawn, start_ray
+    from miles.orchestrate.loop import LoopContext
+    from miles.orchestrate.resume import CheckpointStore
+    from miles.orchestrate.supervise import RepeatedFault, supervise
+
+    class Trainer:  # defined here: Ray pickles it by value
+        def __init__(self):
+            raise ValueError(f"rollout.x=1 does not combine with this trainer (pid={os.getpid()})")
+
+        def get_weights(self):
+            return {}, ""
+
+    class Engine:
+        def update_weights(self, weights, digest):
+            return digest
+
+    cfg = compose(["steps=2"])
+    builds, lines = [], []
+
+    def build():
+        builds.append(1)
+        return LoopContext(engine=spawn(Engine, True), trainer=spawn(Trainer, True), tokenizer=None,
+                           source=types.SimpleNamespace(state=dict, load_state=lambda state: None),
+                           reward_fn=lambda *args: 0.0, log=lambda metrics, step: None)
+
+    start_ray(None, None)
+    try:
+        with pytest.raises(RepeatedFault) as stop:
+            supervise(cfg, CheckpointStore(tmp_path / "ckpt", 1, enabled=False), build,
+                      lambda ctx: 0.0, tmp_path, {}, log=lines.append)
+    finally:
+        ray.shutdown()
+    assert len(builds) == 2 and len(lines) == 2, lines
+    fault = stop.value.fault
+    assert (fault.type, fault.transient) == ("ValueError", False)
+    assert fault.message.startswith("rollout.x=1 does not combine with this trainer")
+    assert fault.where.startswith("tests/integration/test_fault.py:") and " in __init__" in fault.where
