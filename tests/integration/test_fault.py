@@ -142,18 +142,40 @@ def test_an_identical_failure_is_reported_after_the_first_retry(tmp_path, monkey
     assert json.loads(journal[-1])["status"] == "FAILED"
 
 
-def test_an_identical_failure_inside_a_ray_actor_is_reported_after_the_first_retry(tmp_path, compose):
-    """Through real actors: the root cause is read out of Ray's task error (not RayTaskError's pid
-    line), and the restarted actor's new pid does not make the repeat a new failure."""
+def _supervise_actors(compose, tmp_path, engine_cls, trainer_cls, loop):
+    """supervise() over real Ray actors of these classes until it stops with RepeatedFault:
+    (how many times the components were built, the lines it logged, the fault it reported)."""
     import types
 
     import ray
-    import torch
 
     from miles.orchestrate.handles import spawn, start_ray
     from miles.orchestrate.loop import LoopContext
     from miles.orchestrate.resume import CheckpointStore
     from miles.orchestrate.supervise import RepeatedFault, supervise
+
+    builds, lines = [], []
+
+    def build():
+        builds.append(1)
+        return LoopContext(engine=spawn(engine_cls, True), trainer=spawn(trainer_cls, True), tokenizer=None,
+                           source=types.SimpleNamespace(state=dict, load_state=lambda state: None),
+                           reward_fn=lambda *args: 0.0, log=lambda metrics, step: None)
+
+    start_ray(None, None)
+    try:
+        with pytest.raises(RepeatedFault) as stop:
+            supervise(compose(["steps=2"]), CheckpointStore(tmp_path / "ckpt", 1, enabled=False), build, loop,
+                      tmp_path, {}, log=lines.append)
+    finally:
+        ray.shutdown()
+    return len(builds), lines, stop.value.fault
+
+
+def test_an_identical_failure_inside_a_ray_actor_is_reported_after_the_first_retry(tmp_path, compose):
+    """Through real actors: the root cause is read out of Ray's task error (not RayTaskError's pid
+    line), and the restarted actor's new pid does not make the repeat a new failure."""
+    import torch
 
     class Trainer:  # defined here: Ray pickles it by value
         def get_weights(self):
@@ -167,26 +189,10 @@ def test_an_identical_failure_inside_a_ray_actor_is_reported_after_the_first_ret
         def generate(self):
             raise ValueError(f"this engine cannot generate (pid={os.getpid()})")
 
-    cfg = compose(["steps=2"])
-    builds, lines = [], []
-
-    def build():
-        builds.append(1)
-        return LoopContext(engine=spawn(Engine, True), trainer=spawn(Trainer, True), tokenizer=None,
-                           source=types.SimpleNamespace(state=dict, load_state=lambda state: None),
-                           reward_fn=lambda *args: 0.0, log=lambda metrics, step: None)
-
-    start_ray(None, None)
-    try:
-        with pytest.raises(RepeatedFault) as stop:
-            supervise(cfg, CheckpointStore(tmp_path / "ckpt", 1, enabled=False), build,
-                      lambda ctx: ctx.engine.call("generate"), tmp_path, {}, log=lines.append)
-    finally:
-        ray.shutdown()
-    assert len(builds) == 2 and len(lines) == 2
+    builds, lines, fault = _supervise_actors(compose, tmp_path, Engine, Trainer, lambda ctx: ctx.engine.call("generate"))
+    assert builds == 2 and len(lines) == 2
     assert lines[0].startswith("the run failed (ValueError: this engine cannot generate (pid=")
     assert lines[0].endswith("); starting over (no checkpoint yet), retry 1/3")
-    fault = stop.value.fault
     assert (fault.type, fault.at) == ("ValueError", "in step 1")
     assert fault.where.startswith("tests/integration/test_fault.py:") and \
         fault.where.endswith(" in generate, in ray::Engine.generate()")
@@ -197,14 +203,6 @@ def test_an_actor_whose_constructor_raises_is_reported_after_the_first_retry(tmp
     as a dead process a retry can cure: the same ValueError was rebuilt fault.max_retries times. An
     actor whose creation task raised is a deterministic fault: one retry, then RepeatedFault naming
     the constructor's error and where it was raised."""
-    import types
-
-    import ray
-
-    from miles.orchestrate.handles import spawn, start_ray
-    from miles.orchestrate.loop import LoopContext
-    from miles.orchestrate.resume import CheckpointStore
-    from miles.orchestrate.supervise import RepeatedFault, supervise
 
     class Trainer:  # defined here: Ray pickles it by value
         def __init__(self):
@@ -217,24 +215,8 @@ def test_an_actor_whose_constructor_raises_is_reported_after_the_first_retry(tmp
         def update_weights(self, weights, digest):
             return digest
 
-    cfg = compose(["steps=2"])
-    builds, lines = [], []
-
-    def build():
-        builds.append(1)
-        return LoopContext(engine=spawn(Engine, True), trainer=spawn(Trainer, True), tokenizer=None,
-                           source=types.SimpleNamespace(state=dict, load_state=lambda state: None),
-                           reward_fn=lambda *args: 0.0, log=lambda metrics, step: None)
-
-    start_ray(None, None)
-    try:
-        with pytest.raises(RepeatedFault) as stop:
-            supervise(cfg, CheckpointStore(tmp_path / "ckpt", 1, enabled=False), build,
-                      lambda ctx: 0.0, tmp_path, {}, log=lines.append)
-    finally:
-        ray.shutdown()
-    assert len(builds) == 2 and len(lines) == 2, lines
-    fault = stop.value.fault
+    builds, lines, fault = _supervise_actors(compose, tmp_path, Engine, Trainer, lambda ctx: 0.0)
+    assert builds == 2 and len(lines) == 2, lines
     assert (fault.type, fault.transient) == ("ValueError", False)
     assert fault.message.startswith("rollout.x=1 does not combine with this trainer")
     assert fault.where.startswith("tests/integration/test_fault.py:") and " in __init__" in fault.where
