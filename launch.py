@@ -18,7 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from miles.config.errors import exit_on_user_error
+from miles.config.errors import exit_on_user_error, refuse_old_forms
 from miles.config.store import register_configs
 from miles.tracking.reproduce import expand_argv
 
@@ -51,4 +51,5 @@ if __name__ == "__main__":
     os.environ.setdefault("MILES_SWEEPS_DIR", str(Path(__file__).resolve().parent / "sweeps"))
     with exit_on_user_error():
         sys.argv = expand_argv(sys.argv)  # +reproduce=<run>: that run's recorded overrides, before composing
+        refuse_old_forms(sys.argv[1:])  # rollout.engine=vllm, trainer.backend=fsdp, ...: exit 2 naming the new form
         main()

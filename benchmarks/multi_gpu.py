@@ -113,7 +113,7 @@ def fsdp_rank(rank: int, world: int, port: int, ckpt: str, args, batch, out: str
         sync(device)
         times.append(time.perf_counter() - start)
         metrics.append({k: m[k] for k in ("train/loss", "train/grad_norm")})
-    weights = trainer._full_state() if world > 1 else {k: v.cpu() for k, v in trainer.model.state_dict().items()}
+    weights = trainer.parallel.policy_state(trainer.model) if world > 1 else {k: v.cpu() for k, v in trainer.model.state_dict().items()}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else None
     if rank == 0:
         torch.save(dict(metrics=metrics, times=times, weights=weights, peak_gb=peak), out)

@@ -25,7 +25,7 @@ LAYOUTS = {
     "in-process": ["ray.enabled=false"],
     "ray": [],
     "ray, 2 engines": ["rollout.num_engines=2"],
-    "ray, 2 FSDP2 ranks": ["trainer.backend=fsdp", "trainer.num_ranks=2"],
+    "ray, 2 FSDP2 ranks": ["trainer=fsdp", "trainer.num_ranks=2"],
     "ray, broadcast sync": ["rollout.weight_sync=broadcast"],
     "ray, shared-memory sync": ["rollout.weight_sync=shared_memory"],
     "ray, asynchronous": ["rollout.asynchronous=true"],

@@ -19,7 +19,7 @@ Configurations (rows of the table; `--configs`, `--compare` = packed,padded):
                   token slots per forward as a packed row), logits_chunk_tokens=0: the model's own
                   head over every position, logits whole
   padded-chunked  padded micro-batches, chunked head (what chunking alone changes)
-  megatron        trainer.backend=megatron (CUDA, megatron-core installed): the policy a Megatron-core
+  megatron        trainer=megatron (CUDA, megatron-core installed): the policy a Megatron-core
                   GPTModel in bf16 with Megatron's distributed optimizer, padded micro-batches as
                   padded-chunked (miles/trainer/megatron)
 Both take the old log-probs from the training forward (GRPO, ppo_clip, token mean, one optimizer

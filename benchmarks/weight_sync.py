@@ -26,7 +26,7 @@ import yaml
 
 from miles.models import CausalLM
 from miles.models.config import ArchConfig
-from miles.orchestrate.weight_sync import checksum, to_dtype
+from miles.transport.checksum import checksum, to_dtype
 from miles.transport.flat import FlatLayout, FlatWeights
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"

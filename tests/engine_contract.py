@@ -308,7 +308,7 @@ def test_update_weights_changes_and_restores_what_is_generated(contract):
     model's argmax decoding, and sampled log-probs its forward, on the checkpoint's weights, on perturbed
     ones (a state dict, and in-process a FlatWeights), and on the checkpoint's again. With a checksum the
     held checksum comes back; a wrong one raises WeightSyncError."""
-    from miles.orchestrate.weight_sync import WeightSyncError, checksum
+    from miles.transport.checksum import WeightSyncError, checksum
     from miles.transport.flat import FlatLayout, FlatWeights
 
     engine, ckpt = contract.engine, contract.ckpt
@@ -353,7 +353,7 @@ def test_release_resume_memory_and_health(contract):
     """The colocation order of calls (miles/rollout/protocol.py): release everything; generate refuses
     until resume_memory; the weights come back, are loaded again by update_weights, then the KV cache:
     the same seeded samples as before. Releasing what is released, resuming what is resident: no-ops."""
-    from miles.orchestrate.weight_sync import checksum
+    from miles.transport.checksum import checksum
 
     engine, base = contract.engine, base_weights(contract.ckpt)
     engine.update_weights(base)
@@ -400,7 +400,7 @@ class _TrainerWeights:
         self.weights, self.device = weights, torch.device("cpu")
 
     def get_weights(self, in_process: bool = False):
-        from miles.orchestrate.weight_sync import checksum
+        from miles.transport.checksum import checksum
 
         return self.weights, checksum(self.weights)
 
@@ -415,13 +415,15 @@ def test_colocation_phases_as_the_loop_runs_them(contract):
 
     from miles.orchestrate.colocate import MemoryPhases
     from miles.orchestrate.handles import LocalHandle
+    from miles.transport.object_store import ObjectStoreTransport
 
     engine, base = contract.engine, base_weights(contract.ckpt)
     engine.update_weights(base)
     kw = dict(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seeds=SEEDS)
     before = engine.generate(PROMPTS, LABELS, **kw)
-    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(_TrainerWeights(base)), weight_sync=None,
+    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(_TrainerWeights(base)),
                           draft_sync=False, after_sync=lambda ctx: None)
+    ctx.transport = ObjectStoreTransport(ctx)
     # asynchronous: no per-phase device peaks to read (they need the CUDA allocator)
     cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"), trainer=SimpleNamespace(offload=False),
                           rollout=SimpleNamespace(offload=True, check_weight_sync=True, asynchronous=True))

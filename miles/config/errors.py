@@ -1,9 +1,13 @@
-"""Turns user mistakes into one short message; launch.py prints it and exits with code 2.
+"""User mistakes: the exceptions that carry them, and one short message for each; launch.py prints it
+and exits with code 2.
 
 `user_error_message(ex)` returns None for anything that is not a user mistake, so real bugs keep
 their traceback. Covered: an unknown group option, an unknown key, a value of the wrong type or
-outside an enum, bad override syntax, `validate()` problems, malformed data files, and an output
-directory Hydra cannot create.
+outside an enum, bad override syntax, `validate()` problems, malformed data files, an output
+directory Hydra cannot create, and the old forms of renamed keys (`old_form_problems`).
+
+The lowest module of miles.config: it imports neither validate nor Hydra at import time, so any
+component can raise ConfigError (GPU machines may lack Hydra).
 """
 
 from __future__ import annotations
@@ -15,12 +19,75 @@ import sys
 import traceback
 import typing
 
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from miles.config.schema import RunCfg
-from miles.config.validate import ConfigError
-from miles.data.prompts import DataError
+class ConfigError(ValueError):
+    """A user mistake in the config: launch.py prints it without a traceback and exits 2."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+# Keys of an older config tree -> (why, the new form of `key=value`). A backend is chosen one way,
+# by its group (rollout=vllm, trainer=fsdp), and one quantity has one key.
+OLD_KEYS = {
+    "rollout.engine": ("the engine is chosen by its group, whose file adds the engine's options",
+                       lambda v: f"rollout={v}"),
+    "trainer.backend": ("the trainer backend is chosen by its group, whose file adds the backend's options",
+                        lambda v: f"trainer={v}"),
+    "debug.check_weight_sync": ("renamed; rollout.check_weight_sync is the per-sync checksum",
+                                lambda v: f"debug.compare_weights_tensorwise={v}"),
+    "rollout.vllm.tensor_parallel_size": ("one key for the GPUs of every engine",
+                                          lambda v: f"rollout.num_gpus_per_engine={v}"),
+    "rollout.vllm.max_num_seqs": ("one key for the sequences every engine decodes at once",
+                                  lambda v: f"rollout.max_running={v}"),
+}
+
+
+def old_form_message(key: str, value: str | None = None) -> str | None:
+    """The message for an old key (None for any other): names the new form, with `value` if known."""
+    if key not in OLD_KEYS:
+        return None
+    why, new = OLD_KEYS[key]
+    return f"{key} is not a key to set ({why}): use {new(value if value is not None else '<value>')}"
+
+
+def old_form_problems(overrides: list[str]) -> list[str]:
+    """One message per command-line override that uses an old key (`rollout.engine=vllm`, ...)."""
+    problems = []
+    for override in overrides:
+        key, eq, value = override.lstrip("+~").partition("=")
+        if eq and (message := old_form_message(key.strip(), value.strip())):
+            problems.append(message)
+    return problems
+
+
+def backend_sections() -> dict[str, str]:
+    """Config sections that exist only when their backend is chosen -> the group override that adds
+    them ({"rollout.vllm": "rollout=vllm", ...}): each side's fields named after one of its backends."""
+    from miles.config.schema import EngineName, RolloutCfg, TrainerBackend, TrainerCfg
+
+    return {f"{side}.{name.value}": f"{side}={name.value}"
+            for side, node, names in (("rollout", RolloutCfg, EngineName), ("trainer", TrainerCfg, TrainerBackend))
+            for name in names if name.value in {f.name for f in dataclasses.fields(node)}}
+
+
+def _unchosen_backend_options(overrides: list[str]) -> str | None:
+    """OmegaConf cannot set a key below a None node (an unchosen backend's options); name the group."""
+    sections = backend_sections()
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        for section, choice in sections.items():
+            if key.startswith(section + "."):
+                return (f"{key} is an option of {choice}, which this run does not choose (only the chosen "
+                        f"backend's options exist): add {choice}, or drop {key}")
+    return None
+
+
+def refuse_old_forms(overrides: list[str]) -> None:
+    """Raise ConfigError (exit 2) naming the new form of every old key among `overrides`."""
+    if problems := old_form_problems(overrides):
+        raise ConfigError(problems)
 
 
 def _first_line(text: str) -> str:
@@ -29,18 +96,25 @@ def _first_line(text: str) -> str:
 
 def valid_keys(full_key: str) -> tuple[str, list[str]]:
     """The section holding `full_key` ("trainer.foo" -> "trainer") and that section's schema keys."""
+    from miles.config.schema import RunCfg
+
     node: type = RunCfg
     parts = full_key.split(".")[:-1]
     for part in parts:
         hints = typing.get_type_hints(node)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+        hint = hints.get(part)
+        if typing.get_origin(hint) is typing.Union:  # Optional[VLLMCfg]: a backend's options
+            hint = next((a for a in typing.get_args(hint) if a is not type(None)), None)
+        if hint is None or not dataclasses.is_dataclass(hint):
             return ".".join(parts), []
-        node = hints[part]
+        node = hint
     return ".".join(parts) or "the root config", [f.name for f in dataclasses.fields(node)]
 
 
-def _unknown_key(cause: OmegaConfBaseException) -> str:
+def _unknown_key(cause: BaseException) -> str:
     full_key = getattr(cause, "full_key", None) or "?"
+    if (message := old_form_message(full_key)) is not None:
+        return message
     section, keys = valid_keys(full_key)
     hint = f"; valid keys of {section}: {', '.join(keys)}" if keys else ""
     return f"unknown key '{full_key}'{hint}"
@@ -61,6 +135,11 @@ def _output_dir_error(ex: BaseException) -> str | None:
 
 
 def user_error_message(ex: BaseException) -> str | None:
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    from miles.data.prompts import DataError
+
     if isinstance(ex, ConfigError):
         return "invalid config:\n" + str(ex)
     if isinstance(ex, UserError):
@@ -69,6 +148,8 @@ def user_error_message(ex: BaseException) -> str | None:
         return str(ex)
     if (message := _output_dir_error(ex)) is not None:
         return message
+    if isinstance(ex, AssertionError) and "Unexpected type for root: NoneType" in str(ex):
+        return _unchosen_backend_options(sys.argv[1:])
     if isinstance(ex, MissingConfigException) and ex.missing_cfg_file and ex.options is not None:
         group, _, name = ex.missing_cfg_file.rpartition("/")
         return f"unknown {group or 'config'} '{name}'; valid choices: {', '.join(sorted(ex.options))}"

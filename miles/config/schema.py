@@ -18,6 +18,66 @@ from omegaconf import MISSING
 from miles.models.config import ArchConfig
 
 
+class Choice(str, Enum):
+    """A named choice of the config: compares equal to its value ("vllm" == EngineName.vllm) and
+    prints as it (f"rollout={EngineName.vllm}" -> "rollout=vllm") on every Python version."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EngineName(Choice):
+    """rollout=<name>: the rollout engine (conf/rollout/<name>.yaml carries its options)."""
+
+    native = "native"  # ours: miles/rollout/native.py
+    vllm = "vllm"  # vLLM's offline LLM in the engine's process (rollout.vllm.*)
+    sglang = "sglang"  # an SGLang server over HTTP (rollout.sglang.*)
+
+
+class TrainerBackend(Choice):
+    """trainer=<name>: the trainer backend (conf/trainer/<name>.yaml)."""
+
+    torch = "torch"  # one process
+    fsdp = "fsdp"  # trainer.num_ranks FSDP2 ranks as Ray actors
+    megatron = "megatron"  # Megatron-core on one GPU
+
+
+class WeightSync(Choice):
+    """rollout.weight_sync: how the trainer's weights reach the engines."""
+
+    object_store = "object_store"  # Ray's object store (in-process runs copy directly)
+    broadcast = "broadcast"  # a gloo / NCCL group of the trainer and every engine, in buckets
+    shared_memory = "shared_memory"  # one buffer the engines map (one node: /dev/shm or CUDA IPC)
+
+
+class SpeculativeKind(Choice):
+    """rollout.speculative.kind: the native engine's draft-and-verify decoding."""
+
+    none = "none"
+    mtp = "mtp"  # the model's MTP modules (model.mtp_layers > 0)
+    draft_model = "draft_model"  # a small model (rollout.speculative.draft_model)
+
+
+class SGLangWeightUpdate(Choice):
+    """rollout.sglang.weight_update: how new weights reach the SGLang server."""
+
+    disk = "disk"  # safetensors + /update_weights_from_disk
+    tensor = "tensor"  # /update_weights_from_tensor (same host)
+
+
+class ForwardWeights(Choice):
+    """precision.forward_weights: what the training forward multiplies."""
+
+    master = "master"  # the fp32 master weights, autocast to train_dtype at each matmul
+    rollout = "rollout"  # the weights cast to rollout_dtype, as the engine holds them
+
+
+class TrackingBackend(Choice):
+    """tracking.backend: where metrics and the run record go."""
+
+    mlflow = "mlflow"
+
+
 class DType(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -129,7 +189,7 @@ class PrecisionCfg:
     # What the training forward multiplies: "master" (the fp32 master weights, autocast to train_dtype
     # at each matmul: the residual stream stays fp32) or "rollout" (the weights cast to rollout_dtype,
     # as the engine holds them: the residual stream in that dtype too, Megatron's bf16 params).
-    forward_weights: str = "master"
+    forward_weights: ForwardWeights = ForwardWeights.master
 
 
 @dataclass
@@ -157,9 +217,10 @@ class SandboxCfg:
     wall_time_s: float = 10.0  # killed after this long, whatever it does
     cpu_time_s: int = 5  # RLIMIT_CPU
     memory_mb: int = 512  # RLIMIT_AS
-    max_processes: int = 16  # RLIMIT_NPROC (counts the user's processes on Linux)
+    max_processes: int = 16  # RLIMIT_NPROC: the box's own processes (holds as root too)
     max_file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
     max_output_chars: int = 4096  # stdout / stderr kept
+    isolation: str = "bwrap"  # bwrap (the box, docs/sandbox.md) | none (no box: accepts the risk, warns)
 
 
 @dataclass
@@ -190,7 +251,7 @@ class SGLangCfg:
     """rollout=sglang: an SGLang server driven over its HTTP API (miles/rollout/sglang_engine.py, docs/rollout.md)."""
     url: Optional[str] = None  # a running server; null: launch `python -m sglang.launch_server`
     server_args: Dict[str, Any] = field(default_factory=dict)  # more ServerArgs fields when launching
-    weight_update: str = "disk"  # disk: safetensors + /update_weights_from_disk; tensor: /update_weights_from_tensor
+    weight_update: SGLangWeightUpdate = SGLangWeightUpdate.disk  # disk: safetensors + /update_weights_from_disk; tensor: /update_weights_from_tensor
     weights_dir: Optional[str] = None  # weight_update=disk: a directory the server can read (null: a temp dir)
     weight_session: bool = True  # begin / end_weight_update around updates (SGLang >= 0.5.21)
     startup_timeout_s: float = 600.0
@@ -199,16 +260,16 @@ class SGLangCfg:
 
 @dataclass
 class VLLMCfg:
-    """rollout=vllm: vLLM's offline LLM in the engine's process (miles/rollout/vllm_engine.py, docs/rollout.md)."""
+    """rollout=vllm: vLLM's offline LLM in the engine's process (miles/rollout/vllm_engine.py, docs/rollout.md).
+    vLLM's max_num_seqs is rollout.max_running and its tensor_parallel_size rollout.num_gpus_per_engine
+    (one key each; the engine reads them from the rollout section)."""
     kv_cache_gb: float = 1.0  # CPU KV cache, allocated at start
     enforce_eager: bool = True  # no torch.compile / graph capture
     max_model_len: Optional[int] = None  # null: rollout.max_prompt_len + max_new_tokens, capped by the model
     enable_prefix_caching: bool = True
-    max_num_seqs: Optional[int] = None  # null: rollout.max_running
     serve_threads: Optional[int] = 1  # torch threads while vLLM works (null: hardware.cpu_threads)
     gpu_memory_utilization: float = 0.5  # CUDA only
     enable_sleep_mode: bool = False  # CUDA only: release / resume_memory through LLM.sleep / wake_up
-    tensor_parallel_size: int = 1
     llm_args: Dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
 
 
@@ -216,7 +277,7 @@ class VLLMCfg:
 class SpeculativeCfg:
     """rollout.speculative: draft-and-verify decoding in the native engine (miles/rollout/spec_decode.py,
     docs/speculative.md); the draft is fine-tuned on each step's rollouts by the trainer."""
-    kind: str = "none"  # none | mtp (the model's MTP modules, model.mtp_layers > 0) | draft_model (a small model)
+    kind: SpeculativeKind = SpeculativeKind.none  # none | mtp (the model's MTP modules, model.mtp_layers > 0) | draft_model (a small model)
     num_tokens: int = 3  # draft tokens proposed per verify step (k)
     train_online: bool = True  # train the draft on every RL step's rollouts (false: a frozen draft)
     # AdamW learning rate of the draft's online training; null: the kind's measured default (draft_lr)
@@ -234,7 +295,7 @@ class SpeculativeCfg:
 
 @dataclass
 class RolloutCfg:
-    engine: str = "native"  # native, vllm, sglang (rollout=<engine> picks the group file)
+    engine: EngineName = EngineName.native  # set by the group file rollout=<engine>, never by hand
     batch_size: int = 64
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 8
@@ -258,7 +319,7 @@ class RolloutCfg:
     # object_store: weights through Ray's object store (in-process runs copy them directly);
     # broadcast: over a gloo / NCCL group of the trainer and every engine, in buckets (transport/broadcast.py);
     # shared_memory: colocated on one node, one buffer the engines map (/dev/shm, or CUDA IPC on a GPU)
-    weight_sync: str = "object_store"
+    weight_sync: WeightSync = WeightSync.object_store
     weight_sync_bucket_mb: float = 64.0  # rollout.weight_sync=broadcast: bytes per collective
     # Generate the next steps' batches while the trainer trains (miles/orchestrate/rollout_ahead.py);
     # not `async`: a Python keyword cannot name a dataclass field.
@@ -266,15 +327,17 @@ class RolloutCfg:
     # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py)
     offload: bool = False
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
-    vllm: VLLMCfg = field(default_factory=VLLMCfg)
-    sglang: SGLangCfg = field(default_factory=SGLangCfg)
+    # The chosen external engine's options: present only with rollout=vllm / rollout=sglang (their group
+    # files add them), None otherwise, so a run carries the options of its own engine only.
+    vllm: Optional[VLLMCfg] = None
+    sglang: Optional[SGLangCfg] = None
     speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
 
 
 @dataclass
 class TrainerCfg:
-    backend: str = "torch"  # torch: one process; fsdp: num_ranks FSDP2 ranks as Ray actors; megatron: Megatron-core on one GPU
-    num_ranks: int = 1  # trainer.backend=fsdp: ranks that shard the model and split each batch
+    backend: TrainerBackend = TrainerBackend.torch  # set by the group file trainer=<backend>, never by hand
+    num_ranks: int = 1  # trainer=fsdp: ranks that shard the model and split each batch (1 for the others)
     lr: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -314,7 +377,7 @@ class WarmStartCfg:
 
 @dataclass
 class TrackingCfg:
-    backend: str = "mlflow"
+    backend: TrackingBackend = TrackingBackend.mlflow
     uri: Optional[str] = None
     experiment: str = "miles"
     run_name: Optional[str] = None
@@ -339,7 +402,9 @@ class DebugCfg:
     train_only: bool = False
     save_rollouts: Optional[str] = None
     load_rollouts: Optional[str] = None
-    check_weight_sync: bool = False
+    # after every sync compare the engine's and the trainer's weights tensor by tensor (dtype, shape,
+    # SHA-256) and name those that differ; rollout.check_weight_sync is the cheap per-sync checksum
+    compare_weights_tensorwise: bool = False
 
 
 @dataclass

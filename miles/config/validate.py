@@ -8,15 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles.config.schema import AlgoName, RunCfg, TaskKind
+from miles.config.errors import ConfigError
+from miles.config.schema import AlgoName, EngineName, RunCfg, SpeculativeKind, TaskKind, TrainerBackend, WeightSync
 
-
-class ConfigError(ValueError):
-    """A user mistake in the config: launch.py prints it without a traceback and exits 2."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(f"  - {p}" for p in problems))
+__all__ = ["ConfigError", "check", "validate"]  # ConfigError lives in miles.config.errors; re-exported here
 
 
 def _positive(problems: list[str], **values: float) -> None:
@@ -95,8 +90,6 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += offload_problems(cfg)
     problems += megatron_problems(cfg)
     problems += speculative_problems(cfg)
-    if cfg.tracking.backend != "mlflow":
-        problems.append(f"tracking.backend={cfg.tracking.backend!r} is not available; valid: mlflow")
     if t.grad_clip < 0:
         problems.append(f"trainer.grad_clip must be >= 0 (got {t.grad_clip}; 0 turns it off)")
 
@@ -196,9 +189,6 @@ def validate(cfg: RunCfg) -> list[str]:
     if cfg.trainer.recompute and (cfg.precision.train_quant.value != "none" or cfg.precision.forward_weights != "master"):
         problems.append(f"trainer.recompute=true does not combine with precision={cfg.precision.name} (its "
                         "quantized or cast training forward): set trainer.recompute=false")
-    if cfg.precision.forward_weights not in ("master", "rollout"):
-        problems.append(f"precision.forward_weights={cfg.precision.forward_weights!r} is unknown; valid: master "
-                        "(fp32 master weights under autocast), rollout (cast to precision.rollout_dtype, as the engine)")
     for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
                               ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
                               ("fault.max_retries", cfg.fault.max_retries, 0),
@@ -225,7 +215,11 @@ def reward_problems(cfg: RunCfg) -> list[str]:
     except ValueError as error:
         return problems + [str(error)]
     if any(name == "code" for _, name in parse_spec(t.reward)):
-        _positive(problems, **{f"task.sandbox.{f.name}": getattr(t.sandbox, f.name) for f in fields(t.sandbox)})
+        _positive(problems, **{f"task.sandbox.{f.name}": getattr(t.sandbox, f.name) for f in fields(t.sandbox)
+                               if f.name != "isolation"})
+        from miles.data.sandbox import sandbox_problems
+
+        problems += sandbox_problems(t.sandbox)  # fail closed: no box here, no code reward (or isolation=none)
     return problems
 
 
@@ -258,47 +252,43 @@ def routing_replay_problems(cfg: RunCfg) -> list[str]:
 
 
 def scale_out_problems(cfg: RunCfg) -> list[str]:
-    """trainer.backend / num_ranks and rollout.weight_sync: what each combination needs."""
+    """trainer=<backend> / trainer.num_ranks and rollout.weight_sync: what each combination needs
+    (the Enums of miles.config.schema refuse unknown names at composition)."""
     t, r = cfg.trainer, cfg.rollout
     problems = []
-    if t.backend not in ("torch", "fsdp", "megatron"):
-        problems.append(f"trainer.backend={t.backend!r} is not available; valid: torch, fsdp, megatron")
     if t.num_ranks < 1:
         problems.append(f"trainer.num_ranks must be >= 1 (got {t.num_ranks})")
-    if t.backend in ("torch", "megatron") and t.num_ranks > 1:
-        problems.append(f"trainer.num_ranks > 1 with trainer.backend={t.backend} is not supported: set "
-                        "trainer.backend=fsdp (Megatron-core runs one GPU per run for now)")
-    if t.backend == "fsdp":
+    if t.backend != TrainerBackend.fsdp and t.num_ranks > 1:
+        problems.append(f"trainer.num_ranks > 1 with trainer={t.backend} is not supported: use "
+                        "trainer=fsdp (Megatron-core runs one GPU per run for now)")
+    if t.backend == TrainerBackend.fsdp:
         gpus = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
         if cfg.hardware.device != "cpu" and t.num_ranks > gpus:
             problems.append(f"trainer.num_ranks={t.num_ranks} FSDP ranks take a GPU each, and hardware={cfg.hardware.name} "
                             f"has {gpus}: lower trainer.num_ranks")
         if not cfg.ray.enabled:
-            problems.append("trainer.backend=fsdp runs its ranks as Ray actors: set ray.enabled=true")
+            problems.append("trainer=fsdp runs its ranks as Ray actors: set ray.enabled=true")
         unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",
                        f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
                        "true_on_policy=true": cfg.true_on_policy,
                        "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout"}
-        problems += [f"trainer.backend=fsdp does not support {what} yet: use trainer.backend=torch"
+        problems += [f"trainer=fsdp does not support {what} yet: use trainer=torch"
                      for what, bad in unsupported.items() if bad]
-    if r.weight_sync not in ("object_store", "broadcast", "shared_memory"):
-        problems.append(f"rollout.weight_sync={r.weight_sync!r} is unknown; valid: object_store, broadcast, "
-                        "shared_memory")
-    elif r.weight_sync == "shared_memory":
+    if r.weight_sync == WeightSync.shared_memory:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=shared_memory maps one buffer into the engines' Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
-        if t.backend == "fsdp":
+        if t.backend == TrainerBackend.fsdp:
             problems.append("rollout.weight_sync=shared_memory packs from one trainer process, not FSDP ranks: "
                             "set rollout.weight_sync=object_store")
         if cfg.hardware.device != "cpu" and not r.colocate:
             problems.append("rollout.weight_sync=shared_memory on a GPU shares the trainer's GPU with the engines "
                             "(CUDA IPC); rollout.colocate=false gives them other GPUs: set rollout.weight_sync=broadcast")
-    elif r.weight_sync == "broadcast":
+    elif r.weight_sync == WeightSync.broadcast:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=broadcast joins the trainer and the engines as Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
-        if t.backend == "fsdp":
+        if t.backend == TrainerBackend.fsdp:
             problems.append("rollout.weight_sync=broadcast sends from one trainer process, not FSDP ranks yet: "
                             "set rollout.weight_sync=object_store")
         if cfg.hardware.device != "cpu":
@@ -309,68 +299,87 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
-ENGINES = ("native", "vllm", "sglang")
-
-
 def engine_problems(cfg: RunCfg) -> list[str]:
-    """rollout.engine and the external engines' own options."""
+    """rollout=<engine>: the chosen engine's options are present (its group file adds them, and only
+    its), then the engine's own rules (ENGINE_PROBLEMS)."""
     r = cfg.rollout
-    if r.engine not in ENGINES:
-        return [f"rollout.engine={r.engine!r} is not available; valid: {', '.join(ENGINES)} (rollout=<engine>)"]
+    options = {name: getattr(r, name.value) for name in EngineName if hasattr(r, name.value)}
+    present = sorted(name.value for name, value in options.items() if value is not None)
+    expected = [r.engine.value] if r.engine in options else []
+    if present != expected:
+        # rollout.engine=<name> set by hand (or rollout.<other>.* added): the group file is the one way
+        return [f"rollout.engine={r.engine} with options rollout.{', rollout.'.join(present) or '<none>'}: "
+                f"choose the engine with its group, rollout={r.engine} (conf/rollout/{r.engine}.yaml adds its options)"]
+    return ENGINE_PROBLEMS.get(r.engine, lambda cfg: [])(cfg)
+
+
+def vllm_problems(cfg: RunCfg) -> list[str]:
+    """rollout=vllm (miles/rollout/vllm_engine.py): what vLLM's offline API can do for this run."""
+    r, v = cfg.rollout, cfg.rollout.vllm
     problems = []
-    if r.engine == "vllm":
-        v = r.vllm
-        if r.top_k > 0 or r.top_p < 1:
-            problems.append("rollout=vllm returns log-probs renormalized after top-k / top-p, the trainer's are "
-                            "before the truncation: set rollout.top_k=0 and rollout.top_p=1.0")
-        if cfg.precision.rollout_quant.value != "none":
-            problems.append(f"rollout=vllm runs plain weights, not precision={cfg.precision.name}'s quantized "
-                            "rollout format: use precision=fp32 or bf16")
-        if cfg.algo.routing_replay == "r3":
-            problems.append("algo.routing_replay=r3 needs routed experts, which vLLM's offline API does not return: "
-                            "use rollout=native or rollout=sglang")
-        if not cfg.ray.enabled and r.num_engines > 1:
-            problems.append("rollout=vllm holds one engine per process (vLLM's parallel state is global): "
-                            "set rollout.num_engines=1 or ray.enabled=true")
-        if v.enable_sleep_mode and cfg.hardware.device == "cpu":
-            problems.append("rollout.vllm.enable_sleep_mode needs CUDA (vLLM has no sleep mode on the CPU): set it false")
-        if r.offload and not v.enable_sleep_mode:
-            problems.append("rollout.offload=true with rollout=vllm frees memory through vLLM's sleep mode: "
-                            "set rollout.vllm.enable_sleep_mode=true")
-        if v.kv_cache_gb <= 0:
-            problems.append(f"rollout.vllm.kv_cache_gb must be > 0 (got {v.kv_cache_gb})")
-        if cfg.debug.check_weight_sync:
-            problems.append("debug.check_weight_sync compares the native engine's tensors; rollout=vllm checks its "
-                            "syncs by reading its kernels' weights back (rollout.check_weight_sync): set it false")
-    if r.engine == "sglang":
-        s = r.sglang
-        if s.weight_update not in ("disk", "tensor"):
-            problems.append(f"rollout.sglang.weight_update={s.weight_update!r} is unknown; valid: disk, tensor")
-        if cfg.precision.rollout_quant.value != "none":
-            problems.append(f"rollout=sglang quantizes with SGLang's own kernels, not precision={cfg.precision.name}'s "
-                            "rollout format: use precision=bf16 and rollout.sglang.server_args.quantization")
-        if r.num_engines > 1 and s.url:
-            problems.append("rollout.sglang.url is one server; rollout.num_engines > 1 launches one per engine: "
-                            "set rollout.sglang.url=null or rollout.num_engines=1")
+    if r.top_k > 0 or r.top_p < 1:
+        problems.append("rollout=vllm returns log-probs renormalized after top-k / top-p, the trainer's are "
+                        "before the truncation: set rollout.top_k=0 and rollout.top_p=1.0")
+    if cfg.precision.rollout_quant.value != "none":
+        problems.append(f"rollout=vllm runs plain weights, not precision={cfg.precision.name}'s quantized "
+                        "rollout format: use precision=fp32 or bf16")
+    if cfg.algo.routing_replay == "r3":
+        problems.append("algo.routing_replay=r3 needs routed experts, which vLLM's offline API does not return: "
+                        "use rollout=native or rollout=sglang")
+    if not cfg.ray.enabled and r.num_engines > 1:
+        problems.append("rollout=vllm holds one engine per process (vLLM's parallel state is global): "
+                        "set rollout.num_engines=1 or ray.enabled=true")
+    if v.enable_sleep_mode and cfg.hardware.device == "cpu":
+        problems.append("rollout.vllm.enable_sleep_mode needs CUDA (vLLM has no sleep mode on the CPU): set it false")
+    if r.offload and not v.enable_sleep_mode:
+        problems.append("rollout.offload=true with rollout=vllm frees memory through vLLM's sleep mode: "
+                        "set rollout.vllm.enable_sleep_mode=true")
+    if v.kv_cache_gb <= 0:
+        problems.append(f"rollout.vllm.kv_cache_gb must be > 0 (got {v.kv_cache_gb})")
+    if cfg.debug.compare_weights_tensorwise:
+        problems.append("debug.compare_weights_tensorwise compares the native engine's tensors; rollout=vllm "
+                        "checks its syncs by reading its kernels' weights back (rollout.check_weight_sync): "
+                        "set debug.compare_weights_tensorwise=false")
+    for key, instead in (("max_num_seqs", "rollout.max_running"),
+                         ("tensor_parallel_size", "rollout.num_gpus_per_engine")):
+        if key in v.llm_args:
+            problems.append(f"rollout.vllm.llm_args.{key} is {instead} (one key for both engines): set "
+                            f"{instead}={v.llm_args[key]} and drop it from llm_args")
     return problems
 
 
-SPECULATIVE_KINDS = ("none", "mtp", "draft_model")
+def sglang_problems(cfg: RunCfg) -> list[str]:
+    """rollout=sglang (miles/rollout/sglang_engine.py): the server's options."""
+    r, s = cfg.rollout, cfg.rollout.sglang
+    problems = []
+    if cfg.precision.rollout_quant.value != "none":
+        problems.append(f"rollout=sglang quantizes with SGLang's own kernels, not precision={cfg.precision.name}'s "
+                        "rollout format: use precision=bf16 and rollout.sglang.server_args.quantization")
+    if r.num_engines > 1 and s.url:
+        problems.append("rollout.sglang.url is one server; rollout.num_engines > 1 launches one per engine: "
+                        "set rollout.sglang.url=null or rollout.num_engines=1")
+    if "max_running_requests" in s.server_args:
+        problems.append("rollout.sglang.server_args.max_running_requests is rollout.max_running (one key for every "
+                        f"engine): set rollout.max_running={s.server_args['max_running_requests']} and drop it from "
+                        "server_args")
+    return problems
+
+
+# The native engine's own rules are the rest of validate() (it reads the shared rollout keys).
+ENGINE_PROBLEMS = {EngineName.vllm: vllm_problems, EngineName.sglang: sglang_problems}
 
 
 def speculative_problems(cfg: RunCfg) -> list[str]:
     """rollout.speculative: the native engine's draft-and-verify decoding and the draft's online training."""
     s, r = cfg.rollout.speculative, cfg.rollout
-    if s.kind not in SPECULATIVE_KINDS:
-        return [f"rollout.speculative.kind={s.kind!r} is unknown; valid: {', '.join(SPECULATIVE_KINDS)}"]
-    if s.kind == "none":
+    if s.kind == SpeculativeKind.none:
         return []
     problems = []
     if s.num_tokens < 1:
         problems.append(f"rollout.speculative.num_tokens must be >= 1 (got {s.num_tokens})")
     if s.lr is not None and s.lr <= 0:
         problems.append(f"rollout.speculative.lr must be > 0 (got {s.lr})")
-    if r.engine != "native":
+    if r.engine != EngineName.native:
         problems.append(f"rollout.speculative runs in the native engine; rollout={r.engine} has its own speculative "
                         f"options (rollout.{r.engine}.{'server_args' if r.engine == 'sglang' else 'llm_args'}): "
                         "set rollout.speculative.kind=none")
@@ -386,7 +395,7 @@ def speculative_problems(cfg: RunCfg) -> list[str]:
     if r.slot_decode and s.kind == "mtp":
         problems.append("rollout.speculative.kind=mtp decodes on the padded path; rollout.slot_decode=true runs "
                         "draft models only: set rollout.slot_decode=null")
-    if s.train_online and cfg.trainer.backend != "torch":
+    if s.train_online and cfg.trainer.backend != TrainerBackend.torch:
         problems.append(f"rollout.speculative.train_online trains the draft in the native trainer, not "
                         f"trainer={cfg.trainer.backend}: set trainer=torch or rollout.speculative.train_online=false")
     if s.kind == "draft_model" and s.train_online:
@@ -414,26 +423,26 @@ def offload_problems(cfg: RunCfg) -> list[str]:
         if cfg.rollout.asynchronous:
             problems.append(f"{key}=true takes turns on the GPU; rollout.asynchronous=true overlaps the turns: "
                             "set one of them false")
-    if cfg.trainer.offload and cfg.trainer.backend == "fsdp":
-        problems.append("trainer.offload=true with trainer.backend=fsdp is not supported yet (its checkpoints "
+    if cfg.trainer.offload and cfg.trainer.backend == TrainerBackend.fsdp:
+        problems.append("trainer.offload=true with trainer=fsdp is not supported yet (its checkpoints "
                         "need the shards on the device): set trainer.offload=false")
     return problems
 
 
 def megatron_problems(cfg: RunCfg) -> list[str]:
-    """trainer.backend=megatron (miles/trainer/megatron): one CUDA process, the mapped families, the
+    """trainer=megatron (miles/trainer/megatron): one CUDA process, the mapped families, the
     bf16 / fp32 recipes."""
-    if cfg.trainer.backend != "megatron":
+    if cfg.trainer.backend != TrainerBackend.megatron:
         return []
     from miles.trainer.megatron.arch import problems as unmapped
 
     t = cfg.trainer
     problems = list(unmapped(cfg.model))
     if cfg.hardware.device == "cpu":
-        problems.append("trainer.backend=megatron runs on CUDA only (Megatron-core allocates its RoPE, RNG and "
-                        "gradient buffers there): pick a GPU hardware profile or trainer.backend=torch")
+        problems.append("trainer=megatron runs on CUDA only (Megatron-core allocates its RoPE, RNG and "
+                        "gradient buffers there): pick a GPU hardware profile or trainer=torch")
     if max(t.tp, 1) * max(t.pp, 1) * max(t.ep, 1) * max(t.cp, 1) > 1:
-        problems.append(f"trainer.backend=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
+        problems.append(f"trainer=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
                         f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
     unsupported = {f"precision={cfg.precision.name}": cfg.precision.train_quant.value != "none"
                    or cfg.precision.rollout_quant.value != "none",
@@ -443,7 +452,7 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
                    "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
                    "trainer.offload=true": t.offload,
                    f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
-    problems += [f"trainer.backend=megatron does not support {what} yet: use trainer.backend=torch"
+    problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
     return problems
 
@@ -464,8 +473,8 @@ def asynchronous_problems(cfg: RunCfg) -> list[str]:
         if on:
             problems.append(f"rollout.asynchronous=true needs both an engine and a trainer generating and training; "
                             f"{key} runs without one of them: set rollout.asynchronous=false")
-    if d.check_weight_sync:
-        problems.append("debug.check_weight_sync compares the engine's weights with the trainer's right after a sync; "
+    if d.compare_weights_tensorwise:
+        problems.append("debug.compare_weights_tensorwise compares the engine's weights with the trainer's right after a sync; "
                         "with rollout.asynchronous=true the trainer has moved on by then: set one of them false")
     return problems
 
@@ -488,9 +497,9 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
     if r.top_p < 1.0 or r.top_k > 0:
         problems.append("true_on_policy=true samples from the policy's own distribution; top-p / top-k "
                         "truncate it: set rollout.top_p=1.0 rollout.top_k=0")
-    if r.engine != "native":
+    if r.engine != EngineName.native:
         problems.append(f"true_on_policy=true runs the native engine's batch-invariant kernels; "
-                        f"rollout.engine={r.engine} has its own: set rollout.engine=native")
+                        f"rollout={r.engine} has its own: use rollout=native")
     if cfg.hardware.device != "cpu":
         # The CUDA kernels sum keys in blocks from column 0, so keys must sit at their positions:
         # the slot decoder's layout, which only GQA attention layers have.

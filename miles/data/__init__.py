@@ -1,6 +1,7 @@
 """Data for miles: tokenizers, chat formats, the built-in arithmetic task, user prompt files, rewards."""
 
-from miles.data.arithmetic import ArithmeticTask, Example
+from miles.data.arithmetic import ArithmeticTask
+from miles.data.example import Example
 from miles.data.prompts import DataError, load_prompt_file
 from miles.data.prompt_format import PromptFormat
 from miles.data.rewards import REWARDS, RewardFn, RewardScorer, batched, build_scorer, exact_match, get_reward_fn

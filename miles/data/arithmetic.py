@@ -10,30 +10,17 @@ and training draws simply reject eval problems.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+
+from miles.data.example import Example
 
 SUPPORTED_OPS = "+-*"
 
 # Below this many problems eval_set enumerates the whole space, which also covers spaces with
 # fewer than eval_size eval problems; above it, rejection sampling is fast and cannot stall.
 _ENUMERATE_LIMIT = 100_000
-
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt with its reference answer.
-
-    `messages`: the record's conversation (role / content dicts) when its prompt field held one;
-    `prompt` is then its last user turn, for logs. `fields`: the record's other fields, handed to
-    the reward function as keyword info.
-    """
-
-    prompt: str
-    label: str
-    messages: tuple[dict, ...] | None = field(default=None, hash=False)
-    fields: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def _apply(a: int, op: str, b: int) -> int:

@@ -13,7 +13,7 @@ renders it after the turns before it, so prompt, tool and role tokens carry no l
 
 from __future__ import annotations
 
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 

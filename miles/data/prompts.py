@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from miles.data.answers import EXTRACTORS
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 
 _PREVIEW_CHARS = 80
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from miles.config.schema import TaskCfg, TaskKind
-from miles.data.arithmetic import ArithmeticTask, Example
+from miles.data.arithmetic import ArithmeticTask
+from miles.data.example import Example
 from miles.data.prompts import load_prompt_file
 from miles.data.tokenizer import DEFAULT_ALPHABET
 

@@ -143,7 +143,7 @@ def teacher_checkpoint(cfg: RunCfg, student_dir: Path, log=print) -> Path | None
     log-probs of the same token ids."""
     from tokenizers import Tokenizer
 
-    from miles.config.validate import ConfigError
+    from miles.config.errors import ConfigError
 
     a = cfg.algo
     if a.opd_kl_coef <= 0:
@@ -170,7 +170,7 @@ def draft_checkpoint(cfg: RunCfg, policy_dir: Path, run_dir: Path, log=print) ->
     from omegaconf import OmegaConf
     from tokenizers import Tokenizer
 
-    from miles.config.validate import ConfigError
+    from miles.config.errors import ConfigError
 
     spec = cfg.rollout.speculative
     if spec.kind != "draft_model":

@@ -23,7 +23,7 @@ in every process that holds a component, and sums them.
 from __future__ import annotations
 
 from miles.orchestrate.sync import sync_weights
-from miles.trainer.offload import memory_stats
+from miles.transport.device import memory_stats
 
 
 def _peak(component, reset: bool) -> int:

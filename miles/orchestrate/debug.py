@@ -3,7 +3,7 @@
     python launch.py debug.rollout_only=true debug.save_rollouts=rollouts/   # generate + reward only
     python launch.py debug.train_only=true debug.load_rollouts=rollouts/     # train on them, no engine
     python launch.py debug.load_rollouts=rollouts/                           # replay them, engine for eval
-    python launch.py debug.check_weight_sync=true                            # name tensors a sync got wrong
+    python launch.py debug.compare_weights_tensorwise=true                            # name tensors a sync got wrong
 
 A saved rollout batch is one JSON file per step, `step_000001.json`: the scored samples exactly as
 the trainer received them (token ids, engine log-probs, rewards, groups) and the rollout metrics.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from miles.config.schema import AlgoName, RunCfg
-from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError
+from miles.transport.checksum import TORCH_DTYPES, WeightSyncError
 from miles.types import FinishReason, Sample, routing_from_json, routing_to_json
 
 META = "rollouts.json"
@@ -109,7 +109,7 @@ def rollout_hook(cfg: RunCfg):
     return None
 
 
-# ------------------------------------------------------------------------------ debug.check_weight_sync
+# ------------------------------------------------------------------------------ debug.compare_weights_tensorwise
 
 def _digests(tensors: dict) -> dict[str, str]:
     out = {}
@@ -137,7 +137,7 @@ def trainer_expected_digests(trainer) -> dict[str, str]:
 
 
 def check_sync_tensors(ctx) -> None:
-    """The `after_sync` hook of debug.check_weight_sync: raise WeightSyncError naming every tensor
+    """The `after_sync` hook of debug.compare_weights_tensorwise: raise WeightSyncError naming every tensor
     whose dtype, shape or bytes differ between the engine and the trainer."""
     held = ctx.engine.apply(engine_held_digests)
     expected = ctx.trainer.apply(trainer_expected_digests)

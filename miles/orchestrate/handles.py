@@ -11,7 +11,24 @@ classes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+C = TypeVar("C", covariant=True)  # the component behind the handle: a RolloutEngine, a Trainer
+
+
+class Handle(Protocol[C]):
+    """What the loops call on a component, whatever runs it: `LocalHandle`, `RayHandle`, an
+    EngineFleet, the supervisor's restarting wrapper. Methods go by name (`call("generate", ...)`),
+    so `C` documents which protocol those names belong to; nothing checks it statically."""
+    in_process: bool
+
+    def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any: ...
+
+    def get(self, future: Any) -> Any: ...
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def apply(self, fn: Any, *args: Any) -> Any: ...
 
 
 class LocalHandle:
@@ -19,6 +36,11 @@ class LocalHandle:
 
     def __init__(self, obj: Any):
         self.obj = obj
+
+    @property
+    def members(self) -> list["LocalHandle"]:
+        """The per-engine handles behind this one (an EngineFleet has several): itself."""
+        return [self]
 
     def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
         return getattr(self.obj, method)(*args, **kwargs)
@@ -39,6 +61,11 @@ class RayHandle:
     def __init__(self, actor: Any, respawn: Any = None):
         self.actor = actor
         self._respawn = respawn  # () -> a new actor built like this one (miles.orchestrate.supervise restarts)
+
+    @property
+    def members(self) -> list["RayHandle"]:
+        """The per-engine handles behind this one (an EngineFleet has several): itself."""
+        return [self]
 
     def submit(self, method: str, *args: Any, num_returns: int = 1, **kwargs: Any) -> Any:
         remote_method = getattr(self.actor, method)
@@ -87,21 +114,6 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     ray.init(**kwargs)
 
 
-def with_tensor_transport(cls: type) -> type:
-    """`cls` whose instances, built in a Ray worker, first install miles.transport.ray_tensors in
-    that process: what the actor returns or sends (FP8 / INT4 sync payloads, any tensor) then
-    crosses the object store as raw bytes + dtype, which torch's own pickle cannot do for float8.
-    Same name, so the actor's process title stays ray::<cls>."""
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from miles.transport.ray_tensors import register
-
-        register()
-        cls.__init__(self, *args, **kwargs)
-
-    return type(cls)(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-
-
 def spawn(cls: type, use_ray: bool, *args: Any, num_gpus: float = 0.0, **kwargs: Any) -> LocalHandle | RayHandle:
     """Instantiate `cls` in-process or as a Ray actor (one CPU each, so both fit a 2-core machine).
     num_gpus: the actor's share of a GPU. Ray hides every GPU from an actor that asks for none
@@ -112,7 +124,7 @@ def spawn(cls: type, use_ray: bool, *args: Any, num_gpus: float = 0.0, **kwargs:
         return LocalHandle(cls(*args, **kwargs))
     import ray
 
-    from miles.transport.ray_tensors import register
+    from miles.transport.ray_tensors import register, with_tensor_transport
 
     register()
     actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus)(with_tensor_transport(cls))

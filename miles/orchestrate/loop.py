@@ -16,23 +16,33 @@ from typing import Callable
 import torch
 
 from miles.algo.advantages import overlong_penalty
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 from miles.data.prompt_format import PromptFormat
 from miles.data.rewards import RewardScorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate.colocate import MemoryPhases
+from miles.orchestrate.handles import Handle
 from miles.orchestrate.returns import make_train_batch
 from miles.orchestrate.rollout_ahead import RolloutAhead
 from miles.orchestrate.sync import sync_weights
+from miles.rollout.multi_turn import MultiTurn
+from miles.rollout.protocol import RolloutEngine
 from miles.rollout.router import EngineFleet
+from miles.trainer import Trainer
+from miles.transport.object_store import ObjectStoreTransport
+from miles.transport.protocol import WeightTransport
 from miles.types import Sample, build_train_batch
 
 
 @dataclass
 class LoopContext:
-    engine: object  # handle to a NativeEngine, or an EngineFleet of several (rollout.num_engines)
-    trainer: object  # handle to a TorchTrainer
+    """What the loops hold: the components' handles (miles/orchestrate/handles.py; the engine side may
+    be an EngineFleet of several engines), the data, the reward, and the hooks supervision and the
+    debug modes set. None for a component a debug mode leaves out (debug.rollout_only: no trainer,
+    debug.train_only: no engine)."""
+    engine: Handle[RolloutEngine] | None
+    trainer: Handle[Trainer] | None
     source: PromptSource
     tokenizer: TokenizerInfo
     reward_fn: Callable[..., float] | RewardScorer  # (response, label, **info) -> score; wrapped in a scorer
@@ -40,16 +50,17 @@ class LoopContext:
     on_samples: Callable[[list[Sample], int], None] = lambda samples, step: None
     task_name: str = "task"
     eval_max_new_tokens: int = 8
-    critic: object = None  # handle to a TorchCritic (algo.advantage=gae), else None
+    critic: Handle | None = None  # handle to a TorchCritic (algo.advantage=gae), else None
     # Set by miles.orchestrate.supervise (resume, checkpoints, signals) and miles.orchestrate.debug.
     start_step: int = 0  # the step a resumed run continues after (0: a fresh run, evaluated at step 0)
     after_step: Callable[[int], None] = lambda step: None  # after each step is logged
     after_sync: Callable[["LoopContext"], None] = lambda ctx: None  # after each weight sync
     collect: Callable | None = None  # (ctx, cfg, step) -> (samples, metrics); None: collect_rollout
     prompt_format: PromptFormat | None = None  # example -> engine prompt (None: the text as it is)
-    multi_turn: object = None  # a miles.rollout.multi_turn.MultiTurn (task.tools), else single-turn
+    multi_turn: MultiTurn | None = None  # task.tools: tool-calling trajectories, else single-turn
     sft_target_key: str | None = None  # SFT trains on this record field when present (a worked solution)
-    weight_sync: object = None  # a miles.transport.broadcast.LoopBroadcast (rollout.weight_sync=broadcast)
+    # rollout.weight_sync (miles/transport/protocol.py), over this context's handles; None: the object store
+    transport: WeightTransport | None = None
     # rollout.asynchronous: the data position a checkpoint records (before the first untrained batch)
     source_state: Callable[[], dict] | None = None
     draft_sync: bool = False  # rollout.speculative.kind=draft_model trained online: sync the draft too
@@ -57,6 +68,8 @@ class LoopContext:
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
             self.reward_fn = RewardScorer(self.reward_fn)
+        if self.transport is None:
+            self.transport = ObjectStoreTransport(self)
 
     @property
     def fmt(self) -> PromptFormat:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from miles.config.schema import RunCfg
-from miles.config.validate import ConfigError
+from miles.config.errors import ConfigError
 
 # A resumed run must train the same model on the same data with the same algorithm from the same
 # initial weights; anything else (steps, lr, eval interval, tracking, ...) may change.
@@ -144,9 +144,8 @@ def save_component_state(component, path: str, name: str) -> None:
     (`draft` not None) adds its state, key "draft" (optimizer; a separate draft model's weights)."""
     from miles.models import CausalLM, save_pretrained
 
-    if hasattr(component, "save_state"):  # an FSDP rank: its shards, collectively (every rank runs this)
-        component.save_state(str(Path(path) / name))
-        component.save(str(Path(path) / "model"))  # the HF-format policy, as the native trainer writes it
+    if hasattr(component, "save_state"):  # a trainer (miles.trainer.protocol): model/ and its own files
+        component.save_state(path)
         return
     state: dict = {"torch_rng": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -167,8 +166,8 @@ def save_component_state(component, path: str, name: str) -> None:
 def load_component_state(component, path: str, name: str) -> None:
     from miles.models import from_pretrained
 
-    if hasattr(component, "load_state"):  # an FSDP rank (see save_component_state)
-        component.load_state(str(Path(path) / name))
+    if hasattr(component, "load_state"):  # a trainer (see save_component_state)
+        component.load_state(path)
         return
     state = torch.load(Path(path) / f"{name}.pt", weights_only=True)
     torch.set_rng_state(state["torch_rng"])
@@ -190,7 +189,7 @@ def load_component_state(component, path: str, name: str) -> None:
 
 def model_digest(component) -> str:
     """Checksum of the component's model weights (tests and logs compare runs by it)."""
-    from miles.orchestrate.weight_sync import checksum
+    from miles.transport.checksum import checksum
 
     return checksum(component.model.state_dict())
 

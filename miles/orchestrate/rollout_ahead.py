@@ -40,13 +40,14 @@ import threading
 import time
 from typing import Callable
 
-from miles.orchestrate.sync import fetch_weights, load_weights
+from miles.orchestrate.sync import load_weights
+
 
 class RolloutAhead:
     def __init__(self, ctx, cfg, collect: Callable):
         self.ctx, self.cfg, self.collect, self.check = ctx, cfg, collect, cfg.rollout.check_weight_sync
         self.max_staleness, self.last_step = cfg.rollout.max_staleness, cfg.steps
-        self.collective = ctx.weight_sync is not None  # broadcast / shared memory: the engine must be idle
+        self.collective = not ctx.transport.snapshots  # broadcast / shared memory: the engine must be idle
         self._cond = threading.Condition()  # guards the fields below and wakes the rollout thread
         self.trained_step = ctx.start_step  # the newest step the trainer finished (its weights published)
         self._snapshot: tuple | None = None  # (weights, digest) of trained_step; None: the engine has them
@@ -77,13 +78,13 @@ class RolloutAhead:
         start = time.perf_counter()
         if updated and self.collective:
             with self._engine_lock:
-                self.ctx.weight_sync.sync(self.check)
+                self.ctx.transport.sync(self.check)
                 self.ctx.after_sync(self.ctx)
                 with self._cond:
                     self._snapshot, self.engine_step = None, step
         elif updated:
             with self._weights_lock:
-                snapshot = fetch_weights(self.ctx)
+                snapshot = self.ctx.transport.fetch()
                 with self._cond:
                     self._snapshot = snapshot
         with self._cond:
@@ -149,7 +150,7 @@ class RolloutAhead:
                 self._snapshot = None
             if snapshot is None:
                 return 0.0
-            load_weights(self.ctx, *snapshot, self.check)
+            load_weights(self.ctx, snapshot, self.check)
         with self._cond:
             self.engine_step = step
         return time.perf_counter() - start

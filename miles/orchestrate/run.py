@@ -28,6 +28,7 @@ from miles.orchestrate.supervise import Stopped, supervise
 from miles.tracking.console import batch_table, console, step_line
 from miles.tracking.journal import JournaledTracker
 from miles.tracking.run_record import write_run_record
+from miles.transport.protocol import TransportOptions, build_transport
 from miles.types import Sample
 
 
@@ -95,18 +96,13 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
         )
-        if cfg.debug.check_weight_sync:
+        if cfg.debug.compare_weights_tensorwise:
             ctx.after_sync = check_sync_tensors
         spec = cfg.rollout.speculative
         ctx.draft_sync = spec.kind == "draft_model" and spec.train_online  # MTP weights travel with the policy's
-        if cfg.rollout.weight_sync == "broadcast" and engine is not None and trainer is not None:
-            from miles.transport.broadcast import LoopBroadcast
-
-            ctx.weight_sync = LoopBroadcast(trainer, engine, "gloo", cfg.rollout.weight_sync_bucket_mb)
-        if cfg.rollout.weight_sync == "shared_memory" and engine is not None and trainer is not None:
-            from miles.transport.shared_memory import LoopSharedMemory
-
-            ctx.weight_sync = LoopSharedMemory(trainer, engine)
+        if engine is not None and trainer is not None:  # debug.rollout_only / train_only: nothing to sync
+            ctx.transport = build_transport(cfg.rollout.weight_sync, ctx,
+                                            TransportOptions(bucket_mb=cfg.rollout.weight_sync_bucket_mb))
         return ctx
 
     if cfg.algo.name == AlgoName.sft:
@@ -191,6 +187,8 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
         trainer = FSDPGroup(cfg.trainer.num_ranks, *trainer_args, **trainer_kwargs)
     else:
         trainer = spawn(trainer_class(cfg.trainer.backend), use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
+    if len(fleet) > 1 and trainer is not None:  # an engine the fleet restarts when no sync went through it
+        engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
     critic = None
     if with_critic:
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from miles.trainer.offload import same_device
+from miles.transport.device import same_device
 from miles.transport.flat import FlatWeights
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"

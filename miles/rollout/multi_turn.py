@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
 from miles.data.prompt_format import PromptFormat
 from miles.data.tokenizer import TokenizerInfo

@@ -54,14 +54,14 @@ import torch
 from miles.config.schema import DType, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, from_pretrained, invariant
-from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
+from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
 from miles.rollout.spec_decode import MTPDraft, ModelDraft, SpeculativeDecoder
 from miles.rollout.spec_slots import SlotSpeculativeDecoder
-from miles.trainer.offload import free_device_memory
+from miles.transport.device import free_device_memory
 from miles.transport.flat import DEVICE_DIGEST, FlatWeights, tensors_checksum
 from miles.types import (FinishReason, Sample, index_layers, keys_dtype, moe_layers, routing_dtype, stack_keys,
                          stack_routing)

@@ -19,11 +19,11 @@ callers do, against every engine:
 
 from __future__ import annotations
 
-import inspect
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from miles.protocol_check import check_methods
 from miles.types import Sample
 
 TAGS = ("weights", "kv_cache")  # what release_memory / resume_memory act on
@@ -45,7 +45,7 @@ class RolloutEngine(Protocol):
     def update_weights(self, weights, expected_checksum: str | None = None) -> str:
         """Load the trainer's weights (a state dict in the engine's dtype with the project's parameter
         names, the recipe's quantized payload, or in-process a FlatWeights); with a checksum, verify
-        what the engine then holds (miles.orchestrate.weight_sync.checksum) and raise WeightSyncError
+        what the engine then holds (miles.transport.checksum.checksum) and raise WeightSyncError
         on a difference. Returns the held checksum ("" unchecked)."""
 
     def update_draft_weights(self, weights, expected_checksum: str | None = None) -> str:
@@ -77,27 +77,5 @@ METHODS = ("generate", "update_weights", "update_draft_weights", "release_memory
 
 def check_engine(cls: type) -> None:
     """Raise TypeError naming the protocol methods `cls` lacks, then the protocol arguments its methods
-    do not take as the callers pass them: a positional one at its place and by name, a keyword-only one
-    (callers pass it by name) by name; *args / **kwargs take anything."""
-    missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
-    if missing:
-        raise TypeError(f"{cls.__name__} is not a rollout engine: it lacks {', '.join(missing)}")
-    problems = [f"{m}({p})" for m in METHODS for p in _unaccepted(getattr(RolloutEngine, m), getattr(cls, m))]
-    if problems:
-        raise TypeError(f"{cls.__name__} is not a rollout engine: its methods do not take the protocol's "
-                        f"arguments {', '.join(problems)}")
-
-
-def _unaccepted(spec, impl) -> list[str]:
-    want = [p for p in inspect.signature(spec).parameters.values() if p.name != "self"]
-    have = [p for p in inspect.signature(impl).parameters.values() if p.name != "self"]
-    kinds = {p.kind for p in have}
-    positional = [p.name for p in have if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    by_name = {p.name for p in have if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    out = []
-    for i, p in enumerate(want):
-        at_place = inspect.Parameter.VAR_POSITIONAL in kinds or (i < len(positional) and positional[i] == p.name)
-        named = inspect.Parameter.VAR_KEYWORD in kinds or p.name in by_name
-        if not (named and (at_place or p.kind == p.KEYWORD_ONLY)):
-            out.append(p.name)
-    return out
+    do not take as the callers pass them (miles/protocol_check.py)."""
+    check_methods(cls, RolloutEngine, METHODS, "a rollout engine")

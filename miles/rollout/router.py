@@ -49,12 +49,18 @@ class EngineFleet:
         self.restarts_left = max_restarts
         self.weights: tuple[Any, str | None] | None = None  # the last update_weights arguments
         self.restarts = [0] * len(engines)  # per engine, for logs and tests
-        # () -> (weights, checksum) for a restarted engine when syncs bypass update_weights (broadcast).
+        # () -> (weights, checksum) for a restarted engine when no update_weights came through the
+        # fleet (a collective transport syncs each engine itself): set where the fleet is built.
         self.weights_source: Callable[[], tuple[Any, Any]] | None = None
 
     @property
     def in_process(self) -> bool:
         return self.engines[0].in_process
+
+    @property
+    def members(self) -> list:
+        """The per-engine handles (what a collective weight transport joins, one process each)."""
+        return list(self.engines)
 
     # ------------------------------------------------------------------ the engine API
 
@@ -218,8 +224,8 @@ class EngineFleet:
         self.log(f"rollout engine {i} died ({type(error).__name__}); restarting it, its work goes to the fleet")
         handle = self.engines[i]
         handle.restart()
-        if self.weights_source is not None:  # weights that reach the engines another way (a broadcast group)
+        if self.weights is not None:  # what the other engines hold
+            return handle.submit("update_weights", *self.weights)
+        if self.weights_source is not None:  # weights that reach the engines another way (a collective)
             return handle.submit("update_weights", *self.weights_source())
-        if self.weights is None:  # nothing sent yet: the new actor starts from the checkpoint, as the others
-            return handle.submit("__ray_ready__")
-        return handle.submit("update_weights", *self.weights)
+        return handle.submit("__ray_ready__")  # nothing sent yet: it starts from the checkpoint, as the others

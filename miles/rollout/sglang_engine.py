@@ -83,7 +83,7 @@ from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models.causal_lm import CausalLM
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
-from miles.orchestrate.weight_sync import TORCH_DTYPES, WeightSyncError, checksum
+from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
 from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
@@ -181,11 +181,11 @@ class SGLangEngine:
         if true_on_policy is not None:
             raise ValueError("true_on_policy=true runs the native engine's batch-invariant kernels; SGLang's "
                              "counterpart (enable_deterministic_inference, rl_on_policy_target=fsdp) needs its "
-                             "FSDP trainer kernels: set rollout.engine=native")
+                             "FSDP trainer kernels: set rollout=native")
         if precision is not None and precision.rollout_quant.value != "none":
             raise NotImplementedError(f"precision={precision.name} quantizes the rollout with Miles' quantizer; "
                                       "SGLang quantizes with its own (server_args quantization=...): use a "
-                                      "bf16 / fp32 recipe with rollout.engine=sglang")
+                                      "bf16 / fp32 recipe with rollout=sglang")
         if weight_update not in ("disk", "tensor"):
             raise ValueError(f"weight_update={weight_update!r}: disk | tensor")
         self.cfg, self.device, self.dtype = cfg, torch.device(device), TORCH_DTYPES[DType(dtype)]
@@ -250,7 +250,7 @@ class SGLangEngine:
     # ----------------------------------------------------------------------------- server process
     def _launch(self, argv: list[str], needs_sglang: bool) -> str:
         if needs_sglang and importlib.util.find_spec("sglang") is None:
-            raise ImportError(f"rollout.engine=sglang without a url launches `python -m sglang.launch_server`, but {INSTALL_HINT}")
+            raise ImportError(f"rollout=sglang without a url launches `python -m sglang.launch_server`, but {INSTALL_HINT}")
         env = dict(os.environ)
         env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)  # log-probs under the sampling temperature, as Miles'
         log_dir = tempfile.mkdtemp(prefix="miles-sglang-")
@@ -438,7 +438,7 @@ class SGLangEngine:
             expected_checksum = None if expected_checksum is None else checksum(weights)
         if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
             raise TypeError("SGLangEngine.update_weights takes a state dict of tensors (quantized rollout "
-                            "payloads are not supported with rollout.engine=sglang)")
+                            "payloads are not supported with rollout=sglang)")
         if expected_checksum is not None and (sent := checksum(weights)) != expected_checksum:
             raise WeightSyncError(f"the weights reached the engine different from what the trainer sent: "
                                   f"{sent[:12]} != {expected_checksum[:12]}")

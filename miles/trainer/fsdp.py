@@ -1,38 +1,44 @@
-"""One rank of the FSDP2 trainer: the native TorchTrainer with its models sharded by `fully_shard`.
+"""One rank of the FSDP2 trainer: the native TorchTrainer holding an `FSDPSharding` (its models sharded by
+`fully_shard`).
 
     trainer = FSDPTrainer(rank, world_size, master_addr, master_port,
                           checkpoint_dir, algo, trainer_cfg, precision, device="cpu")
+    # = TorchTrainer(checkpoint_dir, ..., parallel=FSDPSharding(rank, world_size, master_addr, master_port))
     metrics = trainer.train_rl(batch)   # every rank, at once, with the same global TrainBatch
     weights, digest = trainer.get_weights()   # rank 0: the full state dict; the others ({}, "")
-    trainer.save_state(path); trainer.load_state(path)   # sharded, torch.distributed.checkpoint
+    trainer.save_state(path); trainer.load_state(path)   # sharded (torch.distributed.checkpoint) + HF
 
 miles.trainer.fsdp_group.FSDPGroup runs one per Ray actor. Everything TorchTrainer does (policy
-losses, micro-batches, the chunked log-prob head, metrics) runs unchanged; this class fills its
-data-parallel hooks:
-- Process group and sharding (`_shard_models`): gloo on CPU, NCCL on CUDA; `fully_shard` on each
+losses, micro-batches, the chunked log-prob head, metrics) runs unchanged; FSDPSharding is its
+Parallelism (miles/trainer/parallel.py), what the ranks change:
+- Process group and sharding (`shard_models`): gloo on CPU, NCCL on CUDA; `fully_shard` on each
   decoder layer and on the root of the policy (and of the KL reference and the teacher), with
-  param bf16 / reduce fp32 when precision.train_dtype is bf16.
-- The batch (`_plan`): every rank receives the whole global batch and trains on a contiguous range
+  param bf16 / reduce fp32 when precision.train_dtype is bf16. A process holds one process group:
+  later trainers of the same rank in it (tests) reuse it.
+- The batch (`plan`): every rank receives the whole global batch and trains on a contiguous range
   of its samples with about equal tokens. Losses keep the whole step's normalizer (TorchTrainer
   computes it from the whole batch), so the ranks' gradients add up to the 1-rank gradient: FSDP
   sums them (gradient divide factor 1) instead of averaging. Ranks with fewer micro-batches run
   idle ones (one token, no loss position) so that all meet in the same all-gathers and
   reduce-scatters.
-- Whole-batch results (`_sum_over_ranks`): log-probs of every row (each rank fills its own),
-  metric sums and the grad norm over all shards (`_clip_grad_norm`) are reduced over ranks, so
+- Whole-batch results (`sum_over_ranks`): log-probs of every row (each rank fills its own),
+  metric sums and the grad norm over all shards (`clip_grad_norm`) are reduced over ranks, so
   every rank returns the same numbers as the 1-rank trainer.
-- Colocation offload (`offload` / `onload`, TorchTrainer's): the models move as modules
-  (`module.to`), after which FSDP2 re-points its sharded storage (FSDPParam.reset_sharded_param);
-  host copies are pageable, not pinned. get_weights, save, save_state and load_state refuse while
-  offloaded (they are collectives over device shards).
-Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights) and MoE
-routing replay (its agreement metrics are per-rank ratios).
+- Colocation offload (`move_models`): the models move as modules (`module.to`), after which FSDP2
+  re-points its sharded storage (FSDPParam.reset_sharded_param); host copies are pageable, not
+  pinned. get_weights, save, save_state and load_state refuse while offloaded (they are
+  collectives over device shards).
+- Weights and state (`policy_state`, `save_policy`, `save_state`): gathered on rank 0's CPU; resume
+  state is each rank's shards through torch.distributed.checkpoint.
+Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights), MoE routing
+replay (its agreement metrics are per-rank ratios), an online speculative draft, in-process weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,45 +84,52 @@ def shard(model: CausalLM, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) ->
         unit.set_force_sum_reduction_for_comms(True)
 
 
-class FSDPTrainer(TorchTrainer):
-    shards_policy = True  # `_shard_models` below: so no online speculative draft (TorchTrainer refuses it)
+class FSDPSharding:
+    """FSDP2 over `world_size` ranks (this process: `rank`), which meet at master_addr:master_port."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, *args, **kwargs):
-        """`rank` of `world_size` ranks, which meet at master_addr:master_port (rank 0's host and a
-        port free there); the rest are TorchTrainer's arguments, the same on every rank."""
+    shards_policy = True  # so no online speculative draft (TorchTrainer refuses it)
+    in_process_weights = False  # no engine shares a rank's process
+    routing_replay = False
+    name = "the FSDP trainer"
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int):
         self.rank, self.world_size = rank, world_size
+        self.writes = rank == 0
         self._init_method = f"tcp://{master_addr}:{master_port}"
-        super().__init__(*args, **kwargs)
+        self.device = torch.device("cpu")
 
-    # ----------------------------------------------------------------------------- TorchTrainer hooks
-    def _shard_models(self) -> None:
-        if self.recipe.train_quant != NONE:
+    def shard_models(self, trainer: TorchTrainer) -> None:
+        if trainer.recipe.train_quant != NONE:
             raise ValueError(f"the FSDP trainer does not fake-quantize yet (precision.train_quant="
-                             f"{self.recipe.train_quant}): Recipe.forward replaces whole weights")
-        if self.algo.routing_replay != "none":
+                             f"{trainer.recipe.train_quant}): Recipe.forward replaces whole weights")
+        if trainer.algo.routing_replay != "none":
             raise ValueError(f"the FSDP trainer has no MoE routing replay yet (algo.routing_replay="
-                             f"{self.algo.routing_replay})")
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self._init_method,
-                                rank=self.rank, world_size=self.world_size)
+                             f"{trainer.algo.routing_replay})")
+        self.device = trainer.device
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=self._init_method,
+                                    rank=self.rank, world_size=self.world_size)
+        elif (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            # A process holds one default group: a later trainer of the same ranks (tests) reuses it.
+            raise RuntimeError(f"this process is rank {dist.get_rank()} of {dist.get_world_size()} already; "
+                               f"an FSDP trainer cannot be rank {self.rank} of {self.world_size} in it")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        bf16 = self.precision.train_dtype == DType.bf16
         # bf16: gathered parameters and the forward in bf16, gradients reduced and kept in fp32.
-        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-                     else MixedPrecisionPolicy())
-        for model in (self.model, self.ref_model, self.teacher):
+        mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                     if trainer.precision.train_dtype == DType.bf16 else MixedPrecisionPolicy())
+        for model in (trainer.model, trainer.ref_model, trainer.teacher):
             if model is not None:
                 shard(model, mesh, mp_policy)
 
-    def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+    def plan(self, batch: TrainBatch, plan: Callable[[TrainBatch], list[MicroBatch]]) -> list[MicroBatch]:
         """This rank's micro-batches of `batch` (indices into the whole batch), as many as the rank
         with the most: the others are idle."""
         bounds = token_balanced_bounds(batch.loss_mask, self.world_size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        plan = [] if lo == hi else [replace(mb, index=mb.index + lo)
-                                    for mb in super()._plan(batch.slice(lo, hi), model)]
-        most = torch.tensor(len(plan), device=self.device)
+        mine = [] if lo == hi else [replace(mb, index=mb.index + lo) for mb in plan(batch.slice(lo, hi))]
+        most = torch.tensor(len(mine), device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return plan + [self._idle_micro_batch(batch.loss_mask.shape[1])] * (int(most) - len(plan))
+        return mine + [self._idle_micro_batch(batch.loss_mask.shape[1])] * (int(most) - len(mine))
 
     def _idle_micro_batch(self, width: int) -> MicroBatch:
         """A forward / backward of one token and no loss position: this rank's part of the collectives."""
@@ -124,88 +137,63 @@ class FSDPTrainer(TorchTrainer):
         return MicroBatch(index=empty, input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                           src=empty, dst=empty, targets=empty, width=width)
 
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         dist.all_reduce(out)
         return out
 
-    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm over every rank's gradient shards (a DTensor made whole), then the clip."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
-    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
-        """TorchTrainer's step; the metric sums (its micro-batches' shares of the step's) summed over
-        ranks; the grad norm is already the whole one."""
-        sums = super()._step(items, loss_fn)
-        grad_norm = sums.pop("grad_norm")
-        totals = self._sum_over_ranks(torch.stack(list(sums.values())))
-        return {**dict(zip(sums, totals)), "grad_norm": grad_norm}
-
-    @torch.no_grad()
-    def _full_logprobs(self, model, batch: TrainBatch, plan: list[MicroBatch] | None = None) -> torch.Tensor:
-        return self._sum_over_ranks(super()._full_logprobs(model, batch, plan))
-
-    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
-        if len(batch.routed_experts):
-            raise ValueError("the FSDP trainer takes no routed experts yet: its routing agreement "
-                             "metrics are not reduced over ranks")
-        return super().train_rl(batch)
-
-    def _move_models(self, host: bool) -> None:
+    def move_models(self, models: list[torch.nn.Module], device: torch.device, host: bool) -> None:
         """The sharded models as modules: nn.Module._apply moves each DTensor's local shard and
         FSDP2 then re-points its sharded storage at it (a `param.data` swap alone would leave FSDP
         all-gathering the old storage)."""
-        for model in self._models():
+        for model in models:
             if off.FORCE_COPY:  # tests: fresh storage on the CPU, the re-pointing exercised
                 model._apply(lambda t: t.clone())
             else:
-                model.to("cpu" if host else self.device)
+                model.to("cpu" if host else device)
 
-    # ----------------------------------------------------------------------------- weights, state
-    def _full_state(self) -> dict[str, torch.Tensor]:
+    def policy_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the policy's whole fp32 state dict on rank 0's CPU ({} on the other ranks)."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
-        """Collective. Rank 0: what TorchTrainer.get_weights returns (the rollout dtype or format,
-        its checksum); the other ranks ({}, ""). Never in-process: no engine shares a rank's process."""
-        self._require_onloaded("get_weights", (off.PARAMS,))
-        if in_process:
-            raise ValueError("the FSDP trainer syncs weights through Ray only (in_process=False)")
-        state = self._full_state()
-        return self._weights_of(state) if self.rank == 0 else ({}, "")
-
-    def save(self, path: str) -> None:
+    def save_policy(self, model: torch.nn.Module, path: str) -> None:
         """Collective: the policy as an HF-format dir, written by rank 0."""
-        self._require_onloaded("save", (off.PARAMS,))
-        state = self._full_state()
-        if self.rank == 0:
+        state = self.policy_state(model)
+        if self.writes:
             with torch.device("meta"):  # the structure only; the gathered tensors become its weights
-                model = CausalLM(self.model.config)
-            model.load_state_dict(state, assign=True)
-            save_pretrained(model, path)
+                whole = CausalLM(model.config)
+            whole.load_state_dict(state, assign=True)
+            save_pretrained(whole, path)
 
-    def save_state(self, path: str) -> None:
-        """Collective: the sharded policy and optimizer state into the directory `path` (each rank
-        writes its shards; the path must be one that every rank sees), and each rank's torch RNG.
-        The KL reference and the teacher are frozen: rebuilt from their checkpoints, never saved."""
-        self._require_onloaded("save_state")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
-        torch.save(self._rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+    def save_state(self, trainer: TorchTrainer, path: str) -> None:
+        """Collective: resume state into the directory `path` (one every rank sees): the sharded policy
+        and optimizer state in `trainer/` (torch.distributed.checkpoint; each rank writes its shards and
+        its torch RNG), and the policy as an HF-format dir `model/` (rank 0). The KL reference and the
+        teacher are frozen: rebuilt from their checkpoints, never saved."""
+        trainer._require_onloaded("save_state")
+        shards = Path(path) / "trainer"
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=shards)
+        torch.save(self._rng_state(), shards / f"rng_rank{self.rank}.pt")
+        self.save_policy(trainer.model, str(Path(path) / "model"))
 
-    def load_state(self, path: str) -> None:
+    def load_state(self, trainer: TorchTrainer, path: str) -> None:
         """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
-        self._require_onloaded("load_state")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        trainer._require_onloaded("load_state")
+        shards = Path(path) / "trainer"
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        dcp.load(state, checkpoint_id=shards)  # in place, into this rank's shards
+        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        rng = torch.load(Path(path) / f"rng_rank{self.rank}.pt", weights_only=True)
+        rng = torch.load(shards / f"rng_rank{self.rank}.pt", weights_only=True)
         torch.set_rng_state(rng["torch_rng"])
         if "cuda_rng" in rng:
             torch.cuda.set_rng_state(rng["cuda_rng"])
@@ -215,3 +203,14 @@ class FSDPTrainer(TorchTrainer):
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state()
         return state
+
+
+class FSDPTrainer(TorchTrainer):
+    """TorchTrainer built with an FSDPSharding: nothing of its own but the constructor (a class, so that
+    the ranks' actors, check_trainer and the callers name it as they name the other trainers)."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, *args, **kwargs):
+        """`rank` of `world_size` ranks, which meet at master_addr:master_port (rank 0's host and a
+        port free there); the rest are TorchTrainer's arguments, the same on every rank."""
+        self.rank, self.world_size = rank, world_size
+        super().__init__(*args, parallel=FSDPSharding(rank, world_size, master_addr, master_port), **kwargs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from miles.orchestrate.handles import with_tensor_transport
+from miles.transport.ray_tensors import with_tensor_transport
 
 READY_TIMEOUT_S = 600.0  # a placement group that cannot be placed by then will not be (too few CPUs / GPUs)
 
@@ -104,8 +104,10 @@ class FSDPGroup:
     def get(self, future: Any) -> Any:
         import ray
 
-        self._wait([*self._pending, *(future if isinstance(future, list) else [future])])
-        self._pending = []
+        # Taken off before waiting: a call that failed (a refusal on every rank, say) must not fail
+        # every later call with its error again.
+        pending, self._pending = self._pending, []
+        self._wait([*pending, *(future if isinstance(future, list) else [future])])
         return ray.get(future)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

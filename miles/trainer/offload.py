@@ -1,4 +1,4 @@
-"""Trainer offload for colocation, and the device memory figures the loop logs per phase.
+"""Trainer offload for colocation.
 
 With `rollout.colocate=true` the trainer and the engine share the GPU and take turns: while the
 engine generates, the trainer's state waits in host memory (`TorchTrainer.offload` / `onload`, tags
@@ -11,56 +11,22 @@ engine generates, the trainer's state waits in host memory (`TorchTrainer.offloa
 - "optimizer": every tensor of the optimizer state (AdamW's exp_avg / exp_avg_sq, and its `step`
   where that lives on the device) to pinned host memory, back to the device it came from.
 On the CPU nothing moves (the state is in host memory already) except the dropped gradients.
-
-    stats = memory_stats("cuda", reset_peak=True)   # before a phase: opens a new peak window
-    ...                                              # the phase (generate, train_rl)
-    stats = memory_stats("cuda")                     # stats.peak_gb: the phase's peak
+The device helpers the engine shares (same_device, free_device_memory, memory_stats) live a floor
+down, in miles/transport/device.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from miles.transport.device import free_device_memory, same_device  # noqa: F401  (the trainers call off.free_device_memory)
 
 PARAMS, GRADS, OPTIMIZER = "params", "grads", "optimizer"
 TRAINER_TAGS = (PARAMS, GRADS, OPTIMIZER)
-GB = 2**30
 
 # Tests: move into fresh host tensors even on the CPU, so that the CPU exercises the re-pointing
 # (parameters, optimizer state, FSDP's sharded storage) that a GPU offload does.
 FORCE_COPY = False
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """Device bytes of the caching allocator: handed out now, the most since the last peak reset,
-    and held from the driver (allocated + cached)."""
-    allocated: int = 0
-    peak: int = 0
-    reserved: int = 0
-
-    @property
-    def allocated_gb(self) -> float:
-        return self.allocated / GB
-
-    @property
-    def peak_gb(self) -> float:
-        return self.peak / GB
-
-
-def memory_stats(device: torch.device | str | None = None, reset_peak: bool = False) -> MemoryStats:
-    """Allocated / peak / reserved bytes on a CUDA `device` (None: the current CUDA device, if any);
-    all zeros for a CPU device or without CUDA. `reset_peak`: after reading, start a new peak window
-    (torch.cuda.reset_peak_memory_stats), so the next call's `peak` is that of what ran in between."""
-    device = torch.device(device) if device is not None else None
-    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
-        return MemoryStats()
-    stats = MemoryStats(torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
-                        torch.cuda.memory_reserved(device))
-    if reset_peak:
-        torch.cuda.reset_peak_memory_stats(device)
-    return stats
 
 
 def check_tags(tags, who: str) -> tuple[str, ...]:
@@ -102,23 +68,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one ("cuda" is the current CUDA device)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
-
-def free_device_memory(device: torch.device) -> None:
-    """Wait for the copies in flight, then hand the allocator's cached blocks back to the driver."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -54,13 +54,14 @@ from miles.algo.losses import loss_normalizer, masked_sum
 from miles.algo.registry import KL_ESTIMATORS, POLICY_LOSSES, get
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, invariant, save_pretrained
-from miles.orchestrate.weight_sync import TORCH_DTYPES, checksum, to_dtype
+from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import NONE, Recipe
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.draft import MTP_PREFIX, DraftTrainer
 from miles.trainer.forward import enable_recompute, token_logprobs_of
 from miles.trainer.packing import MicroBatch, batch_to, plan_micro_batches, select, to_device
+from miles.trainer.parallel import Parallelism, SingleProcess
 from miles.transport.flat import FlatLayout, FlatWeights, tensors_checksum
 from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, routing_replay, stack_keys,
                          stack_routing)
@@ -69,10 +70,6 @@ from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, rout
 class TorchTrainer:
     # The speculative draft's trainer, or None (subclasses that build themselves, MegatronTrainer, have none).
     draft: DraftTrainer | None = None
-    # Whether `_shard_models` splits the policy across ranks (miles.trainer.fsdp sets it): the online
-    # draft trains in one process, on whole weights. A plain attribute on purpose, not a comparison of
-    # classes or methods: a Ray actor's class is a wrapper whose methods Ray replaces with its own.
-    shards_policy: bool = False
 
     def __init__(
         self,
@@ -92,6 +89,7 @@ class TorchTrainer:
         optimizer: str = "adamw",
         speculative: SpeculativeCfg | None = None,
         draft_dir: str | None = None,
+        parallel: Parallelism | None = None,
     ):
         """`logits_chunk_tokens` (0: whole logits from the model's own head) and
         `reuse_forward_for_old` (False: always a separate old-log-prob forward) select the
@@ -103,7 +101,10 @@ class TorchTrainer:
         comparing backends (miles.trainer.fsdp against this trainer).
         `speculative` (rollout.speculative) with kind mtp / draft_model and train_online: the draft
         is trained on every batch (`self.draft`); kind draft_model loads it from `draft_dir`, an HF
-        checkpoint with the policy's vocabulary."""
+        checkpoint with the policy's vocabulary.
+        `parallel` (miles/trainer/parallel.py): how the trainer spreads over processes, SingleProcess by
+        default; miles.trainer.fsdp's FSDPSharding makes this one FSDP2 rank."""
+        self.parallel: Parallelism = parallel if parallel is not None else SingleProcess()
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -139,11 +140,11 @@ class TorchTrainer:
                                  f"recipe (train_quant={self.recipe.train_quant}) yet")
             enable_recompute(self.model)
         trains_draft = (speculative is not None and speculative.kind != "none" and speculative.train_online)
-        if trains_draft and self.shards_policy:
+        if trains_draft and self.parallel.shards_policy:
             raise ValueError(f"rollout.speculative.train_online=true (kind {speculative.kind}) trains the draft in "
-                             f"one process; {type(self).__name__} shards the policy across ranks: set "
-                             "rollout.speculative.train_online=false or trainer.backend=torch")
-        self._shard_models()  # a no-op here (see the data-parallel hooks)
+                             f"one process; {self.parallel.name} shards the policy across ranks: set "
+                             "rollout.speculative.train_online=false or trainer=torch")
+        self.parallel.shard_models(self)  # before the optimizer takes the parameters
         kernel = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(
@@ -187,19 +188,15 @@ class TorchTrainer:
         ("mtp.*"), which only the draft's trainer updates (or none, without one)."""
         return [p for name, p in self.model.named_parameters() if not name.startswith(MTP_PREFIX)]
 
-    # ----------------------------------------------------------------------------- data-parallel hooks
-    # No-ops here: this trainer holds the whole batch and the whole model. miles.trainer.fsdp
-    # overrides them (with `_plan`, `_step`, `_full_logprobs`) to train on its share of the batch.
-    def _shard_models(self) -> None:
-        """Hook: shard the built models in place, before the optimizer takes their parameters."""
-
+    # ----------------------------------------------------------------------------- data parallelism
+    # What the ranks change is `self.parallel`'s (miles/trainer/parallel.py): the identity in one process.
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """Hook: the sum of `t` over the ranks that share this batch (each filled its own rows)."""
-        return t
+        """The sum of `t` over the ranks that share this batch (each filled its own rows)."""
+        return self.parallel.sum_over_ranks(t)
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Hook: clip the gradients to `max_norm` in total; returns their norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(self._policy_parameters(), max_norm)
+        """Clip the policy's gradients to `max_norm` in total; returns their norm before clipping."""
+        return self.parallel.clip_grad_norm(self._policy_parameters(), max_norm)
 
     # ----------------------------------------------------------------------------- forward passes
     def _autocast(self):
@@ -208,11 +205,12 @@ class TorchTrainer:
         return contextlib.nullcontext()
 
     def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+        """This process's micro-batches of `batch` (all of them in one process)."""
         dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32
         # True on-policy: each sample in a row of its own from column 0, the layout of the engine's
         # cache (the CUDA kernels sum keys in blocks from column 0).
         cfg = replace(self.cfg, pack_sequences=False) if self.true_on_policy else self.cfg
-        return plan_micro_batches(batch, model, cfg, self.device, dtype)
+        return self.parallel.plan(batch, lambda part: plan_micro_batches(part, model, cfg, self.device, dtype))
 
     def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
                  record: dict | None = None):
@@ -239,7 +237,7 @@ class TorchTrainer:
         for mb in plan if plan is not None else self._plan(batch, model):
             replay = self._engine_replay(mb) if model is self.model else None
             out.index_copy_(0, mb.index, self._forward(model, mb, replay=replay)[0])
-        return out
+        return self._sum_over_ranks(out)  # every rank's rows
 
     @torch.no_grad()
     def _routing_diagnostics(self, plans: list[list[MicroBatch]], bounds: list[int], rollout: torch.Tensor,
@@ -301,9 +299,11 @@ class TorchTrainer:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        sums["grad_norm"] = self._clip_grad_norm(max_norm)
+        grad_norm = self._clip_grad_norm(max_norm)  # already over every rank's shards
         self.optimizer.step()
-        return sums
+        if sums:  # each rank's micro-batches' shares of the step's metrics, summed over ranks
+            sums = dict(zip(sums, self._sum_over_ranks(torch.stack(list(sums.values())))))
+        return {**sums, "grad_norm": grad_norm}
 
     def _rl_loss(self, samples: TrainBatch, logp, entropy, old_logp, ref_logp, normalizers: dict[str, float]):
         """Policy loss (+ entropy bonus, + KL to the reference) of one micro-batch's samples [n, T-1]."""
@@ -364,6 +364,9 @@ class TorchTrainer:
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
         """Policy update on one rollout batch. Metrics are means over the optimizer steps."""
         self._require_onloaded("train_rl")
+        if len(batch.routed_experts) and not self.parallel.routing_replay:
+            raise ValueError(f"{self.parallel.name} takes no routed experts yet: its routing agreement "
+                             "metrics are not reduced over ranks")
         a = self.algo
         rollout_batch = batch  # the draft trains on the batch as it came (before corrections)
         engine_routing = len(batch.routed_experts) > 0
@@ -467,9 +470,14 @@ class TorchTrainer:
         master weights) when the engine holds FP8 / INT4. `in_process` (the engine shares this
         process): plain weights as a FlatWeights on this trainer's device, the rollout format as
         tensors on it, each with a device checksum (miles/transport/flat.py).
-        Not while the parameters are offloaded (a RuntimeError says to onload them)."""
+        Not while the parameters are offloaded (a RuntimeError says to onload them). Ranks: rank 0
+        returns the weights, the others ({}, "")."""
         self._require_onloaded("get_weights", (off.PARAMS,))
-        state = self._policy_state()
+        if in_process and not self.parallel.in_process_weights:
+            raise ValueError(f"{self.parallel.name} syncs weights through Ray only (in_process=False)")
+        state = self._policy_state()  # a collective on ranks
+        if not self.parallel.writes:
+            return {}, ""
         if in_process and self.recipe.rollout_quant == "none":
             if self._flat_sync is None:
                 layout = FlatLayout.of(state, TORCH_DTYPES[self.precision.rollout_dtype])
@@ -483,8 +491,8 @@ class TorchTrainer:
         return self._weights_of(state)
 
     def _policy_state(self) -> dict[str, torch.Tensor]:
-        """Hook: the policy's tensors under the engines' (native) names."""
-        return self.model.state_dict()
+        """The policy's tensors under the engines' (native) names (on ranks: gathered on rank 0)."""
+        return self.parallel.policy_state(self.model)
 
     def _weights_of(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
         """(what weight sync carries, its checksum) for the policy's whole state dict `state`."""
@@ -495,9 +503,21 @@ class TorchTrainer:
         return payload, self.recipe.expected_checksum(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
 
     def save(self, path: str) -> None:
-        """The policy as an HF-format dir (its MTP modules included); works while offloaded too (it
-        reads the host copies)."""
-        save_pretrained(self.model, path)
+        """The policy as an HF-format dir (its MTP modules included); in one process it works while
+        offloaded too (it reads the host copies); ranks gather it (collective), rank 0 writes."""
+        if self.parallel.shards_policy:
+            self._require_onloaded("save", (off.PARAMS,))
+        self.parallel.save_policy(self.model, path)
+
+    def save_state(self, path: str) -> None:
+        """Resume state into the directory `path` (protocol: miles/trainer/protocol.py): the HF-format
+        policy `model/` and the optimizer's, the draft's and the RNG's state, as `self.parallel` keeps
+        them (one process: `trainer.pt`; FSDP ranks: their shards, collectively)."""
+        self.parallel.save_state(self, path)
+
+    def load_state(self, path: str) -> None:
+        """What `save_state` wrote, into a trainer built with the same arguments (and ranks)."""
+        self.parallel.load_state(self, path)
 
     def _draft_model(self, what: str) -> CausalLM:
         if self.draft is None or not self.draft.owns_model:
@@ -564,9 +584,8 @@ class TorchTrainer:
         return [self.optimizer] + ([self.draft.optimizer] if self.draft is not None else [])
 
     def _move_models(self, host: bool) -> None:
-        """Hook: the models' parameters and buffers to host memory (`host`) or back to the device."""
-        for model in self._models():
-            off.move_module(model, self.device, host)
+        """The models' parameters and buffers to host memory (`host`) or back to the device."""
+        self.parallel.move_models(self._models(), self.device, host)
 
     def offload_bytes(self) -> dict[str, int]:
         """Device bytes that `offload` would free now, per tag (what is already offloaded counts 0):

@@ -3,11 +3,13 @@
 What SGLang and vLLM expose for RL (`init_weights_update_group` / `update_weights_from_distributed`),
 for Miles' own components: the trainer sends its weights once, in buckets, and every engine receives
 them at the same time (gloo on CPU, NCCL on GPU), instead of one host state dict per engine through
-Ray's object store (miles/orchestrate/weight_sync.py).
+Ray's object store (miles/transport/object_store.py).
 
     sync = BroadcastWeightSync(trainer, engines, backend="gloo", bucket_mb=64)  # the group, once
     digest, seconds = sync.sync()       # each step: what get_weights -> update_weights did
     sync.close()
+
+In the loop: `build_transport("broadcast", components, options)` (miles/transport/protocol.py).
 
 How it runs:
 - The group is a dedicated one, built from a TCPStore and the backend class itself
@@ -23,7 +25,7 @@ How it runs:
   alone in its bucket.
 - Plain recipes: the trainer casts its master weights into the rollout dtype while packing (on its
   device; no full host copy). Quantized rollouts (FP8 / INT4): the bytes of `get_weights()`'s payload.
-- Check: the trainer hashes what it sent (the SHA-256 of weight_sync.checksum, or get_weights' own
+- Check: the trainer hashes what it sent (the SHA-256 of checksum.checksum, or get_weights' own
   checksum for quantized payloads) and broadcasts the digest last; each engine loads the received
   state dict with `update_weights(state_dict, digest)`, which verifies what it then holds.
 - Backend: "gloo" (CPU buffers) or "nccl" (buffers on the current CUDA device; every member on a
@@ -44,7 +46,9 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
-from miles.orchestrate.weight_sync import TORCH_DTYPES, hash_tensors
+from miles.transport.checksum import TORCH_DTYPES, hash_tensors
+from miles.transport.collective import CollectiveTransport
+from miles.transport.protocol import Components, TransportName, TransportOptions
 
 ALIGN = 16  # bytes: every tensor's offset in a bucket, so that a byte slice views as any dtype
 DIGEST_BYTES = 64  # a SHA-256 hex digest, broadcast after the last bucket
@@ -69,7 +73,7 @@ class Bucket:
 
 def plan_buckets(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> tuple[Bucket, ...]:
     """Buckets of at most `bucket_bytes` (a larger tensor: a bucket of its own), names in sorted
-    order: the order weight_sync.checksum hashes them in, so the sender hashes as it packs."""
+    order: the order checksum.checksum hashes them in, so the sender hashes as it packs."""
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     end = 0
@@ -250,7 +254,7 @@ class BroadcastWeightSync:
 
     def sync(self, check: bool = True) -> tuple[str, float]:
         """(the trainer's checksum of what it sent, "" unchecked; seconds). With `check` every engine
-        verifies what it then holds (a mismatch raises weight_sync.WeightSyncError)."""
+        verifies what it then holds (a mismatch raises checksum.WeightSyncError)."""
         start = time.perf_counter()
         digest = self._all(lambda rank: (_send if rank == SENDER else _receive, self.group_name, check))[SENDER]
         return digest, time.perf_counter() - start
@@ -259,45 +263,21 @@ class BroadcastWeightSync:
         self._all(lambda rank: (_leave, self.group_name))
         self._pool.shutdown()
 
+    def abandon(self) -> None:
+        """A member is gone (restarted): stop the driver's threads; the group's remains stay behind."""
+        self._pool.shutdown()
+
     def _all(self, call_of_rank) -> list:
         """Run `call_of_rank(rank)` = (fn, *args) in every member at once; their results by rank."""
         futures = [self._pool.submit(handle.apply, *call_of_rank(rank)) for rank, handle in enumerate(self.members)]
         return [f.result() for f in futures]
 
 
-class LoopBroadcast:
-    """`rollout.weight_sync=broadcast` for the RL loop: the trainer and every engine handle (an
-    EngineFleet's engines one by one) in one `BroadcastWeightSync`, set up at the first sync and
-    set up again when an actor was restarted: a new actor is not a member of the old group, whose
-    remains are left behind (the dead member cannot leave it)."""
+def build(components: Components, options: TransportOptions) -> CollectiveTransport:
+    """`rollout.weight_sync=broadcast` for the loop: one group of the trainer and every engine,
+    set up again (a new group name) after a restart (miles/transport/collective.py)."""
+    def setup(trainer, engines: list, generation: int) -> BroadcastWeightSync:
+        return BroadcastWeightSync(trainer, engines, options.backend, options.bucket_mb,
+                                   group_name=f"miles_weight_update_{generation}", timeout_s=options.timeout_s)
 
-    def __init__(self, trainer, engine, backend: str = "gloo", bucket_mb: float = 64.0):
-        self.trainer, self.engine, self.backend, self.bucket_mb = trainer, engine, backend, bucket_mb
-        self.group: BroadcastWeightSync | None = None
-        self.actors: tuple = ()
-        self.generation = 0
-        if hasattr(engine, "engines"):  # a fleet restarts engines itself: they fetch the weights once
-            engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
-
-    def engines(self) -> list:
-        return list(getattr(self.engine, "engines", [self.engine]))
-
-    def sync(self, check: bool) -> float:
-        members = [self.trainer, *self.engines()]
-        actors = tuple(id(actor_of(handle)) for handle in members)
-        if self.group is None or actors != self.actors:
-            self.generation += 1
-            self.group = BroadcastWeightSync(self.trainer, self.engines(), self.backend, self.bucket_mb,
-                                             group_name=f"miles_weight_update_{self.generation}")
-            self.actors = actors
-        return self.group.sync(check)[1]
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-
-
-def actor_of(handle):
-    """The Ray actor behind a handle (a RestartingEngine wraps one), or the handle itself in-process."""
-    inner = getattr(handle, "handle", handle)
-    return getattr(inner, "actor", inner)
+    return CollectiveTransport(TransportName.broadcast, components, setup)

@@ -1,9 +1,13 @@
-"""Weight sync trainer -> rollout engine: dtype conversion and a checksum both sides compute.
+"""The checksum both sides of a weight sync compute, the engine's dtypes, and the error of a mismatch.
 
 The checksum is a SHA-256 over parameter names, dtypes, shapes and raw bytes, so "equal checksum"
 means bitwise-equal weights in the engine's dtype. Through Ray the payload travels as those raw
 bytes plus dtype and shape (miles/transport/ray_tensors.py), so the trainer's checksum of what it
-sent and the engine's of what it loaded hash the same bytes.
+sent and the engine's of what it loaded hash the same bytes. Device-side integrity checks of
+in-process syncs (no host round trip) are miles/transport/flat.py's.
+
+Keyed by the DType names as strings ("fp32", "bf16"): `miles.config.schema.DType` is a str Enum, so
+its members look these up as they are, and the lowest floor of the house needs no config import.
 """
 
 from __future__ import annotations
@@ -12,13 +16,12 @@ import hashlib
 
 import torch
 
-from miles.config.schema import DType
-
-TORCH_DTYPES = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def to_dtype(state_dict: dict[str, torch.Tensor], dtype: DType) -> dict[str, torch.Tensor]:
-    target = TORCH_DTYPES[DType(dtype)]
+def to_dtype(state_dict: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Host copies of the tensors in the rollout dtype `dtype` (a DType or its name)."""
+    target = TORCH_DTYPES[dtype]
     return {k: v.detach().to("cpu", target).contiguous() for k, v in state_dict.items()}
 
 

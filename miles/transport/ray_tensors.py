@@ -21,7 +21,7 @@ The fix: `register()` (called in the driver and in every actor `spawn` starts) i
 cloudpickle reducer for torch.Tensor in that process. A plain strided tensor travels as a uint8
 numpy view of its bytes (pickle 5 out-of-band: no copy in the sender; Ray copies it once into the
 object store) plus its dtype name, shape and device; `restore` reinterprets the bytes on the
-other side, so the result is bit-identical and a checksum over the bytes (weight_sync.checksum,
+other side, so the result is bit-identical and a checksum over the bytes (checksum.checksum,
 rollout_checksum) is the same on both sides. The bytes Ray hands over are a read-only view of
 the shared object store: `restore` copies them once into a private, writable tensor (the engine
 keeps and later overwrites what it receives in place; a view would also pin the object).
@@ -30,6 +30,8 @@ reduction.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,3 +76,16 @@ def register() -> None:
     # What ray.util.register_serializer does underneath (a process-wide cloudpickle dispatch entry),
     # without its single-argument deserializer and without requiring a connected worker.
     ray.cloudpickle.CloudPickler.dispatch[torch.Tensor] = reduce_tensor
+
+
+def with_tensor_transport(cls: type) -> type:
+    """`cls` whose instances, built in a Ray worker, first install this module's reducer in
+    that process: what the actor returns or sends (FP8 / INT4 sync payloads, any tensor) then
+    crosses the object store as raw bytes + dtype, which torch's own pickle cannot do for float8.
+    Same name, so the actor's process title stays ray::<cls>."""
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        register()
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls)(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})

@@ -2,7 +2,7 @@
 every engine on its node loads from views of it; the bytes never cross Ray's object store.
 
 A trainer and its engines on one node (`rollout.colocate=true`, the usual single-node layout) need no
-copy through Ray's object store (miles/orchestrate/weight_sync.py: a host state dict serialized per
+copy through Ray's object store (miles/transport/object_store.py: a host state dict serialized per
 sync) nor a process group (miles/transport/broadcast.py): the trainer writes what `get_weights()`
 would return into one buffer that every engine's process maps, and each engine copies from it into
 its own weights. Only the layout and the checksum cross the driver.
@@ -11,7 +11,7 @@ its own weights. Only the layout and the checksum cross the driver.
     digest, seconds = sync.sync()                    # each step: what get_weights -> update_weights did
     sync.close()
 
-In the RL loop (`LoopSharedMemory(trainer, engine)`, set up at the first sync):
+In the RL loop (`build_transport("shared_memory", components)`, set up at the first sync):
 
     python launch.py rollout.num_engines=2 rollout.weight_sync=shared_memory
 
@@ -38,10 +38,10 @@ How it runs:
   no IPC handle.
 - A sync: the trainer packs its current weights (plain recipes: its master weights cast to the
   rollout dtype while copying, on its device, no host state dict; quantized rollouts, FP8 / INT4:
-  the bytes of get_weights()'s payload) and, with `check`, hashes what it packed (weight_sync's
+  the bytes of get_weights()'s payload) and, with `check`, hashes what it packed (checksum.checksum's
   SHA-256, or get_weights' checksum for quantized payloads). Then every engine, concurrently, builds
   its state dict as typed views of the buffer and calls its own `update_weights(state_dict, digest)`,
-  which copies them into its weights and verifies what it then holds (weight_sync.WeightSyncError).
+  which copies them into its weights and verifies what it then holds (checksum.WeightSyncError).
 
 Limits:
 - One node: the engines must share the trainer's host (set rollout.weight_sync=broadcast or
@@ -77,8 +77,10 @@ from typing import Any
 
 import torch
 
-from miles.orchestrate.weight_sync import hash_tensors
-from miles.transport.broadcast import Bucket, actor_of, check_plan, pack, plan_buckets, sender_tensors, views
+from miles.transport.checksum import hash_tensors
+from miles.transport.broadcast import Bucket, check_plan, pack, plan_buckets, sender_tensors, views
+from miles.transport.collective import CollectiveTransport
+from miles.transport.protocol import Components, TransportName, TransportOptions
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 NAME = "miles_weights"
@@ -343,7 +345,7 @@ class SharedMemoryWeightSync:
 
     def sync(self, check: bool = True) -> tuple[str, float]:
         """(the trainer's checksum of what it packed, "" unchecked; seconds). With `check` every engine
-        verifies what it then holds (a mismatch raises weight_sync.WeightSyncError)."""
+        verifies what it then holds (a mismatch raises checksum.WeightSyncError)."""
         start = time.perf_counter()
         digest = self.pack(check)
         self.load(digest)
@@ -357,41 +359,19 @@ class SharedMemoryWeightSync:
             self.trainer.apply(_release, self.name)
             self._pool.shutdown()
 
+    def abandon(self) -> None:
+        """A member is gone (restarted): a dead actor cannot release; the new setup replaces the rest."""
+        self._pool.shutdown()
+
     def _each(self, call_of_engine) -> list:
         """Run `call_of_engine(i)` = (fn, *args) in every engine at once; their results in engine order."""
         futures = [self._pool.submit(handle.apply, *call_of_engine(i)) for i, handle in enumerate(self.engines)]
         return [f.result() for f in futures]
 
 
-class LoopSharedMemory:
-    """`rollout.weight_sync=shared_memory` for the RL loop: the trainer and every engine handle (an
-    EngineFleet's engines one by one) on one segment, set up at the first sync and again when an actor
-    was restarted (a new actor has not mapped it; the trainer keeps a CUDA buffer, a CPU one is made
-    anew)."""
-
-    def __init__(self, trainer, engine, name: str = NAME):
-        self.trainer, self.engine, self.name = trainer, engine, name
-        self.segment: SharedMemoryWeightSync | None = None
-        self.actors: tuple = ()
-        self.setups = 0
-        if hasattr(engine, "engines"):  # a fleet restarts engines itself: they fetch the weights once
-            engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
-
-    def engines(self) -> list:
-        return list(getattr(self.engine, "engines", [self.engine]))
-
-    def sync(self, check: bool) -> float:
-        actors = tuple(actor_of(handle) for handle in [self.trainer, *self.engines()])
-        if self.segment is None or len(actors) != len(self.actors) or \
-                any(a is not b for a, b in zip(actors, self.actors)):
-            if self.segment is not None:
-                self.segment._pool.shutdown()  # a dead actor cannot release; the new setup replaces the rest
-            self.segment = SharedMemoryWeightSync(self.trainer, self.engines(), self.name)
-            self.actors = actors
-            self.setups += 1
-        return self.segment.sync(check)[1]
-
-    def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+def build(components: Components, options: TransportOptions) -> CollectiveTransport:
+    """`rollout.weight_sync=shared_memory` for the loop: the trainer and every engine on one segment,
+    set up again after a restart (a new actor has not mapped it; the trainer keeps a CUDA buffer, a
+    CPU one is made anew)."""
+    return CollectiveTransport(TransportName.shared_memory, components,
+                               lambda trainer, engines, generation: SharedMemoryWeightSync(trainer, engines))

@@ -26,7 +26,7 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
 from miles.rollout.native import NativeEngine  # noqa: E402
-from miles.trainer.offload import memory_stats  # noqa: E402
+from miles.transport.device import memory_stats  # noqa: E402
 from miles.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from miles.transport.flat import FlatWeights  # noqa: E402
 from miles.types import build_train_batch  # noqa: E402

@@ -20,7 +20,7 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.handles import LocalHandle
-from miles.orchestrate.weight_sync import checksum
+from miles.transport.checksum import checksum
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.transport.shared_memory import (SharedMemoryWeightSync, _attach, _create, _load, _pack, _release,

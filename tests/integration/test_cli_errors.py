@@ -19,6 +19,18 @@ CASES = {
     "rollout.max_turns=3": "rollout.max_turns > 1 needs task.tools",
     "task.tools=[abacus]": "task.tools: unknown tool 'abacus'",
     "hardware.device=cuda": "hardware.device=cuda needs hardware.gpus_per_node >= 1: for one GPU use hardware=gpu",
+    # one way to choose a backend: the old key forms name the new one
+    "rollout.engine=vllm": "rollout.engine is not a key to set (the engine is chosen by its group, whose file adds "
+                           "the engine's options): use rollout=vllm",
+    "trainer.backend=fsdp": "trainer.backend is not a key to set (the trainer backend is chosen by its group, whose "
+                            "file adds the backend's options): use trainer=fsdp",
+    "debug.check_weight_sync=true": "debug.check_weight_sync is not a key to set (renamed; rollout.check_weight_sync "
+                                    "is the per-sync checksum): use debug.compare_weights_tensorwise=true",
+    "rollout.vllm.tensor_parallel_size=2": "use rollout.num_gpus_per_engine=2",
+    "rollout.vllm.max_num_seqs=16": "use rollout.max_running=16",
+    "rollout.vllm.kv_cache_gb=4": "rollout.vllm.kv_cache_gb is an option of rollout=vllm, which this run does not "
+                                  "choose (only the chosen backend's options exist): add rollout=vllm",
+    "rollout.weight_sync=nope": "expected one of [object_store, broadcast, shared_memory]",
 }
 if not __import__("torch").cuda.is_available():  # CI: a GPU profile on a machine without one
     CASES["hardware=gpu"] = "but no CUDA device is visible"

@@ -39,7 +39,7 @@ def test_replayed_rollouts_reproduce_training(tmp_path, monkeypatch, compose):
     run_inprocess(compose, [*TINY, "steps=2", "debug.train_only=true", f"debug.load_rollouts={rollouts}"],
                   tmp_path / "train_only")
     # With an engine: the batches are replayed, weights are synced and evaluated as usual.
-    run_inprocess(compose, [*TINY, "steps=2", f"debug.load_rollouts={rollouts}", "debug.check_weight_sync=true"],
+    run_inprocess(compose, [*TINY, "steps=2", f"debug.load_rollouts={rollouts}", "debug.compare_weights_tensorwise=true"],
                   tmp_path / "replayed")
     recorded = train_metrics(tmp_path / "recorded")
     assert recorded == train_metrics(tmp_path / "train_only") == train_metrics(tmp_path / "replayed")

@@ -61,7 +61,7 @@ def test_trainer_ranks_and_engines_across_two_nodes(tmp_path, two_node_cluster):
     the engines land on the other), and gloo and the weight sync cross between the nodes."""
     args = [f"ray.address={two_node_cluster.address}", "steps=2", "eval.interval=2", "task.eval_size=8", "warm_start.enabled=false",
             "rollout.batch_size=2", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=8",
-            "trainer.micro_batch_size=4", "trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2",
+            "trainer.micro_batch_size=4", "trainer=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2",
             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)

@@ -78,7 +78,7 @@ def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, shared_r
     cfg = compose([f"precision={recipe}", "ray.enabled=true", "steps=2", "eval.interval=2", "task.eval_size=8",
                    "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
-                   "rollout.check_weight_sync=true", "debug.check_weight_sync=true",
+                   "rollout.check_weight_sync=true", "debug.compare_weights_tensorwise=true",
                    f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
     try:
         run(cfg, tmp_path / "run", [f"precision={recipe}"], "")  # a checksum or tensor mismatch would raise

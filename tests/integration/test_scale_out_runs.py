@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 SMALL = ["warm_start.enabled=false", "eval.interval=100", "task.eval_size=8", "tracking.log_samples=0",
          "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16",
          "trainer.micro_batch_size=8", "checkpoint.interval=1"]
-FSDP_FLEET = ["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"]
+FSDP_FLEET = ["trainer=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"]
 
 
 def check_steps(metrics: dict[int, dict], steps) -> None:

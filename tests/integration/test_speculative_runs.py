@@ -36,8 +36,8 @@ def mtp_tensors(run_dir):
 @WITH_AND_WITHOUT_RAY
 def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
-    # debug.check_weight_sync compares every engine tensor with the trainer's after each sync: the MTP too.
-    run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "debug.check_weight_sync=true"],
+    # debug.compare_weights_tensorwise compares every engine tensor with the trainer's after each sync: the MTP too.
+    run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "debug.compare_weights_tensorwise=true"],
              tmp_path / "online", ray)
     metrics = journal_metrics(tmp_path / "online")
     for step in range(1, 5):

@@ -1,4 +1,4 @@
-"""`python launch.py rollout.engine=vllm ...` as a user runs it: a short GRPO run in-process
+"""`python launch.py rollout=vllm ...` as a user runs it: a short GRPO run in-process
 (ray.enabled=false) with the vLLM engine, weights synced (and checked by read-back) after every step."""
 
 import json
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 ARGS = [
-    "rollout.engine=vllm", "ray.enabled=false", f"steps={STEPS}", "eval.interval=2", "task.eval_size=8",
+    "rollout=vllm", "ray.enabled=false", f"steps={STEPS}", "eval.interval=2", "task.eval_size=8",
     "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
     "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
     "algo.entropy_coef=0.01",  # random init: all rewards 0, the entropy bonus moves the weights

@@ -23,7 +23,7 @@ def test_unsupported_options_are_clear_errors(ckpt, change, key):
     if change.pop("precision", None):
         change["precision"] = PrecisionCfg(name="fp8", train_quant=Quant.fp8, rollout_quant=Quant.fp8,
                                            rollout_dtype=DType.bf16)
-    with pytest.raises(ValueError, match="rollout.engine=vllm") as err:
+    with pytest.raises(ValueError, match="rollout=vllm") as err:
         VLLMEngine(ckpt, cfg, DType.fp32, **change)
     assert key in str(err.value)
 

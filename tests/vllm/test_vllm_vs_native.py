@@ -48,7 +48,7 @@ def perturbed(state, seed, scale=0.05):
 
 
 def test_greedy_and_logprobs_equal_native_before_and_after_updates(vllm_engine, native_engine):
-    from miles.orchestrate.weight_sync import WeightSyncError, checksum
+    from miles.transport.checksum import WeightSyncError, checksum
     from miles.transport.flat import FlatLayout, FlatWeights
 
     engine, native = vllm_engine, native_engine

@@ -15,5 +15,5 @@ def require_megatron() -> None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
-        raise ImportError("trainer.backend=megatron needs megatron-core (Python >= 3.12, CUDA): "
+        raise ImportError("trainer=megatron needs megatron-core (Python >= 3.12, CUDA): "
                           "pip install -e '.[megatron]' (or megatron-core==0.19.2)") from e

@@ -36,19 +36,19 @@ def problems(arch) -> list[str]:
         # MLA (DeepSeek-V3, Kimi K2, GLM-4.7-Flash / GLM-5): megatron-core 0.19.2 builds its attention
         # from Transformer Engine only; the local spec's DotProductAttention takes no k_channels.
         why = " (its MLA needs Transformer Engine in megatron-core)" if arch.mla is not None else ""
-        return [f"trainer.backend=megatron maps the {', '.join(MAPPED_FAMILIES)} families; {arch.family} "
-                f"is not mapped yet{why}: use trainer.backend=torch"]
+        return [f"trainer=megatron maps the {', '.join(MAPPED_FAMILIES)} families; {arch.family} "
+                f"is not mapped yet{why}: use trainer=torch"]
     out = []
     if arch.rope_scaling is not None or arch.partial_rotary_factor != 1.0:
-        out.append("trainer.backend=megatron: RoPE scaling and partial rotary are not mapped yet")
+        out.append("trainer=megatron: RoPE scaling and partial rotary are not mapped yet")
     if arch.qk_norm and arch.qk_norm_type != "head":
-        out.append(f"trainer.backend=megatron: qk_norm_type={arch.qk_norm_type} is not mapped (per-head only)")
+        out.append(f"trainer=megatron: qk_norm_type={arch.qk_norm_type} is not mapped (per-head only)")
     moe = arch.moe
     if moe is not None:
         if moe.scoring != "softmax" or moe.score_correction_bias or moe.n_group > 1:
-            out.append("trainer.backend=megatron maps the softmax top-k router only (no sigmoid, bias or groups)")
+            out.append("trainer=megatron maps the softmax top-k router only (no sigmoid, bias or groups)")
         if moe.num_shared_experts or moe.shared_expert_gate or moe.routed_scaling_factor != 1.0:
-            out.append("trainer.backend=megatron: shared experts and routed scaling are not mapped yet")
+            out.append("trainer=megatron: shared experts and routed scaling are not mapped yet")
     return out
 
 

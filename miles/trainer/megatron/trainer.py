@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from miles.config.schema import AlgoCfg, DType, PrecisionCfg, TrainerCfg
+from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, save_pretrained
 from miles.precision.recipe import NONE, Recipe
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
@@ -43,6 +43,7 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, plan_micro_batches
+from miles.trainer.parallel import SingleProcess
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
 
@@ -63,7 +64,7 @@ def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0)
     """torch.distributed (NCCL, this process alone unless launched as ranks) and Megatron's
     model-parallel groups, once per process; Megatron's CUDA RNG tracker, seeded."""
     if device.type != "cuda":
-        raise ValueError(f"trainer.backend=megatron runs on CUDA only (device={device}): use trainer.backend=torch")
+        raise ValueError(f"trainer=megatron runs on CUDA only (device={device}): use trainer=torch")
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -94,18 +95,24 @@ class MegatronTrainer(TorchTrainer):
         logits_chunk_tokens: int = CHUNK_TOKENS,
         reuse_forward_for_old: bool = True,
         true_on_policy: bool = False,
+        speculative: SpeculativeCfg | None = None,
+        draft_dir: str | None = None,
     ):
         """TorchTrainer's arguments; refused here (validation refuses them first): a teacher, true
-        on-policy, fake-quantizing or quantized-rollout recipes, MoE routing replay, a CPU device."""
+        on-policy, fake-quantizing or quantized-rollout recipes, MoE routing replay, an online-trained
+        speculative draft, a CPU device."""
         require_megatron()
+        drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
-                       "true_on_policy": true_on_policy, "algo.routing_replay": algo.routing_replay != "none"}
+                       "true_on_policy": true_on_policy, "algo.routing_replay": algo.routing_replay != "none",
+                       "rollout.speculative.train_online=true": drafts}
         if bad := [what for what, on in unsupported.items() if on]:
-            raise ValueError(f"trainer.backend=megatron does not support {', '.join(bad)}: use trainer.backend=torch")
+            raise ValueError(f"trainer=megatron does not support {', '.join(bad)}: use trainer=torch")
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.algo, self.cfg, self.precision = algo, cfg, precision
+        self.parallel = SingleProcess()  # one process: Megatron's own groups are all of size 1
         self.true_on_policy, self.max_response_len = False, max_response_len
         self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
         self.temperature = temperature if temperature > 0 else 1.0
@@ -116,8 +123,8 @@ class MegatronTrainer(TorchTrainer):
         self.arch = native.config
         self.recipe = Recipe.from_cfg(precision, self.arch.num_layers)
         if self.recipe.train_quant != NONE or self.recipe.rollout_quant != "none":
-            raise ValueError(f"trainer.backend=megatron trains the bf16 / fp32 recipes; precision={precision.name} "
-                             "quantizes: use trainer.backend=torch")
+            raise ValueError(f"trainer=megatron trains the bf16 / fp32 recipes; precision={precision.name} "
+                             "quantizes: use trainer=torch")
         self.bf16 = precision.train_dtype == DType.bf16
         self.te = _has_transformer_engine()
         state = to_megatron(native.state_dict(), self.arch, te=self.te)
@@ -236,8 +243,10 @@ class MegatronTrainer(TorchTrainer):
         """The Megatron parameters, each optimizer's state (its torch optimizer's moments and step, and
         its fp32 main parameters) and the RNG into the directory `path`, for `load_state`. This rank's
         shards as they are (one rank here): Megatron's own `save_parameter_state` drops the torch
-        optimizer's per-parameter `step` when neither Apex nor Transformer Engine is installed."""
+        optimizer's per-parameter `step` when neither Apex nor Transformer Engine is installed. And the
+        policy as an HF-format dir `model/` (protocol: miles/trainer/protocol.py)."""
         Path(path).mkdir(parents=True, exist_ok=True)
+        self.save(str(Path(path) / "model"))
         optimizers = [{"inner": o.optimizer.state_dict(),
                        "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]}
                       for o in self._optimizers()]
@@ -260,7 +269,7 @@ class MegatronTrainer(TorchTrainer):
 
     # ----------------------------------------------------------------------------- colocation
     def offload(self, tags=()) -> None:
-        raise NotImplementedError("trainer.offload with trainer.backend=megatron is not supported yet: "
+        raise NotImplementedError("trainer.offload with trainer=megatron is not supported yet: "
                                   "set trainer.offload=false")
 
     onload = offload

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hydra.errors import HydraException
 
 from miles.config.schema import AlgoName, RunCfg
 from miles.config.validate import validate
@@ -198,31 +199,32 @@ MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1",
     (["true_on_policy=true", "precision=fp8"], "use precision=bf16 or precision=fp32"),
     (["true_on_policy=true", "rollout.top_p=0.9"], "set rollout.top_p=1.0 rollout.top_k=0"),
     (["true_on_policy=true", "algo=sft"], "set true_on_policy=false"),
-    (["trainer.num_ranks=2"], "set trainer.backend=fsdp"),
-    (["trainer.backend=fsdp", "ray.enabled=false"], "set ray.enabled=true"),
-    (["trainer.backend=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer.backend=torch"),
-    (["trainer.backend=nope"], "valid: torch, fsdp, megatron"),
+    (["trainer.num_ranks=2"], "use trainer=fsdp"),
+    (["trainer=fsdp", "ray.enabled=false"], "set ray.enabled=true"),
+    (["trainer=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer=torch"),
     (["trainer=megatron"], "runs on CUDA only"),
-    (["trainer=megatron", "trainer.num_ranks=2"], "set trainer.backend=fsdp"),
+    (["trainer=megatron", "trainer.num_ranks=2"], "use trainer=fsdp"),
     ([*MEGATRON_GPU, "model=deepseek_v3_tiny"], "deepseek_v3 is not mapped yet"),
-    ([*MEGATRON_GPU, "model=qwen3_moe_tiny", "algo.routing_replay=r3"], "use trainer.backend=torch"),
+    ([*MEGATRON_GPU, "model=qwen3_moe_tiny", "algo.routing_replay=r3"], "use trainer=torch"),
     ([*MEGATRON_GPU, "precision=fp8"], "does not support precision=fp8"),
     ([*MEGATRON_GPU, "trainer.tp=2"], "set trainer.tp, pp, ep, cp to 1"),
     (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
-    (["rollout.weight_sync=nope"], "valid: object_store, broadcast, shared_memory"),
     (["rollout.weight_sync=shared_memory", "ray.enabled=false"], "set ray.enabled=true"),
-    (["rollout.weight_sync=shared_memory", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
+    (["rollout.weight_sync=shared_memory", "trainer=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.weight_sync=broadcast", "ray.enabled=false"], "set ray.enabled=true"),
-    (["rollout.weight_sync=broadcast", "trainer.backend=fsdp"], "set rollout.weight_sync=object_store"),
+    (["rollout.weight_sync=broadcast", "trainer=fsdp"], "set rollout.weight_sync=object_store"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
     (["rollout.offload=true"], "set rollout.offload=false"),  # the CPU: nothing to free
-    (["rollout.engine=nope"], "valid: native, vllm, sglang"),
-    (["rollout=sglang", "rollout.sglang.weight_update=ftp"], "valid: disk, tensor"),
+    (["rollout.engine=vllm"], "choose the engine with its group, rollout=vllm"),
+    (["rollout=vllm", "rollout.engine=native"], "choose the engine with its group, rollout=native"),
+    (["rollout=vllm", "+rollout.vllm.llm_args.max_num_seqs=4"], "set rollout.max_running=4"),
+    (["rollout=vllm", "+rollout.vllm.llm_args.tensor_parallel_size=2"], "set rollout.num_gpus_per_engine=2"),
+    (["rollout=sglang", "+rollout.sglang.server_args.max_running_requests=8"], "set rollout.max_running=8"),
     (["rollout=sglang", "rollout.sglang.url=http://h:1", "rollout.num_engines=2"], "set rollout.sglang.url=null"),
     (["trainer.offload=true"], "set trainer.offload=false"),
     (["rollout.asynchronous=true", "algo=sft"], "set rollout.asynchronous=false"),
     (["rollout.asynchronous=true", "debug.rollout_only=true"], "debug.rollout_only runs without"),
-    (["rollout.asynchronous=true", "debug.check_weight_sync=true"], "set one of them false"),
+    (["rollout.asynchronous=true", "debug.compare_weights_tensorwise=true"], "set one of them false"),
 ])
 def test_true_on_policy_and_scale_out_rules_name_the_fix(compose, overrides, message):
     problems = validate(compose(overrides))
@@ -231,7 +233,7 @@ def test_true_on_policy_and_scale_out_rules_name_the_fix(compose, overrides, mes
 
 def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["true_on_policy=true", "precision=bf16"])) == []
-    assert validate(compose(["trainer.backend=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
+    assert validate(compose(["trainer=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
     assert validate(compose(["rollout=sglang", "rollout.sglang.url=http://10.0.0.5:30000"])) == []
@@ -245,7 +247,7 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
 
 def test_forward_weights_rule(compose):
     assert validate(compose(["precision=fp8", "precision.forward_weights=rollout"])) == []
-    problems = validate(compose(["precision.forward_weights=bf16"]))
-    assert len(problems) == 1 and "precision.forward_weights='bf16' is unknown; valid: master" in problems[0]
+    with pytest.raises(HydraException, match="forward_weights"):  # the ForwardWeights Enum: master | rollout
+        compose(["precision.forward_weights=bf16"])
     assert "set trainer.recompute=false" in validate(compose(["trainer.recompute=true", "precision=bf16",
                                                               "precision.forward_weights=rollout"]))[0]

@@ -19,7 +19,6 @@ def test_supported_settings_pass(compose, overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.speculative.kind=eagle"], "rollout.speculative.kind='eagle' is unknown; valid: none, mtp, draft_model"),
     (["rollout.speculative.kind=mtp"], "set model.mtp_layers=1"),
     (["rollout.speculative.kind=draft_model"], "needs rollout.speculative.draft_model"),
     ([*DRAFT, "rollout.speculative.num_tokens=0"], "rollout.speculative.num_tokens must be >= 1 (got 0)"),
@@ -28,7 +27,7 @@ def test_supported_settings_pass(compose, overrides):
     ([*DRAFT, "true_on_policy=true"], "set rollout.speculative.kind=none with algo.routing_replay=r3"),
     (["model=glm4_moe_tiny", "model.mtp_layers=1", "rollout.speculative.kind=mtp", "rollout.slot_decode=true"],
      "kind=mtp decodes on the padded path"),
-    ([*DRAFT, "trainer.backend=fsdp", "trainer.num_ranks=2"], "set trainer=torch or rollout.speculative.train_online=false"),
+    ([*DRAFT, "trainer=fsdp", "trainer.num_ranks=2"], "set trainer=torch or rollout.speculative.train_online=false"),
     ([*DRAFT, "rollout.asynchronous=true"], "set rollout.asynchronous=false and rollout.weight_sync=object_store"),
     (["model=qwen3_tiny", "model.mtp_layers=1"], "mtp_layers"),
 ])

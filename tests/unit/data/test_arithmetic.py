@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from miles.data.arithmetic import ArithmeticTask, Example
+from miles.data.arithmetic import ArithmeticTask
+from miles.data.example import Example
 
 
 def _parse(prompt: str) -> tuple[int, str, int]:

@@ -72,7 +72,7 @@ def test_tokenizer_info_carries_the_template_and_the_end_of_turn_ids(hf_dir, tmp
     import json
     import shutil
 
-    from miles.data.arithmetic import Example
+    from miles.data.example import Example
     from miles.data.prompt_format import PromptFormat
     from miles.data.tokenizer import TokenizerInfo, encode_prompt
 

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 from miles.data.prompts import DataError, load_prompt_file
 
 

@@ -19,6 +19,7 @@ from miles.orchestrate.handles import LocalHandle
 from miles.rollout.native import NativeEngine
 from miles.trainer import offload
 from miles.trainer.torch_trainer import TorchTrainer
+from miles.transport.object_store import ObjectStoreTransport
 from miles.types import build_train_batch
 
 TINY = ModelCfg(name="tiny", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -36,8 +37,9 @@ def run_steps(ckpt, offloaded: bool, steps: int = 2):
     engine = NativeEngine(ckpt, ROLLOUT, seed=0)
     trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(lr=1e-2, global_batch_size=16,
                                                                           micro_batch_size=8), PrecisionCfg(name="fp32"))
-    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(trainer), weight_sync=None,
+    ctx = SimpleNamespace(engine=LocalHandle(engine), trainer=LocalHandle(trainer),
                           after_sync=lambda ctx: None, draft_sync=False)
+    ctx.transport = ObjectStoreTransport(ctx)
     cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"),  # the phases act on GPUs only
                           rollout=SimpleNamespace(offload=offloaded, check_weight_sync=True, asynchronous=False),
                           trainer=SimpleNamespace(offload=offloaded))

@@ -1,4 +1,4 @@
-"""debug.check_weight_sync: engine and trainer weights compared tensor by tensor, plain and FP8."""
+"""debug.compare_weights_tensorwise: engine and trainer weights compared tensor by tensor, plain and FP8."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from miles.orchestrate.debug import check_sync_tensors
 from miles.orchestrate.handles import LocalHandle
 from miles.orchestrate.loop import LoopContext
 from miles.orchestrate.sync import sync_weights
-from miles.orchestrate.weight_sync import WeightSyncError
+from miles.transport.checksum import WeightSyncError
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 

@@ -78,7 +78,7 @@ def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
     with the checksum of what the engine must hold; a tampered payload is refused."""
     from miles.config.schema import AlgoCfg, AlgoName, DType, RolloutCfg, TrainerCfg
     from miles.models import save_pretrained
-    from miles.orchestrate.weight_sync import WeightSyncError
+    from miles.transport.checksum import WeightSyncError
     from miles.rollout.native import NativeEngine
     from miles.trainer.torch_trainer import TorchTrainer
     from miles.data.tokenizer import build_char_tokenizer, save_tokenizer

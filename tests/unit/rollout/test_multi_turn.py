@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RolloutCfg, SandboxCfg, TrainerCfg
-from miles.data.arithmetic import Example
+from miles.data.example import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
 from miles.data.prompt_format import PromptFormat
 from miles.data.tokenizer import TokenizerInfo, encode_prompt

@@ -10,7 +10,7 @@ import torch
 from miles.algo.losses import token_logprobs
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.orchestrate.weight_sync import WeightSyncError, checksum
+from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.native import NativeEngine
 from miles.rollout.sampling import sample_next
 

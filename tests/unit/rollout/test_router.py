@@ -14,7 +14,7 @@ from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.handles import LocalHandle, spawn
 from miles.orchestrate.resume import model_digest
-from miles.orchestrate.weight_sync import checksum
+from miles.transport.checksum import checksum
 from miles.rollout.native import NativeEngine
 from miles.rollout.router import EngineFleet
 

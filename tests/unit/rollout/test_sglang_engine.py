@@ -25,7 +25,7 @@ from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.supervise import Fault
-from miles.orchestrate.weight_sync import WeightSyncError, checksum
+from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.sglang_engine import SGLangEngine, SGLangServerGone, sample_seed, server_command
 from miles.rollout.sglang_weights import cpu_tensor_hash, gpu_tensor_hash, sglang_layout
 from miles.types import build_train_batch, moe_layers, stack_routing

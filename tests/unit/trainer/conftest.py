@@ -18,6 +18,14 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def draft_ckpt(ckpt, tmp_path_factory):
+    """A smaller model than `ckpt` with its vocabulary (a speculative draft model)."""
+    from trainer_contract import write_draft_checkpoint
+
+    return write_draft_checkpoint(ckpt, tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
 def rollout_batch(ckpt):
     """16 real samples (4 prompts x 4, 1-5 response tokens), rewards 1 on every third, GRPO advantages."""
     engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=5), seed=0)

@@ -13,7 +13,7 @@ from miles.models import CausalLM, from_pretrained, save_pretrained
 from miles.models.config import ArchConfig
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.resume import load_component_state, save_component_state
-from miles.orchestrate.weight_sync import checksum
+from miles.transport.checksum import checksum
 from miles.trainer import offload as off
 from miles.trainer.torch_trainer import TorchTrainer
 
@@ -25,18 +25,6 @@ DRAFT = SpeculativeCfg(kind="draft_model", lr=1e-2)
 MTP = SpeculativeCfg(kind="mtp", lr=1e-2)
 HAS_MTP = hasattr(CausalLM, "mtp_forward")
 needs_mtp = pytest.mark.skipif(not HAS_MTP, reason="CausalLM.mtp_forward (MTP modules) not implemented yet")
-
-
-@pytest.fixture(scope="module")
-def draft_ckpt(ckpt, tmp_path_factory):
-    """A smaller model than `ckpt` with its tokenizer (the conftest's char vocabulary)."""
-    vocab = from_pretrained(ckpt).config.vocab_size
-    arch = ModelCfg(name="d", hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                    head_dim=8, max_position_embeddings=64).arch(vocab)
-    out = tmp_path_factory.mktemp("draft")
-    torch.manual_seed(1)
-    save_pretrained(CausalLM(arch), out)
-    return str(out)
 
 
 def draft_trainer(ckpt, draft_ckpt, precision=FP32, **kw):

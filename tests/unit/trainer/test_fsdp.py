@@ -15,7 +15,7 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import from_pretrained
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.orchestrate.weight_sync import checksum
+from miles.transport.checksum import checksum
 from miles.rollout.native import NativeEngine
 from miles.trainer.fsdp import token_balanced_bounds
 from miles.trainer.fsdp_group import FSDPGroup

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from miles.config.schema import AlgoCfg, AlgoName, PrecisionCfg, TrainerCfg
 from miles.trainer import offload as off
-from miles.trainer.offload import MemoryStats, memory_stats
+from miles.transport.device import MemoryStats, memory_stats
 from miles.trainer.torch_trainer import TorchTrainer
 
 FP32 = PrecisionCfg(name="fp32")

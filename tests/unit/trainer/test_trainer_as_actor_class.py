@@ -1,9 +1,10 @@
 """The trainer's own checks hold for the class a Ray worker builds, not only for the class itself.
 
-In a Ray actor the instance's class is a subclass (miles.orchestrate.handles.with_tensor_transport,
+In a Ray actor the instance's class is a subclass (miles.transport.ray_tensors.with_tensor_transport,
 then Ray's modified class) whose methods Ray has replaced by wrappers of them (its tracing hook sets
 one on the class for every method, whether tracing is on or not). A check that compares classes or
-methods (`type(self)._shard_models is TorchTrainer._shard_models`) then fails for the plain
+methods (`type(self)._shard_models is TorchTrainer._shard_models`, before the sharding became a
+Parallelism the trainer holds) then fails for the plain
 TorchTrainer: issue 25, item 4, where every `rollout.speculative.train_online=true` run with Ray on
 exited 1. These tests build that class without starting Ray; the integration tier
 (tests/integration/test_speculative_runs.py, the `ray` variants) runs the real actors.
@@ -13,29 +14,15 @@ import functools
 import inspect
 
 import pytest
-import torch
 
-from miles.config.schema import AlgoCfg, AlgoName, ModelCfg, PrecisionCfg, SpeculativeCfg, TrainerCfg
-from miles.models import CausalLM, from_pretrained, save_pretrained
-from miles.orchestrate.handles import with_tensor_transport
+from miles.config.schema import AlgoCfg, AlgoName, PrecisionCfg, SpeculativeCfg, TrainerCfg
+from miles.transport.ray_tensors import with_tensor_transport
 from miles.trainer.torch_trainer import TorchTrainer
 
 FP32 = PrecisionCfg(name="fp32")
 CFG = TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=4)
 GRPO = AlgoCfg(name=AlgoName.grpo)
 DRAFT = SpeculativeCfg(kind="draft_model", lr=1e-2)
-
-
-@pytest.fixture(scope="module")
-def draft_ckpt(ckpt, tmp_path_factory):
-    """A smaller model than `ckpt` with its vocabulary."""
-    vocab = from_pretrained(ckpt).config.vocab_size
-    arch = ModelCfg(name="d", hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                    head_dim=8, max_position_embeddings=64).arch(vocab)
-    out = tmp_path_factory.mktemp("draft")
-    torch.manual_seed(1)
-    save_pretrained(CausalLM(arch), out)
-    return str(out)
 
 
 def as_actor_class(cls: type) -> type:
@@ -55,9 +42,9 @@ def as_actor_class(cls: type) -> type:
 
 def test_the_plain_trainer_trains_a_draft_as_an_actor_class(ckpt, draft_ckpt):
     actor_cls = as_actor_class(TorchTrainer)
-    assert actor_cls._shard_models is not TorchTrainer._shard_models  # what broke the identity check
+    assert actor_cls.train_rl is not TorchTrainer.train_rl  # what broke the identity check (issue 25)
     trainer = actor_cls(ckpt, GRPO, CFG, FP32, speculative=DRAFT, draft_dir=draft_ckpt)
-    assert not trainer.shards_policy and trainer.draft is not None and trainer.draft.kind == "draft_model"
+    assert not trainer.parallel.shards_policy and trainer.draft is not None and trainer.draft.kind == "draft_model"
 
 
 def test_the_fsdp_trainer_still_refuses_an_online_draft_as_an_actor_class(ckpt, draft_ckpt):
@@ -65,7 +52,7 @@ def test_the_fsdp_trainer_still_refuses_an_online_draft_as_an_actor_class(ckpt, 
 
     from miles.trainer.fsdp import FSDPTrainer
 
-    with pytest.raises(ValueError, match="FSDPTrainer shards the policy across ranks"):
+    with pytest.raises(ValueError, match="the FSDP trainer shards the policy across ranks"):
         as_actor_class(FSDPTrainer)(0, 1, "127.0.0.1", 1, ckpt, GRPO, CFG, FP32, speculative=DRAFT,
                                     draft_dir=draft_ckpt)
     assert not dist.is_initialized()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from miles.config.schema import DType, Quant
 from miles.orchestrate.handles import LocalHandle
-from miles.orchestrate.weight_sync import WeightSyncError, checksum
+from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.transport.broadcast import ALIGN, BroadcastWeightSync, plan_buckets, views

@@ -7,9 +7,9 @@ import pickle
 import pytest
 import torch
 
-from miles.orchestrate.handles import with_tensor_transport
 from miles.precision.rollout_format import rollout_checksum, rollout_format
 from miles.transport import ray_tensors
+from miles.transport.ray_tensors import with_tensor_transport
 
 # What the recipes send (bf16 / fp32 weights, float8 e4m3 weights, packed int4 as uint8, fp32 scales,
 # int64 shapes), and the other dtypes torch pickles through an UntypedStorage.

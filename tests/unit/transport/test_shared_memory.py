@@ -7,17 +7,19 @@ import gc
 import glob
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from miles.config.schema import DType, Quant
 from miles.orchestrate.handles import LocalHandle
-from miles.orchestrate.weight_sync import WeightSyncError, checksum
+from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
-from miles.transport.shared_memory import (SHM_DIR, LoopSharedMemory, SharedMemoryWeightSync, Where, _create,
-                                           _release, buffer_of, colocation_problems)
+from miles.transport.protocol import build_transport
+from miles.transport.shared_memory import (SHM_DIR, SharedMemoryWeightSync, Where, _create, _release, buffer_of,
+                                           colocation_problems)
 from sync_cases import engine_args, greedy, load_through_object_store, sft_step, trainer_args
 
 
@@ -173,27 +175,27 @@ def test_ray_actors_on_one_node_sync_through_one_segment(ckpt, ray_cluster):
     trainer = spawn(TorchTrainer, True, *trainer_args(ckpt, dtype), threads=1)
     engines = [spawn(NativeEngine, True, *engine_args(ckpt, dtype)) for _ in range(2)]
     reference = NativeEngine(*engine_args(ckpt, dtype))
-    loop = LoopSharedMemory(trainer, EngineFleet(engines))
+    loop = build_transport("shared_memory", SimpleNamespace(trainer=trainer, engine=EngineFleet(engines)))
     try:
         before = greedy(engines[0])
         sft_step(trainer, reference)
         expected = trainer.call("get_weights")[1]
         seconds = loop.sync(check=True)
-        print(f"\nshared memory sync of {loop.segment.segment.bucket.nbytes / 2**20:.2f} MiB to 2 Ray engines: "
+        print(f"\nshared memory sync of {loop.group.segment.bucket.nbytes / 2**20:.2f} MiB to 2 Ray engines: "
               f"{seconds * 1e3:.1f} ms")
         assert [e.apply(engine_checksum) for e in engines] == [expected, expected]
         # Each engine maps the trainer's segment read-only; its name is already gone from /dev/shm.
-        path = loop.segment.segment.path
+        path = loop.group.segment.path
         assert not os.path.exists(path) and not glob.glob(f"{SHM_DIR}/miles-weights-{trainer.apply(pid_of)}-*")
         for engine in engines:
             [line] = mappings(engine.apply(pid_of), path)
             assert line.split()[1] == "r--s" and line.endswith("(deleted)")
 
         # Corrupted between the trainer's pack and the engines' load (in the trainer's process).
-        digest = loop.segment.pack(check=True)
-        trainer.apply(flip_byte, sign_byte(loop.segment.segment.bucket))
+        digest = loop.group.pack(check=True)
+        trainer.apply(flip_byte, sign_byte(loop.group.segment.bucket))
         with pytest.raises(WeightSyncError, match="checksum"):
-            loop.segment.load(digest)
+            loop.group.load(digest)
 
         # A restarted engine: the next sync sets the segment up again and reaches it.
         engines[1].restart()
@@ -206,7 +208,7 @@ def test_ray_actors_on_one_node_sync_through_one_segment(ckpt, ray_cluster):
         after = greedy(engines[1])
         assert after == greedy(LocalHandle(reference)) and after != before
 
-        new_path = loop.segment.segment.path
+        new_path = loop.group.segment.path
         loop.close()
         assert all(mappings(e.apply(pid_of), new_path) == [] for e in engines)
     finally:

@@ -1,0 +1,80 @@
+"""The weight transport contract suite (tests/transport_contract.py) against every transport of
+`TransportName`: in-process (LocalHandle members, a collective's members in threads), and through Ray
+actors on this node (slow: the checked sync and the restart)."""
+
+import pytest
+
+pytest.register_assert_rewrite("transport_contract")
+
+from transport_contract import *  # noqa: E402,F401,F403  (the suite's tests)
+from transport_contract import Contract  # noqa: E402
+from miles.orchestrate.handles import LocalHandle  # noqa: E402
+from miles.transport.protocol import TransportName  # noqa: E402
+
+NAMES = list(TransportName)
+# Through Ray: (test, its other parameters) of the suite that run there; the rest only in-process.
+RAY_TESTS = {("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("plain", 2)),
+             ("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("fp8", 2)),
+             ("test_a_restarted_engine_is_reached_by_the_next_sync", ())}
+
+
+def _ray_runs(node) -> bool:
+    params = {k: v for k, v in node.callspec.params.items() if k != "contract"}
+    return (node.originalname, tuple(params[k] for k in ("recipe", "engines") if k in params)) in RAY_TESTS
+
+
+class RestartableHandle(LocalHandle):
+    """A LocalHandle that restarts as a RayHandle does: a fresh component from the same arguments
+    behind the same handle, seen by `actor` (what a collective compares to detect restarts)."""
+
+    def __init__(self, cls, *args, **kwargs):
+        self._build = lambda: cls(*args, **kwargs)
+        super().__init__(self._build())
+
+    @property
+    def actor(self):
+        return self.obj
+
+    def restart(self) -> None:
+        self.obj = self._build()
+
+
+def local_contract(name, ckpt) -> Contract:
+    return Contract(name, ckpt, spawn=RestartableHandle, restart=lambda handle: handle.restart())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from miles.orchestrate.handles import start_ray
+
+    start_ray(None, 3, num_actors=3)  # one CPU each for the trainer and two engines
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(params=[*NAMES, *[pytest.param(("ray", n), marks=pytest.mark.slow, id=f"ray-{n.value}")
+                                  for n in NAMES]],
+                ids=lambda p: p.value if isinstance(p, TransportName) else None)
+def contract(request, ckpt):
+    if isinstance(request.param, TransportName):
+        yield local_contract(request.param, ckpt)
+        return
+    if not _ray_runs(request.node):
+        pytest.skip("through Ray: the checked sync of a fleet and the restart (the rest in-process)")
+    import ray
+
+    from miles.orchestrate.handles import spawn
+
+    request.getfixturevalue("ray_cluster")
+    spawned = []
+
+    def spawn_actor(cls, *args, **kwargs):
+        handle = spawn(cls, True, *args, **kwargs)
+        spawned.append(handle)
+        return handle
+
+    yield Contract(request.param[1], ckpt, spawn=spawn_actor, restart=lambda handle: handle.restart(), ray=True)
+    for handle in spawned:
+        ray.kill(handle.actor)
