@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
