@@ -25,11 +25,8 @@ registers, and the activations are the right one, read from shared memory; a 1-r
 16-wide MMA N dimension instead of padding M to 64. Int4Config.swap / .unpack select alternatives.
 Grid (M tiles, N tiles, split-K slices); block sizes and split from `pick_config` (by M).
 
-Where it stands on one H200 (CUDA-graph timings, Qwen3-0.6B / 4B projections, group 128): decode
-(1-64 rows) ~10x int4_linear, but only 0.6-0.95x bf16 cuBLAS, far from the ~4x its weight bytes
-allow (~0.5-0.7 TB/s of int4 read; not profiled yet: the unpack / dequantize / layout conversions of
-the register-made operand are the suspects, hence the alternatives); prefill (4096 rows) 0.35-0.45x. Eager calls pay Triton's Python launch
-(~35 us, ~60-90 us with the split-K reduction): use it inside CUDA graphs.
+Speed: `benchmarks/precision_gemm.py` (its CUDA-graph columns) and `benchmarks/precision_decode.py`
+(docs/benchmarks.md). Eager calls pay Triton's Python launch: use it inside CUDA graphs.
 
 `int4_linear_auto` is what callers use: this kernel where it applies (CUDA, triton importable,
 bf16/fp16 activations, one 2-D weight, M <= FUSED_MAX_ROWS = 64: decode), `int4_linear` otherwise.
@@ -298,9 +295,8 @@ def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 # Rows above which int4_linear_auto keeps int4_linear: the decode configs (M <= 64), the ones the GPU
-# tests ran. Above them the kernel is no win even where it compiles (4096 rows: 0.35-0.45x bf16, while
-# int4_linear ~ dequantize + cuBLAS), and its > 256-row config was refused by the H200 inside a GRPO
-# run (OutOfResources: 262144 bytes of shared memory, limit 232448; docs/benchmarks.md).
+# tests ran. Above them int4_linear (dequantize + cuBLAS) is the path; the kernel's > 256-row config
+# was refused by the H200 inside a GRPO run (OutOfResources: 262144 bytes of shared memory, limit 232448; docs/benchmarks.md).
 FUSED_MAX_ROWS = 64
 # (rows, N, K, group) whose launch the GPU refused; they stay on int4_linear for the process.
 _REFUSED: set[tuple[int, int, int, int]] = set()
