@@ -16,6 +16,7 @@ plain weights (recipes without a quantized rollout format).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +118,6 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     """FlatWeights.checksum's integrity check for a dict of tensors of any dtypes, computed where
     they live (an in-process quantized sync: FP8 codes, INT4 bytes, fp32 scales on the GPU): the
     names, dtypes and shapes hashed on the host, the bytes (in name order) reduced on the device."""
-    import hashlib
-
     names = sorted(tensors)
     meta = hashlib.sha256("|".join(f"{n}:{tensors[n].dtype}:{tuple(tensors[n].shape)}" for n in names).encode())
     chunks = [tensors[n].detach().reshape(-1).view(torch.uint8) for n in names if tensors[n].numel()]
