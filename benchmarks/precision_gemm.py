@@ -15,9 +15,13 @@ by side for every (projection, token count):
 - int4 fused: int4_linear_fused, the Triton W4A16 kernel (miles/precision/int4_triton.py) that reads
   the packed nibbles and never writes the bf16 weight; its error against the fp32 reference and its
   distance to int4_linear (only the fp32 summation order differs);
+- fp8 triton: the batch-invariant Triton GEMM (miles/precision/fp8_triton_gemm.py) with the fused
+  activation quantizer, on a weight prepared once (what `precision.fp8_gemm=triton` and true
+  on-policy mode run on both sides);
 - deep_gemm: fp8_linear(backend="deep_gemm") (activation quantization + DeepGEMM's NT GEMM), only where
   fp8_backend_report says DeepGEMM loads and computes the right numbers;
-- for M <= --graph-max-tokens also the bf16 and int4 fused times inside a CUDA graph (`*_graph_ms`):
+- for M <= --graph-max-tokens also the bf16, fp8 (scaled_mm and triton, act quant included) and int4
+  fused times inside a CUDA graph (`*_graph_ms`):
   what the engine's graph-captured decoder pays, without the Python launch cost (Triton's launcher
   is much slower than cuBLAS's, so eager decode timings of the fused kernel are CPU-bound);
 with speed-ups = bf16 time / time, relative errors against an fp32 GEMM of the same bf16 inputs, and
@@ -62,6 +66,7 @@ from miles.precision import (  # noqa: E402
     resolve_fp8_backend,
     scaled_mm_gemm,
 )
+from miles.precision.fp8_gemm import fp8_linear_with, prepare_fp8_weight  # noqa: E402
 from miles.precision.int4_triton import int4_linear_fused, triton_available  # noqa: E402
 
 # (model, projection, N = out features, K = in features), from the published configs.
@@ -165,10 +170,14 @@ def bench_gemms(args, dev) -> list[dict]:
     fp8_ok = report["scaled_mm"].startswith("ok")
     dg_ok = report["deep_gemm"].startswith("ok")
     fused_ok = triton_available()
+    tri_ok = report["triton"].startswith("ok")
     for i, (model, proj, n, k) in enumerate(SHAPES):
+        if args.models and model not in args.models:
+            continue
         w = weight(n, k, seed=i).to(dev)
         q_w, s_w = quantize_fp8_weight(w)
         prepared = prepare_scaled_mm_weight(q_w, s_w) if fp8_ok else None
+        tri = prepare_fp8_weight(q_w, s_w, "triton") if tri_ok else None
         q4, s4 = quantize_int4(w, 128)
         p4 = pack_int4(q4)
         for m in args.tokens:
@@ -193,6 +202,8 @@ def bench_gemms(args, dev) -> list[dict]:
                 row["int4_fused_ms"] = cuda_ms(lambda: int4_linear_fused(x, p4, s4, 128), args.warmup, args.iters)
                 # Cheap (no fp32 GEMM), so at every M: prefill and decode take different tile configs.
                 row["int4_fused_vs_int4"] = rel(int4_linear_fused(x, p4, s4, 128), int4_linear(x, p4, s4, 128).float())
+            if tri_ok:
+                row["fp8_triton_ms"] = cuda_ms(lambda: fp8_linear_with(x, tri), args.warmup, args.iters)
             if dg_ok:
                 row["deep_gemm_ms"] = cuda_ms(lambda: fp8_linear(x, q_w, s_w, backend="deep_gemm"),
                                               args.warmup, args.iters)
@@ -200,6 +211,10 @@ def bench_gemms(args, dev) -> list[dict]:
                 row["bf16_graph_ms"] = graph_ms(lambda: F.linear(x, w), args.iters)
                 if fused_ok:
                     row["int4_fused_graph_ms"] = graph_ms(lambda: int4_linear_fused(x, p4, s4, 128), args.iters)
+                if fp8_ok:
+                    row["fp8_engine_graph_ms"] = graph_ms(lambda: fp8_linear_prepared(x, prepared), args.iters)
+                if tri_ok:
+                    row["fp8_triton_graph_ms"] = graph_ms(lambda: fp8_linear_with(x, tri), args.iters)
             for key in [c for c in row if c.endswith("_ms")]:
                 row[key.replace("_ms", "_tflops")] = flop / (row[key] * 1e-3) / 1e12
             if m == args.tokens[0]:  # accuracy once per shape: fp32 references are slow
@@ -214,6 +229,10 @@ def bench_gemms(args, dev) -> list[dict]:
                 row["int4_err"] = rel(int4_linear(x, p4, s4, 128), ref)
                 if fused_ok:
                     row["int4_fused_err"] = rel(int4_linear_fused(x, p4, s4, 128), ref)
+                if tri_ok:
+                    y8 = fp8_linear_with(x, tri)
+                    row["fp8_triton_vs_emulated"] = rel(y8, emu)
+                    row["fp8_triton_err"] = rel(y8, ref)
                 if dg_ok:
                     y8 = fp8_linear(x, q_w, s_w, backend="deep_gemm")
                     row["deep_gemm_vs_emulated"] = rel(y8, emu)
@@ -229,10 +248,14 @@ def bench_gemms(args, dev) -> list[dict]:
                      if fused_ok else "")
                   + (f"  graph: bf16 {r['bf16_graph_ms']:7.4f} int4 fused {r['int4_fused_graph_ms']:7.4f} ms "
                      f"({r['bf16_graph_ms'] / r['int4_fused_graph_ms']:.2f}x)" if fused_ok and "bf16_graph_ms" in r else "")
+                  + (f"  fp8 triton {r['fp8_triton_ms']:8.3f} ms ({r['bf16_ms'] / r['fp8_triton_ms']:.2f}x)"
+                     if tri_ok else "")
+                  + (f"  graph fp8: scaled_mm {r['fp8_engine_graph_ms']:7.4f} triton {r['fp8_triton_graph_ms']:7.4f} ms"
+                     if "fp8_triton_graph_ms" in r and "fp8_engine_graph_ms" in r else "")
                   + (f"  deep_gemm {r['deep_gemm_ms']:8.3f} ms ({r['bf16_ms'] / r['deep_gemm_ms']:.2f}x)"
                      if dg_ok else ""), flush=True)
             del x
-        del w, q_w, s_w, prepared, q4, s4, p4
+        del w, q_w, s_w, prepared, tri, q4, s4, p4
         torch.cuda.empty_cache()
     return rows
 
@@ -299,11 +322,15 @@ def _speedup(r: dict, base: str, key: str) -> str:
 def table(rows: list[dict], fp8: bool) -> str:
     fused = any("int4_fused_ms" in r for r in rows)
     dg = any("deep_gemm_ms" in r for r in rows)
+    tri = any("fp8_triton_ms" in r for r in rows)
     graph = fused and any("bf16_graph_ms" in r for r in rows)
+    fp8_graph = any("fp8_triton_graph_ms" in r for r in rows)
     head = ["model", "projection", "N x K", "tokens", "bf16 ms (TFLOP/s)"]
     if fp8:
         head += ["fp8 GEMM ms (TFLOP/s)", "fp8 GEMM speed-up", "fp8 act quant + GEMM ms", "its speed-up",
                  "act quant ms"]
+    if tri:
+        head += ["fp8 triton (act quant + GEMM) ms", "its speed-up"]
     if dg:
         head += ["deep_gemm (act quant + GEMM) ms", "its speed-up"]
     head += ["int4 ms", "int4 speed-up", "int4 dequant ms"]
@@ -311,6 +338,8 @@ def table(rows: list[dict], fp8: bool) -> str:
         head += ["int4 fused ms", "its speed-up"]
     if graph:
         head += ["in a CUDA graph: bf16 ms", "int4 fused ms", "its speed-up"]
+    if fp8_graph:
+        head += ["in a CUDA graph: fp8 scaled_mm ms", "its speed-up", "fp8 triton ms", "its speed-up"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], r["projection"], f"{r['N']}x{r['K']}", str(r["M"]),
@@ -319,6 +348,8 @@ def table(rows: list[dict], fp8: bool) -> str:
             cells += [f"{r['fp8_gemm_ms']:.3f} ({r['fp8_gemm_tflops']:.0f})", f"{r['bf16_ms'] / r['fp8_gemm_ms']:.2f}x",
                       f"{r['fp8_engine_ms']:.3f}", f"{r['bf16_ms'] / r['fp8_engine_ms']:.2f}x",
                       f"{r['act_quant_ms']:.3f}"]
+        if tri:
+            cells += [_opt(r, "fp8_triton_ms"), _speedup(r, "bf16_ms", "fp8_triton_ms")]
         if dg:
             cells += [_opt(r, "deep_gemm_ms"), _speedup(r, "bf16_ms", "deep_gemm_ms")]
         cells += [f"{r['int4_ms']:.3f}", f"{r['bf16_ms'] / r['int4_ms']:.2f}x", f"{r['int4_dequant_ms']:.3f}"]
@@ -327,6 +358,9 @@ def table(rows: list[dict], fp8: bool) -> str:
         if graph:
             cells += [_opt(r, "bf16_graph_ms", "{:.4f}"), _opt(r, "int4_fused_graph_ms", "{:.4f}"),
                       _speedup(r, "bf16_graph_ms", "int4_fused_graph_ms")]
+        if fp8_graph:
+            cells += [_opt(r, "fp8_engine_graph_ms", "{:.4f}"), _speedup(r, "bf16_graph_ms", "fp8_engine_graph_ms"),
+                      _opt(r, "fp8_triton_graph_ms", "{:.4f}"), _speedup(r, "bf16_graph_ms", "fp8_triton_graph_ms")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -336,6 +370,8 @@ def err_table(rows: list[dict], fp8: bool) -> str:
     dg = any("deep_gemm_err" in r for r in rows)
     head = ["model", "projection", "bf16", "fp8 (quantization, emulated fp32)"]
     head += ["fp8 scaled_mm", "scaled_mm vs emulated"] if fp8 else []
+    tri = any("fp8_triton_err" in r for r in rows)
+    head += ["fp8 triton", "triton vs emulated"] if tri else []
     head += ["deep_gemm", "deep_gemm vs emulated"] if dg else []
     head += ["int4 g128"]
     head += ["int4 fused", "int4 fused vs int4_linear (max over M)"] if fused else []
@@ -345,6 +381,7 @@ def err_table(rows: list[dict], fp8: bool) -> str:
             continue
         cells = [r["model"], r["projection"], f"{r['bf16_err']:.1e}", f"{r['fp8_quant_err']:.1e}"]
         cells += [f"{r['fp8_err']:.1e}", f"{r['fp8_kernel_vs_emulated']:.1e}"] if fp8 else []
+        cells += [_opt(r, "fp8_triton_err", "{:.1e}"), _opt(r, "fp8_triton_vs_emulated", "{:.1e}")] if tri else []
         cells += [_opt(r, "deep_gemm_err", "{:.1e}"), _opt(r, "deep_gemm_vs_emulated", "{:.1e}")] if dg else []
         cells += [f"{r['int4_err']:.1e}"]
         if fused:
@@ -365,6 +402,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-bitwise", action="store_true")
+    ap.add_argument("--models", nargs="+", default=None, help="only these SHAPES models (e.g. Qwen3-4B DeepSeek-V3)")
     ap.add_argument("--json", type=Path, default=None, help="write every number here")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -72,6 +72,16 @@ class ForwardWeights(Choice):
     rollout = "rollout"  # the weights cast to rollout_dtype, as the engine holds them
 
 
+class FP8Gemm(Choice):
+    """precision.fp8_gemm: the kernel both sides multiply FP8 operands with (miles/precision/fp8_gemm.py)."""
+
+    auto = "auto"  # DeepGEMM, then torch._scaled_mm, then the emulated GEMM: the first that passes the probe
+    triton = "triton"  # the project's batch-invariant Triton GEMM: a row's bits independent of the row count
+    scaled_mm = "scaled_mm"  # cuBLASLt's blockwise kernel (Hopper)
+    deep_gemm = "deep_gemm"
+    emulated = "emulated"  # dequantize, then F.linear (any device)
+
+
 class TrackingBackend(Choice):
     """tracking.backend: where metrics and the run record go."""
 
@@ -190,6 +200,8 @@ class PrecisionCfg:
     # at each matmul: the residual stream stays fp32) or "rollout" (the weights cast to rollout_dtype,
     # as the engine holds them: the residual stream in that dtype too, Megatron's bf16 params).
     forward_weights: ForwardWeights = ForwardWeights.master
+    # The FP8 GEMM of the engine and of the fp8 training forward (one choice: both sides run it).
+    fp8_gemm: FP8Gemm = FP8Gemm.auto
 
 
 @dataclass
@@ -335,6 +347,19 @@ class RolloutCfg:
 
 
 @dataclass
+class LoRACfg:
+    """trainer.lora: low-rank adapters on the policy's projections, the base frozen (docs/lora.md)."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, training forwards only
+    # Names ("q_proj": that module in every layer) or regular expressions over the module names
+    # ("layers\.[0-3]\..*_proj"); nn.Linear projections of the decoder layers.
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class TrainerCfg:
     backend: TrainerBackend = TrainerBackend.torch  # set by the group file trainer=<backend>, never by hand
     num_ranks: int = 1  # trainer=fsdp: ranks that shard the model and split each batch (1 for the others)
@@ -355,6 +380,7 @@ class TrainerCfg:
     pack_sequences: bool = True  # several samples per row, no padding computed (families that support it)
     max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
     share_prompts: bool = True  # packed rows on the masked kernel: a prompt's tokens computed once for its n samples
+    lora: LoRACfg = field(default_factory=LoRACfg)  # rank > 0: train adapters, not the policy's weights
 
 
 @dataclass

@@ -487,10 +487,10 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
     problems = []
     if cfg.algo.name == AlgoName.sft:
         problems.append("true_on_policy=true applies to RL (rollout log-probs), not algo=sft: set true_on_policy=false")
-    if p.train_quant.value != "none" or p.rollout_quant.value != "none":
+    if p.train_quant != p.rollout_quant:
         problems.append(f"true_on_policy=true needs one set of kernels on both sides, but precision={p.name} "
-                        "runs quantized GEMMs in the engine and fake quantization in the trainer: "
-                        "use precision=bf16 or precision=fp32")
+                        f"quantizes the rollout ({p.rollout_quant.value}) and not the training forward the same way "
+                        f"({p.train_quant.value}): use precision=fp8, int4_qat, bf16 or fp32")
     if p.forward_weights != "master":
         problems.append("true_on_policy=true runs the engine on the trainer's fp32 masters under autocast: "
                         "set precision.forward_weights=master")

@@ -351,7 +351,11 @@ def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
     needed = {precision.train_dtype.value, precision.rollout_dtype.value,
               precision.train_quant.value, precision.rollout_quant.value} - {"none"}
     missing = sorted(needed - set(hw.precisions))
+    problems = []
     if missing:
-        return [f"precision={precision.name} uses {', '.join(missing)}, which hardware={hw.name} does not "
-                f"support (it runs {', '.join(hw.precisions)}); pick another precision recipe or hardware profile"]
-    return []
+        problems.append(f"precision={precision.name} uses {', '.join(missing)}, which hardware={hw.name} does not "
+                        f"support (it runs {', '.join(hw.precisions)}); pick another precision recipe or hardware profile")
+    if hw.device == "cpu" and precision.fp8_gemm not in ("auto", "emulated"):
+        problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} is a CUDA kernel; the CPU runs the emulated "
+                        "GEMM: set precision.fp8_gemm=auto")
+    return problems

@@ -34,31 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from miles.precision import invariance
+
 # Elementwise CPU chunks: a multiple of 64 elements (two AVX-512 bf16 vectors) and below
 # ATen's parallel grain (32768), so one thread runs each chunk and no scalar tail remains.
 _ALIGN, _CHUNK = 64, 16384
 
-_depth = 0
-
-
 def active() -> bool:
     """Whether batch-invariant kernels are on (inside `kernels()`)."""
-    return _depth > 0
+    return invariance.active()
 
 
 @contextlib.contextmanager
 def kernels(enabled: bool = True):
     """Run the enclosed model calls with batch-invariant kernels (a no-op when not `enabled`)."""
-    global _depth
     if not enabled:
         yield
         return
-    _depth += 1
-    try:
-        with _Mode():
-            yield
-    finally:
-        _depth -= 1
+    with invariance.on(), _Mode():
+        yield
 
 
 # ------------------------------------------------------------------------------ exact primitives
@@ -291,6 +285,12 @@ def _elementwise(original, x, *args, **kwargs):
                            lambda t, *a: original(t, *a, **kwargs))(x, *args)
 
 
+def _vector_norm(original, x, ord=2, *args, **kwargs):
+    if ord in (float("inf"), -float("inf")):  # a max (the FP8 quantizers' amax): exact in any order
+        return original(x, ord, *args, **kwargs)
+    return _differentiable(vector_norm, original)(x, ord, *args, **kwargs)
+
+
 def _table() -> dict:
     table = {
         F.linear: _wrap(linear),
@@ -305,7 +305,7 @@ def _table() -> dict:
         F.conv1d: _wrap(conv1d),
         torch.topk: lambda original, *a, **k: topk(*a, **k),
         torch.Tensor.topk: lambda original, *a, **k: topk(*a, **k),
-        torch.linalg.vector_norm: _wrap(vector_norm),
+        torch.linalg.vector_norm: _vector_norm,
     }
     for fn in (torch.sum, torch.Tensor.sum):
         table[fn] = _reduction(_sum)

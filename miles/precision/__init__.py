@@ -1,7 +1,9 @@
 """Precision library: the one quantizer that the trainer and the rollout engine share.
 
 - fp8.py          e4m3 blockwise quantize / dequantize (weights 128x128, activations 1x128, fp32 scales)
-- fp8_gemm.py     fp8_linear with backends emulated / scaled_mm / deep_gemm / auto
+- fp8_gemm.py     fp8_linear with backends emulated / scaled_mm / deep_gemm / triton / auto
+- fp8_triton_gemm.py  the batch-invariant Triton FP8 GEMM (a row's bits independent of the row count)
+- invariance.py   the true on-policy flag the quantized GEMMs read (miles/models/invariant.py sets it)
 - int4.py         W4A16 symmetric group quantization, nibble packing, int4_linear
 - fake_quant.py   fake quantization with a straight-through estimator for the training forward (QAT)
 - rollout_format.py  what weight sync carries per recipe, its inverse, checksums, layer exceptions

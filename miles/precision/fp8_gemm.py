@@ -8,6 +8,9 @@ Backends (`fp8_linear(..., backend=...)`):
   scaling (A: BlockWise1x128, B: BlockWise128x128), which torch runs through cuBLASLt >= 12.9 on SM90
   (Hopper) only; on Blackwell this torch refuses it and "auto" falls back.
 - "deep_gemm": DeepGEMM's FP8 NT GEMM when the package imports (bf16 output).
+- "triton": the project's batch-invariant Triton GEMM (miles/precision/fp8_triton_gemm.py): a row's
+  bits do not depend on the row count, so a decode step and the training forward agree. True
+  on-policy mode runs it on CUDA whatever the backend (`gemm_quantized`).
 - "auto": the first of deep_gemm, scaled_mm, emulated that passes a one-off numerical probe on the
   device; `resolve_fp8_backend` says which, `fp8_backend_report` says why the others were skipped.
 
@@ -27,10 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from miles.precision import fp8_triton
+from miles.precision import fp8_triton, fp8_triton_gemm, invariance
 from miles.precision.fp8 import BLOCK, FP8_DTYPE, _pad, dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_act
 
-BACKENDS = ("emulated", "scaled_mm", "deep_gemm")
+BACKENDS = ("emulated", "scaled_mm", "deep_gemm", "triton")
 _AUTO_ORDER = ("deep_gemm", "scaled_mm", "emulated")
 _SCALED_MM_LAYOUTS = ("v1_padded", "v1_contiguous", "v2")
 _M_ALIGN = 16  # cuBLASLt refused M=33 with 1x128 scales (ld = M) on an H200, took 200; pad rows to 16
@@ -139,6 +142,18 @@ def _deep_gemm_quantized(xq, xs, q_w, w_scale):
     return out
 
 
+def _gemm_triton(x2, q_w, w_scale, out_dtype):
+    xq, xs = _quantize_for_triton(x2)
+    return fp8_triton_gemm.fp8_gemm_invariant(xq, xs, q_w, w_scale, x2.shape[0], out_dtype)
+
+
+def _quantize_for_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 codes and scales the Triton GEMM reads (any strides): the fused quantizer's on CUDA."""
+    if fp8_triton.available(x2):
+        return fp8_triton.quantize_act_fused(x2, _ceil_div(x2.shape[1], BLOCK) * BLOCK)
+    return quantize_fp8_act(x2)
+
+
 def _gemm_emulated(x, q_w, w_scale, out_dtype, quantize_act=True, bias=None):
     if quantize_act:
         xq, xs = quantize_fp8_act(x)
@@ -166,6 +181,8 @@ def _probe(backend: str, device: torch.device, layout: str | None = None) -> tup
         args = (x.to(device, torch.bfloat16), q_w.to(device), w_s.to(device))
         if backend == "scaled_mm":
             y = _gemm_scaled_mm(*args, torch.bfloat16, layout)
+        elif backend == "triton":
+            y = _gemm_triton(*args, torch.bfloat16)
         else:
             y = _gemm_deep_gemm(*args, torch.bfloat16)
         if device.type == "cuda":
@@ -205,6 +222,8 @@ def _probe_cached(backend: str, device: torch.device) -> tuple[bool, str]:
         result = (True, "always available")
     elif device.type != "cuda":
         result = (False, f"needs a CUDA device, got {device}")
+    elif backend == "triton":
+        result = _probe(backend, device) if fp8_triton_gemm.triton is not None else (False, "triton is not installed")
     elif backend == "scaled_mm":
         if not hasattr(torch, "_scaled_mm"):
             result = (False, "this torch has no torch._scaled_mm")
@@ -285,7 +304,7 @@ def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor, bias: 
     if name == "emulated":
         return _gemm_emulated(x, q_w, w_scale, out_dtype, quantize_act, bias)
     x2 = x.reshape(-1, k)
-    gemm = _gemm_scaled_mm if name == "scaled_mm" else _gemm_deep_gemm
+    gemm = {"scaled_mm": _gemm_scaled_mm, "triton": _gemm_triton, "deep_gemm": _gemm_deep_gemm}[name]
     y = gemm(x2, q_w, w_scale, out_dtype).reshape(*lead, q_w.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -312,18 +331,24 @@ def quantize_input(x2: torch.Tensor, w: FP8Operand) -> tuple[torch.Tensor, torch
     quantize_fp8_act(x2) bitwise on every backend."""
     if w.backend == "scaled_mm":
         return quantize_act_for_scaled_mm(x2, w.mm.q.shape[1])
+    if w.backend == "triton":
+        return _quantize_for_triton(x2)
     return quantize_fp8_act(x2)
 
 
 def gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, m: int, w: FP8Operand, out_dtype: torch.dtype,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """quantize_input's (xq, xs) of M rows times w -> [M, N] in out_dtype (+ bias), on w's backend."""
+    """quantize_input's (xq, xs) of M rows times w -> [M, N] in out_dtype (+ bias), on w's backend.
+    Inside batch-invariant kernels (true on-policy) the product is row-count invariant on every
+    backend: the emulated GEMM's F.linear is then the invariant matmul, CUDA runs the Triton GEMM."""
     n = w.q.shape[0]
-    if w.backend == "emulated":
+    if w.backend == "emulated" or (invariance.active() and not xq.is_cuda):
         # bias inside F.linear (one addmm), as fake_fp8_linear does: the sums round the same way.
         return F.linear(dequantize_fp8_act(xq, xs, out_dtype), dequantize_fp8_weight(w.q, w.scale, out_dtype),
                         None if bias is None else bias.to(out_dtype))
-    if w.backend == "scaled_mm":
+    if w.backend == "triton" or invariance.active():
+        y = fp8_triton_gemm.fp8_gemm_invariant(xq, xs, w.q, w.scale, m, out_dtype)
+    elif w.backend == "scaled_mm":
         y = scaled_mm_gemm(xq, xs, w.mm, out_dtype)[:m, :n]
     else:
         y = _deep_gemm_quantized(xq, xs, w.q, w.scale).to(out_dtype)

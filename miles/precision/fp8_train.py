@@ -30,7 +30,8 @@ class FP8WeightCache:
     version of the weight. `clear()` frees them (the trainer does at the end of a train step and
     before offloading: the copies hold ~3 bytes per parameter on the device)."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend  # precision.fp8_gemm: the engine's choice, so both sides run one kernel
         self._entries: dict[int, tuple[tuple, FP8Operand, torch.Tensor]] = {}
 
     def get(self, w: torch.Tensor, dtype: torch.dtype) -> tuple[FP8Operand, torch.Tensor]:
@@ -42,7 +43,7 @@ class FP8WeightCache:
             return hit[1], hit[2]
         with torch.no_grad():
             q, s = quantize_fp8_weight(w)
-            entry = (key, prepare_fp8_weight(q, s), dequantize_fp8_weight(q, s, dtype))
+            entry = (key, prepare_fp8_weight(q, s, self.backend), dequantize_fp8_weight(q, s, dtype))
         self._entries[id(w)] = entry
         return entry[1], entry[2]
 

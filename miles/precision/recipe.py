@@ -27,9 +27,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from miles.precision import invariance
 from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
 from miles.precision.fp8_gemm import FP8Operand, fp8_linear_with, prepare_fp8_weight
 from miles.precision.fp8_train import FP8WeightCache, fp8_train_linear
+from miles.precision.int4 import int4_linear
 from miles.precision.int4_triton import int4_linear_auto
 from miles.precision.rollout_format import (FP8_SCALE_SUFFIX, from_rollout_format, high_precision_predicate,
                                             rollout_checksum, rollout_format)
@@ -45,9 +47,9 @@ class QuantLinear(nn.Module):
     activations in high precision (W4A16).
     """
 
-    def __init__(self, linear: nn.Linear, quant: str, group: int):
+    def __init__(self, linear: nn.Linear, quant: str, group: int, fp8_backend: str = "auto"):
         super().__init__()
-        self.quant, self.group = quant, group
+        self.quant, self.group, self.fp8_backend = quant, group, fp8_backend
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # biases travel unquantized (1-D)
         for name in self.buffer_names():
@@ -63,7 +65,7 @@ class QuantLinear(nn.Module):
         layout exists already (a captured CUDA graph reads these addresses)."""
         if self.quant != FP8:
             return
-        new = prepare_fp8_weight(self.weight, self.weight_scale_inv)
+        new = prepare_fp8_weight(self.weight, self.weight_scale_inv, self.fp8_backend)
         old = self.operand
         if old is None or old.mm is None or new.mm is None or old.backend != new.backend \
                 or old.mm.q.shape != new.mm.q.shape or old.mm.scale_b.shape != new.mm.scale_b.shape:
@@ -75,10 +77,17 @@ class QuantLinear(nn.Module):
         self.operand = old._replace(q=self.weight, scale=self.weight_scale_inv)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # True on-policy runs the engine under the trainer's autocast: quantize and multiply the
+            # activations in the autocast dtype, as the trainer's fp8_train_linear and F.linear do.
+            x = x.to(torch.get_autocast_dtype(device))
         if self.quant == FP8:
             if self.operand is None:
                 self.refresh()
             return fp8_linear_with(x, self.operand, self.bias)
+        if invariance.active():  # the dequantized weight through the invariant matmul, as the trainer's QAT
+            return int4_linear(x, self.weight_packed, self.weight_scale, self.group, self.bias)
         return int4_linear_auto(x, self.weight_packed, self.weight_scale, self.group, self.bias)
 
 
@@ -95,8 +104,12 @@ class Recipe:
     keep: Callable[[str], bool]  # True: never quantized (embeddings, head, norms, routers, chosen layers)
     # precision.forward_weights=rollout: the dtype the forward casts the master weights to (None: master).
     forward_dtype: torch.dtype | None = None
+    fp8_backend: str = "auto"  # precision.fp8_gemm: the FP8 GEMM both sides run
     # The training forward's FP8 operands, made once per optimizer step (see release_training_cache).
-    fp8_cache: FP8WeightCache = field(default_factory=FP8WeightCache, repr=False, compare=False)
+    fp8_cache: FP8WeightCache = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.fp8_cache = FP8WeightCache(self.fp8_backend)
 
     @classmethod
     def from_cfg(cls, precision, num_layers: int) -> "Recipe":
@@ -105,7 +118,7 @@ class Recipe:
         forward_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision.rollout_dtype.value] \
             if precision.forward_weights == "rollout" else None
         return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep,
-                   forward_dtype)
+                   forward_dtype, precision.fp8_gemm.value)
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.is_floating_point() and tensor.dim() >= 2 and not self.keep(name)
@@ -161,7 +174,7 @@ class Recipe:
             for child_name, child in list(module.named_children()):
                 full = f"{name}.{child_name}" if name else child_name
                 if isinstance(child, nn.Linear) and self.quantizes(f"{full}.weight", child.weight):
-                    setattr(module, child_name, QuantLinear(child, self.rollout_quant, self.group))
+                    setattr(module, child_name, QuantLinear(child, self.rollout_quant, self.group, self.fp8_backend))
 
     def load_engine(self, model: nn.Module, payload: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Install a sync payload: QuantLinear layers take their tensors as they are; everything

@@ -104,9 +104,10 @@ class NativeEngine:
         # FP8 / INT4 recipes: quantized Linear layers hold the rollout format, built from the
         # checkpoint by the quantizer the trainer uses (later syncs replace it).
         self.recipe = Recipe.from_cfg(precision or PrecisionCfg(name="none"), self.model.config.num_layers)
-        if self.true_on_policy and self.recipe.rollout_quant != "none":
-            raise ValueError("true_on_policy=true needs the trainer's kernels in the engine; a quantized "
-                             f"rollout ({self.recipe.rollout_quant}) has others: use precision=bf16 or fp32")
+        if self.true_on_policy and self.recipe.rollout_quant != self.recipe.train_quant:
+            raise ValueError("true_on_policy=true needs the trainer's kernels in the engine; a rollout quantized "
+                             f"as {self.recipe.rollout_quant} against a training forward quantized as "
+                             f"{self.recipe.train_quant} has others: use precision=fp8, int4_qat, bf16 or fp32")
         payload = self.recipe.sync_payload(self.model.state_dict()) if self.recipe.rollout_quant != "none" else None
         self.model.to(self.dtype)
         if payload is not None:

@@ -40,6 +40,17 @@ def test_logprobs_equal_bitwise_on_every_step(tmp_path, monkeypatch, compose, mo
     assert diffs == [0.0] * steps, f"{model} {precision}: nonzero mismatch {diffs}"
 
 
+@pytest.mark.parametrize(("model", "precision"), [("qwen3_tiny", "fp8"), ("qwen3_moe_tiny", "fp8"),
+                                                  ("deepseek_v3_tiny", "fp8"), ("qwen3_tiny", "int4_qat")])
+def test_quantized_recipes_are_exact_too(tmp_path, monkeypatch, compose, model, precision):
+    """FP8 and INT4 QAT: the engine's quantized Linear layers and the trainer's quantized forward
+    run the same invariant GEMM on the same codes, so unified FP8 / INT4 reach 0.0 as well."""
+    monkeypatch.chdir(tmp_path)
+    diffs = mismatch_per_step(compose, tmp_path, [f"model={model}", f"precision={precision}",
+                                                  "true_on_policy=true", "steps=3"])
+    assert diffs == [0.0] * 3, f"{model} {precision}: nonzero mismatch {diffs}"
+
+
 @pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_next_tiny"])
 def test_exact_at_the_default_batch_size(tmp_path, monkeypatch, compose, model):
     """The default 64 prompts x 8 samples: other shapes (and kernel paths) than the small runs above
@@ -52,7 +63,8 @@ def test_exact_at_the_default_batch_size(tmp_path, monkeypatch, compose, model):
     assert [metrics[s]["mismatch/logprob_abs_diff"] for s in (1, 2)] == [0.0, 0.0]
 
 
-def test_without_the_mode_the_mismatch_is_not_zero(tmp_path, monkeypatch, compose):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_without_the_mode_the_mismatch_is_not_zero(tmp_path, monkeypatch, compose, precision):
     monkeypatch.chdir(tmp_path)
-    diffs = mismatch_per_step(compose, tmp_path, ["model=qwen3_tiny", "precision=bf16", "steps=2"])
+    diffs = mismatch_per_step(compose, tmp_path, ["model=qwen3_tiny", f"precision={precision}", "steps=2"])
     assert min(diffs) > 0.0

@@ -196,8 +196,9 @@ MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1",
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["true_on_policy=true", "precision=fp8"], "use precision=bf16 or precision=fp32"),
+    (["true_on_policy=true", "precision=bf16_train_fp8_rollout"], "use precision=fp8, int4_qat, bf16 or fp32"),
     (["true_on_policy=true", "rollout.top_p=0.9"], "set rollout.top_p=1.0 rollout.top_k=0"),
+    (["precision=fp8", "precision.fp8_gemm=triton"], "set precision.fp8_gemm=auto"),
     (["true_on_policy=true", "algo=sft"], "set true_on_policy=false"),
     (["trainer.num_ranks=2"], "use trainer=fsdp"),
     (["trainer=fsdp", "ray.enabled=false"], "set ray.enabled=true"),
@@ -233,6 +234,8 @@ def test_true_on_policy_and_scale_out_rules_name_the_fix(compose, overrides, mes
 
 def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["true_on_policy=true", "precision=bf16"])) == []
+    assert validate(compose(["true_on_policy=true", "precision=fp8"])) == []
+    assert validate(compose(["true_on_policy=true", "precision=int4_qat"])) == []
     assert validate(compose(["trainer=fsdp", "trainer.num_ranks=2", "rollout.num_engines=2"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=broadcast"])) == []
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
