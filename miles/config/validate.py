@@ -10,6 +10,7 @@ from pathlib import Path
 
 from miles.config.errors import ConfigError
 from miles.config.schema import AlgoName, EngineName, RunCfg, SpeculativeKind, TaskKind, TrainerBackend, WeightSync
+from miles.config.lora_rules import lora_problems
 
 __all__ = ["ConfigError", "check", "validate"]  # ConfigError lives in miles.config.errors; re-exported here
 
@@ -179,6 +180,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += tool_problems(cfg)
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
+    problems += lora_problems(cfg)
     if cfg.rollout.num_engines < 1:
         problems.append(f"rollout.num_engines must be >= 1 (got {cfg.rollout.num_engines})")
     elif cfg.rollout.num_engines > 1 and cfg.rollout.max_turns > 1:

@@ -180,6 +180,13 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     }
     if cfg.algo.kl_coef > 0:  # frozen reference policy, sharded like the weights
         usage["reference"] = (embed + dense + routed) * w
+    if t.lora.rank > 0:  # LoRA: a frozen base in the training dtype; fp32 adapters with gradients and AdamW
+        from miles.hardware.lora_footprint import lora_params
+
+        adapters = lora_params(arch, t.lora.rank, t.lora.target_modules) / (tp * pp)
+        usage["weights"] += adapters * 4
+        usage["gradients"] = adapters * 4
+        usage["optimizer"] = 0.0 if layout.offload else adapters * 8
     if cfg.algo.name == getattr(AlgoName, "ppo", None):  # the critic: a second trained model
         usage["critic"] = usage["weights"] + usage["gradients"] + usage["optimizer"]
     return usage

@@ -51,11 +51,12 @@ import contextlib
 
 import torch
 
-from miles.config.schema import DType, PrecisionCfg, RolloutCfg
+from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, from_pretrained, invariant
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
+from miles.rollout.lora import engine_adapters, load_synced
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
@@ -85,13 +86,15 @@ class NativeEngine:
         record_routing: bool = False,
         true_on_policy: DType | None = None,
         draft_dir: str | None = None,
+        lora: LoRACfg | None = None,
     ):
         """max_slots: sequences the planner's KV budget holds (caps rollout.max_running).
         record_routing: return each sample's routed experts (R3, algo.routing_replay=r3; MoE only).
         true_on_policy: the trainer's compute dtype (true on-policy mode): compute as the trainer
         does, batch-invariant kernels under that autocast over weights in `dtype` (the trainer's
         fp32 masters), no fused or graph-captured kernels.
-        draft_dir: rollout.speculative.kind=draft_model, the draft's HF checkpoint (same tokenizer)."""
+        draft_dir: rollout.speculative.kind=draft_model, the draft's HF checkpoint (same tokenizer).
+        lora: trainer.lora; with rank > 0 weight syncs carry the trainer's adapters (miles/rollout/lora.py)."""
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
@@ -115,6 +118,7 @@ class NativeEngine:
             self.recipe.load_engine(self.model, payload, self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
+        self.lora = engine_adapters(self.model, lora, self.dtype) if lora is not None and lora.rank > 0 else None
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)
         for text in cfg.stop_tokens:
@@ -391,6 +395,8 @@ class NativeEngine:
         if WEIGHTS in self.released:
             raise RuntimeError("update_weights: the engine's weights are released (colocation): call "
                                "resume_memory(('weights',)) first")
+        if self.lora is not None:
+            return load_synced(self.lora, weights, expected_checksum)
         if isinstance(weights, FlatWeights):
             self.flat.copy_from(weights)
             self.weights_memory.stale = False  # filled (dropped weights too); a wrong checksum still raises

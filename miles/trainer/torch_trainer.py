@@ -56,6 +56,7 @@ from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, Tr
 from miles.models import CausalLM, from_pretrained, invariant, save_pretrained
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import NONE, Recipe
+from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.draft import MTP_PREFIX, DraftTrainer
@@ -70,6 +71,8 @@ from miles.types import (TrainBatch, index_layers, keys_replay, moe_layers, rout
 class TorchTrainer:
     # The speculative draft's trainer, or None (subclasses that build themselves, MegatronTrainer, have none).
     draft: DraftTrainer | None = None
+    # trainer.lora.rank > 0: the adapters (miles/trainer/lora.py), the only parameters trained and synced.
+    lora = None
 
     def __init__(
         self,
@@ -134,6 +137,10 @@ class TorchTrainer:
         if teacher_dir is not None:
             teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
             self.teacher = teacher.eval().requires_grad_(False)
+        if cfg.lora.rank > 0:  # after the reference copy: the reference is the base model
+            if self.parallel.shards_policy:  # the adapters sit outside the sharded modules: no gradient all-reduce
+                raise ValueError(f"trainer.lora: {self.parallel.name} does not train adapters yet; use trainer=torch")
+            self.lora = lora_side.attach(self.model, cfg.lora, precision, seed)
         if cfg.recompute:
             if self.recipe.train_quant != NONE:
                 raise ValueError("trainer.recompute=true does not combine with a fake-quantizing precision "
@@ -185,7 +192,9 @@ class TorchTrainer:
 
     def _policy_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the policy's optimizer and gradient clipping see: all but the MTP modules'
-        ("mtp.*"), which only the draft's trainer updates (or none, without one)."""
+        ("mtp.*"), which only the draft's trainer updates (or none, without one); with LoRA the adapters only."""
+        if self.lora is not None:
+            return list(self.lora.parameters())
         return [p for name, p in self.model.named_parameters() if not name.startswith(MTP_PREFIX)]
 
     # ----------------------------------------------------------------------------- data parallelism
@@ -475,6 +484,9 @@ class TorchTrainer:
         self._require_onloaded("get_weights", (off.PARAMS,))
         if in_process and not self.parallel.in_process_weights:
             raise ValueError(f"{self.parallel.name} syncs weights through Ray only (in_process=False)")
+        if self.lora is not None:  # the base never changes: only the adapters travel
+            return lora_side.adapter_weights(self.lora, self.precision.rollout_dtype,
+                                             self.device if in_process else None)
         state = self._policy_state()  # a collective on ranks
         if not self.parallel.writes:
             return {}, ""
@@ -507,6 +519,9 @@ class TorchTrainer:
         offloaded too (it reads the host copies); ranks gather it (collective), rank 0 writes."""
         if self.parallel.shards_policy:
             self._require_onloaded("save", (off.PARAMS,))
+        if self.lora is not None:  # the merged model, and the adapter in PEFT's format in path/adapter
+            lora_side.export_merged(self.lora, self.model, path)
+            return
         self.parallel.save_policy(self.model, path)
 
     def save_state(self, path: str) -> None:
@@ -514,10 +529,14 @@ class TorchTrainer:
         policy `model/` and the optimizer's, the draft's and the RNG's state, as `self.parallel` keeps
         them (one process: `trainer.pt`; FSDP ranks: their shards, collectively)."""
         self.parallel.save_state(self, path)
+        if self.lora is not None and self.parallel.writes:  # the frozen base is model/, the adapters beside it
+            lora_side.save_adapter(self.lora, self.model, path, self.cfg.lora.dropout)
 
     def load_state(self, path: str) -> None:
         """What `save_state` wrote, into a trainer built with the same arguments (and ranks)."""
         self.parallel.load_state(self, path)
+        if self.lora is not None:
+            lora_side.load_adapter(self.lora, self.model, path)
 
     def _draft_model(self, what: str) -> CausalLM:
         if self.draft is None or not self.draft.owns_model:
@@ -577,7 +596,7 @@ class TorchTrainer:
         """The models whose parameters offload: policy (its MTP modules inside), reference, teacher,
         and a separate draft model."""
         draft = self.draft.model if self.draft is not None and self.draft.owns_model else None
-        return [m for m in (self.model, self.ref_model, self.teacher, draft) if m is not None]
+        return [m for m in (self.model, self.ref_model, self.teacher, draft, self.lora) if m is not None]
 
     def _all_optimizers(self) -> list[torch.optim.Optimizer]:
         """The policy's optimizer, and the draft's."""

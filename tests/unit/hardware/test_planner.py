@@ -81,3 +81,23 @@ def test_unsupported_number_format_is_a_config_error(compose):
     problems = validate(compose(["precision=bf16", "hardware=h100", "hardware.precisions=[fp32]", "dry_run=true"]))
     assert problems == ["precision=bf16 uses bf16, which hardware=h100 does not support (it runs fp32); "
                         "pick another precision recipe or hardware profile"]
+
+
+def test_lora_counts_the_frozen_base_without_optimizer_state(compose):
+    """trainer.lora: the base in the training dtype with no gradient or AdamW state; the adapters
+    (rank 8 on every projection: 8 x (in + out) = 8 x 2432 per layer, 3 layers) in fp32 with both."""
+    cfg = compose(TINY + ["trainer.pack_sequences=false", "trainer.lora.rank=8"])
+    groups = param_groups(cfg.model.arch(100), cfg.precision)
+    usage = train_usage(cfg, groups, TrainLayout(tp=2, pp=1, ep=1), gpus=8)
+    adapters = 3 * 8 * 2432 / 2  # TP=2
+    assert usage["weights"] == (EMBED / 2 + (TOTAL - EMBED) / 2) * 2 + adapters * 4
+    assert usage["gradients"] == adapters * 4
+    assert usage["optimizer"] == adapters * 8
+
+
+def test_lora_fits_where_full_fine_tuning_does_not(compose):
+    pinned = ["model=qwen3_14b", "precision=bf16", "hardware=h100", "trainer.tp=1", "trainer.pp=1",
+              "trainer.offload_optimizer=false", "trainer.recompute=true"]
+    assert not make_plan(compose(pinned), suggest=False).fits
+    plan = make_plan(compose(pinned + ["trainer.lora.rank=16"]), suggest=False)
+    assert plan.fits, plan.problems

@@ -1,0 +1,80 @@
+"""LoRA adapters in PEFT's on-disk format: `adapter_config.json` + `adapter_model.safetensors`.
+
+    save_peft(lora, model.config, "out/adapter")            # loadable by peft.PeftModel.from_pretrained
+    load_peft(lora, model.config, "out/adapter")            # back into a LoRA of the same rank / targets
+
+The tensors are named as PEFT names them on the transformers model, `base_model.model.<HF module>.
+lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]), the HF module name coming from the
+family's own name mapping (miles/models/families). `target_modules` lists the adapted modules by
+their full HF names, which PEFT matches exactly, so the adapter lands on the same modules however
+the run selected them (names or regular expressions). Written without importing peft (not a
+dependency of a run); tests/unit/models/test_lora_peft.py loads it with peft itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles.models.families import get_family
+from miles.models.lora import LoRA
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_module_names(lora: LoRA, arch) -> dict[str, str]:
+    """native module name -> HF module name, for each adapted module."""
+    family = get_family(arch.family)
+    return {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in lora.names}
+
+
+def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | None = None) -> None:
+    """The adapters (in their own dtype) and PEFT's config for them, into the directory `path`."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_module_names(lora, arch)
+    tensors = {}
+    for name, t in lora.tensors().items():
+        module, _, leaf = name.partition(".lora_")
+        tensors[f"{PEFT_PREFIX}{hf[module]}.lora_{leaf}"] = t.detach().to("cpu").contiguous()
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(hf.values()),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_peft(lora: LoRA, arch, path) -> None:
+    """What `save_peft` wrote (or PEFT saved for the same modules) into `lora`, in place; a different
+    rank, alpha or set of modules raises ValueError."""
+    src = Path(path)
+    config = json.loads((src / CONFIG_FILE).read_text())
+    if config.get("r") != lora.rank or float(config.get("lora_alpha")) != float(lora.alpha):
+        raise ValueError(f"{src}: adapter rank {config.get('r')} / alpha {config.get('lora_alpha')}, this run's "
+                         f"trainer.lora.rank={lora.rank} / alpha={lora.alpha}: they must agree")
+    native = {hf: name for name, hf in hf_module_names(lora, arch).items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in load_file(str(src / WEIGHTS_FILE)).items():
+        module, _, leaf = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+        leaf = leaf.replace(".default.", ".")  # PEFT's in-memory names carry the adapter name
+        if module not in native:
+            raise ValueError(f"{src}: the adapter has {module}, which this run does not adapt "
+                             "(trainer.lora.target_modules differ)")
+        tensors[f"{native[module]}.lora_{leaf}"] = t
+    lora.load(tensors)
