@@ -4,7 +4,7 @@
     python benchmarks/grpo_step.py --recipes bf16 fp8,precision.forward_weights=rollout   # a recipe with overrides
 
 Each recipe runs `launch.py hardware=gpu ray.enabled=false model=<model> warm_start.enabled=false
-precision=<recipe> rollout.max_new_tokens=256 steps=<steps>` (64 prompts x 8 samples, random
+precision=<recipe> rollout.max_new_tokens=256 steps=<steps> checkpoint.enabled=false` (64 prompts x 8 samples, random
 weights: responses run to the 256-token budget) and reads the per-step `perf/*` metrics from the
 run's journal. Step 1 includes first-use costs (kernel selection, compiles) and is reported apart;
 the table gives the median of the later steps. `--modes sync async` runs each recipe also with
@@ -33,7 +33,8 @@ def run(spec: str, model: str, steps: int, work: Path, mode: str = "sync") -> di
     out = work / f"{len(list(work.glob('*_*')))}_{recipe}_{mode}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "hardware=gpu", "ray.enabled=false", f"model={model}",
            "warm_start.enabled=false", f"precision={recipe}", *overrides, "rollout.max_new_tokens=256", f"steps={steps}",
-           "eval.interval=1000", "task.eval_size=16", f"tracking.uri=sqlite:///{work}/mlflow.db",
+           "eval.interval=1000", "task.eval_size=16",
+           "checkpoint.enabled=false", f"tracking.uri=sqlite:///{work}/mlflow.db",
            f"hydra.run.dir={out}", *(["rollout.asynchronous=true"] if mode == "async" else [])]
     subprocess.run(cmd, check=True, cwd=work)
     metrics: dict[int, dict] = {}

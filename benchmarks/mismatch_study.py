@@ -5,8 +5,8 @@
         --extra hardware=gpu rollout.batch_size=8 rollout.max_new_tokens=256      # the step-time cost on a GPU
 
 Each (model, precision, mode) runs `launch.py` in-process (no Ray) for the same steps and seed. Modes:
-`none`; `r2` / `r3` (`algo.routing_replay`, MoE models); `true` (`true_on_policy=true`, unquantized
-recipes). Every run also computes token-level TIS (clip 2) and MIS ([0.5, 2]) statistics on the
+`none`; `r2` / `r3` (`algo.routing_replay`, MoE models); `true` (`true_on_policy=true`, recipes
+whose trainer and engine share one quantization). Every run also computes token-level TIS (clip 2) and MIS ([0.5, 2]) statistics on the
 mismatch it has (`algo.tis=token algo.mis=token`: what the corrections would reweight or drop).
 Columns are means over the steps of the run's journal: `mismatch/logprob_abs_diff` (its maximum too:
 exactly 0 is what true on-policy promises), `mismatch/routing_agreement` and, DSA models,
@@ -41,7 +41,7 @@ def is_moe(model: str) -> bool:
 def applies(model: str, precision: str, mode: str) -> bool:
     if mode in ("r2", "r3"):
         return is_moe(model)
-    return mode != "true" or precision in ("fp32", "bf16")
+    return mode != "true" or not precision.startswith("bf16_train_")  # true on-policy: one quantization on both sides
 
 
 def run(model: str, precision: str, mode: str, steps: int, extra: list[str], tmp: Path) -> dict:

@@ -336,8 +336,9 @@ class RolloutCfg:
     # Generate the next steps' batches while the trainer trains (miles/orchestrate/rollout_ahead.py);
     # not `async`: a Python keyword cannot name a dataclass field.
     asynchronous: bool = False
-    # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py)
-    offload: bool = False
+    # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py);
+    # None: when the memory plan needs it (miles/hardware/planner.py `resolve_offload`)
+    offload: Optional[bool] = None
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
     # The chosen external engine's options: present only with rollout=vllm / rollout=sglang (their group
     # files add them), None otherwise, so a run carries the options of its own engine only.
@@ -376,7 +377,7 @@ class TrainerCfg:
     cp: int = 1
     recompute: bool = False
     offload_optimizer: Optional[bool] = None
-    offload: bool = False  # GPU, colocated: parameters, gradients, optimizer state in host memory during rollout
+    offload: Optional[bool] = None  # GPU, colocated: parameters, gradients, optimizer state in host memory during rollout; None: when the plan needs it
     pack_sequences: bool = True  # several samples per row, no padding computed (families that support it)
     max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
     share_prompts: bool = True  # packed rows on the masked kernel: a prompt's tokens computed once for its n samples
@@ -415,6 +416,7 @@ class TrackingCfg:
 class CheckpointCfg:
     """Resume checkpoints (miles.orchestrate.resume); the final HF checkpoint is written regardless."""
 
+    enabled: bool = True  # False: no resume checkpoints (benchmarks of models whose state fills the disk)
     dir: Optional[str] = None  # None: <run dir>/checkpoints
     interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGINT / SIGTERM
     keep_last: int = 2

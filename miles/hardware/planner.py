@@ -11,8 +11,9 @@ are kept with recomputation) plus fp32 logits. A micro-batch has the tokens the 
 one (miles/trainer/packing.py), every sample at max_prompt_len + max_new_tokens: packed, up to
 trainer.max_tokens_per_micro_batch; padded, micro_batch_size rows. Rollout: each engine of
 `num_gpus_per_engine` GPUs holds all weights in the recipe's rollout format, a fixed workspace, and
-a KV cache for as many sequences as fit. Colocated, the two phases take turns on the same GPUs (the
-idle side is offloaded to host memory), so a GPU must hold the larger of the two; disaggregated,
+a KV cache for as many sequences as fit. Colocated, the two phases take turns on the same GPUs as far as
+`rollout.offload` / `trainer.offload` release the idle side's memory: the KV cache gets what the
+trainer's resident state leaves, and the training peak plus what the engine keeps must fit; disaggregated,
 each side has its own GPUs. On the CPU profile both live in the same RAM at once.
 """
 
@@ -25,7 +26,9 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles.config.schema import AlgoName, DType, HardwareCfg, PrecisionCfg, Quant, RunCfg
+from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, PrecisionCfg, Quant, RunCfg, SpeculativeKind,
+                                 TrainerBackend)
+from miles.config.validate import offload_problems
 from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
                                       rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
 
@@ -72,6 +75,7 @@ class Plan:
     micro_batch: MicroBatchShape  # the training micro-batch the activations are sized for
     host_needed: float = 0.0  # bytes per node of host memory the plan needs
     host_capacity: float = 0.0
+    offload: tuple[bool, bool] = (False, False)  # (rollout.offload, trainer.offload) as the plan decided them
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
 
@@ -224,10 +228,11 @@ def _layout_candidates(cfg: RunCfg, gpus: int) -> list[TrainLayout]:
 
 def host_bytes_per_node(cfg: RunCfg, usage: dict[str, float], layout: TrainLayout, gpus: int,
                         colocated: bool) -> float:
-    """Host memory a node needs: colocated, the trainer's persistent state (weights, optimizer,
-    reference, critic; gradients are rebuilt every step) waits there during rollout; an offloaded
-    optimizer lives there always."""
-    per_gpu = sum(usage.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic")) if colocated else 0.0
+    """Host memory a node needs: colocated with `trainer.offload`, the trainer's persistent state
+    (weights, optimizer, reference, critic; gradients are rebuilt every step) waits there during
+    rollout; an offloaded optimizer lives there always."""
+    per_gpu = _trainer_idle_bytes(replace(cfg, trainer=replace(cfg.trainer, offload=False)), usage) \
+        if colocated and cfg.trainer.offload else 0.0
     if layout.offload:
         per_gpu += _optimizer_bytes(cfg, layout, gpus)
     return per_gpu * max(1, cfg.hardware.gpus_per_node)
@@ -262,7 +267,42 @@ def _engine_candidates(cfg: RunCfg, rollout_gpus: int) -> list[int]:
     return [g for g in (1, 2, 4, 8, 16, 32, 64, 128) if g <= rollout_gpus and rollout_gpus % g == 0]
 
 
+def resolve_offload(cfg: RunCfg) -> RunCfg:
+    """`cfg` with `rollout.offload` / `trainer.offload` decided where null: off on the CPU and when the
+    sides do not take turns (disaggregated, asynchronous); on colocated GPUs the first of (neither,
+    the engine, the trainer, both) whose plan fits, among what the backends can release."""
+    r, t = cfg.rollout.offload, cfg.trainer.offload
+    if r is not None and t is not None:
+        return cfg
+
+    def choice(engine: bool, trainer: bool) -> RunCfg:
+        return replace(cfg, rollout=replace(cfg.rollout, offload=engine), trainer=replace(cfg.trainer, offload=trainer))
+
+    if cfg.hardware.device == "cpu" or not cfg.rollout.colocate or cfg.rollout.asynchronous:
+        return choice(bool(r), bool(t))
+    candidates = [choice(e, tr) for tr in ([t] if t is not None else [False, True])
+                  for e in ([r] if r is not None else [False, True])]
+    allowed = [c for c in candidates if _can_offload(c)] or candidates[:1]
+    return next((c for c in allowed if _plan(c, suggest=False).fits), allowed[-1])
+
+
+def _can_offload(cfg: RunCfg) -> bool:
+    """Whether the backends release what `cfg` asks them to (the validation refuses the rest)."""
+    r, t = cfg.rollout, cfg.trainer
+    if t.offload and t.backend != TrainerBackend.torch:
+        return False
+    if r.offload and (r.engine == EngineName.sglang or (r.engine == EngineName.vllm and not r.vllm.enable_sleep_mode)
+                      or (r.speculative.kind == SpeculativeKind.draft_model and r.speculative.train_online)):
+        return False
+    return not offload_problems(cfg)
+
+
 def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
+    """The plan of `cfg` with null offload keys decided (`resolve_offload`); `Plan.offload` says how."""
+    return _plan(resolve_offload(cfg), suggest)
+
+
+def _plan(cfg: RunCfg, suggest: bool = True) -> Plan:
     hw, r = cfg.hardware, cfg.rollout
     groups = param_groups(model_arch(cfg), cfg.precision)
     on_cpu = hw.device == "cpu"
@@ -299,13 +339,18 @@ def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
     else:
         host_capacity = hw.host_memory_gb * GB * (1 - hw.memory_margin)
         layout, train, _ = _choose_layout(cfg, groups, train_gpus, capacity, host_capacity, colocated)
+        if colocated:  # the trainer's state stays on the GPU during rollout unless trainer.offload
+            rollout, kv_seqs, _ = rollout_usage(cfg, groups, g, capacity - _trainer_idle_bytes(cfg, train))
     plan = Plan(False, gpus, capacity, train_gpus, rollout_gpus, layout, train, g, rollout, kv_seqs,
-                per_engine, colocated, micro_batch_shape(cfg, model_arch(cfg)), problems=problems)
+                per_engine, colocated, micro_batch_shape(cfg, model_arch(cfg)), problems=problems,
+                offload=(bool(r.offload), bool(cfg.trainer.offload)))
     if on_cpu and plan.train_total + plan.rollout_total > capacity or not on_cpu and plan.train_total > capacity:
         need = plan.train_total + (plan.rollout_total if on_cpu else 0)
         where = "this machine's RAM" if on_cpu else f"one of {train_gpus} GPUs at the best layout ({layout.describe(train_gpus)})"
         problems.append(f"training state does not fit: {need / GB:,.1f} GB needed on {where}, "
                         f"{capacity / GB:,.1f} GB usable")
+    if colocated and not on_cpu and train:
+        problems += _colocation_problems(cfg, plan)
     if kv_seqs < 1:
         unit = ("device" if on_cpu else "GPU") + ("s" if g > 1 else "")
         problems.append(f"one rollout engine's weights do not fit {g} {unit}: "
@@ -321,6 +366,34 @@ def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
     if not plan.fits and suggest:
         plan.suggestions = _suggestions(cfg, plan)
     return plan
+
+
+def _trainer_idle_bytes(cfg: RunCfg, train: dict[str, float]) -> float:
+    """Per GPU, what the trainer keeps on a colocated GPU while the engine generates: its persistent
+    state (gradients are freed after each step), or nothing when `trainer.offload` moves it to host."""
+    return 0.0 if cfg.trainer.offload else sum(train.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic"))
+
+
+def _engine_idle_bytes(cfg: RunCfg, plan: Plan) -> float:
+    """Per GPU, what the engine keeps while the trainer trains: its weights, workspace and the KV cache
+    of the slots it decodes (miles/rollout/native.py sizes them so), or nothing with `rollout.offload`."""
+    r = cfg.rollout
+    if r.offload:
+        return 0.0
+    slots = min(plan.kv_sequences, max(r.max_running, r.n_samples_per_prompt))
+    per_seq = rollout_usage(cfg, param_groups(model_arch(cfg), cfg.precision), plan.gpus_per_engine, 0.0)[2]
+    return plan.rollout_total + slots * per_seq
+
+
+def _colocation_problems(cfg: RunCfg, plan: Plan) -> list[str]:
+    """Colocated, the sides take turns only as far as rollout.offload / trainer.offload release memory:
+    the training peak plus what the engine keeps must fit, as the rollout's needs beside the trainer's
+    state (the KV budget above) do."""
+    engine_idle = _engine_idle_bytes(cfg, plan)
+    if not engine_idle or plan.train_total + engine_idle <= plan.capacity:
+        return []
+    return [f"colocated, the engine keeps {engine_idle / GB:,.1f} GB (weights, KV cache) on the GPU while the "
+            f"trainer needs {plan.train_total / GB:,.1f} GB: {plan.capacity / GB:,.1f} GB usable"]
 
 
 def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
@@ -340,7 +413,15 @@ def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
                 groups = param_groups(model_arch(lighter), lighter.precision)
                 if rollout_usage(lighter, groups, plan.gpus_per_engine, plan.capacity)[1] >= 1:
                     out.append(f"precision={recipe} (its rollout weights fit the same engine)")
-    if any(p.startswith(("training state", "host memory")) for p in plan.problems):
+    if any(p.startswith("colocated") for p in plan.problems):
+        for engine, trainer in ((True, False), (False, True), (True, True)):
+            turns = replace(cfg, rollout=replace(cfg.rollout, offload=engine or cfg.rollout.offload),
+                            trainer=replace(cfg.trainer, offload=trainer or cfg.trainer.offload))
+            if turns != cfg and _can_offload(turns) and _plan(turns, suggest=False).fits:
+                keys = [k for k, on in (("rollout.offload", engine), ("trainer.offload", trainer)) if on]
+                out.append(" ".join(f"{k}=true" for k in keys) + " (the sides take turns on the GPU)")
+                break
+    if any(p.startswith(("training state", "host memory", "colocated")) for p in plan.problems):
         if hw.device == "cpu":
             out.append("a *_tiny model config (docs/models.md) or a GPU hardware profile")
         else:

@@ -43,7 +43,7 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     if 0 < plan.kv_sequences < plan.sequences_per_engine:
         kv_note += " (generated in waves)"
     table.add_row("rollout", "KV cache", "rest", kv_note)
-    mode = ("colocated: the sides take turns, the idle one offloaded" if plan.colocated and hw.device != "cpu"
+    mode = (_colocation(plan) if plan.colocated and hw.device != "cpu"
             else "same RAM, both resident" if hw.device == "cpu" else
             f"disaggregated: {plan.train_gpus} train + {plan.rollout_gpus} rollout GPUs")
     table.caption = mode
@@ -54,3 +54,11 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     for suggestion in plan.suggestions:
         table.add_row("[yellow]change[/yellow]", "", "", suggestion)
     return table
+
+
+def _colocation(plan) -> str:
+    """What each side gives back during the other's turn on a colocated GPU (as the plan decided it)."""
+    released = [side for side, off in zip(("engine", "trainer"), plan.offload) if off]
+    if not released:
+        return "colocated: both sides resident (rollout.offload / trainer.offload off)"
+    return f"colocated: the {' and the '.join(released)} offloaded during the other's turn"

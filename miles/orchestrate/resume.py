@@ -71,7 +71,7 @@ class CheckpointStore:
         checkpoint it would resume from belongs to this config; raise ConfigError (exit 2) if not."""
         d = cfg.debug
         # Without both components there is no complete state to save (debug modes).
-        enabled = not (d.rollout_only or d.train_only)
+        enabled = cfg.checkpoint.enabled and not (d.rollout_only or d.train_only)
         store = cls(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
                     cfg.checkpoint.keep_last, enabled)
         dirs = [(run_dir, "hydra.run.dir")]

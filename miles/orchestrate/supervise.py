@@ -22,6 +22,7 @@ instead of repeating an identical restart until the budget is spent.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -31,11 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from miles.config.schema import RunCfg
 from miles.orchestrate.checkpoints import copy_tokenizer
 from miles.orchestrate.handles import RayHandle
 from miles.orchestrate.loop import LoopContext
 from miles.orchestrate.sync import sync_weights
+from miles.transport.device import free_device_memory
 from miles.orchestrate.resume import (CheckpointStore, flat_config, load_component_state, load_driver_rng,
                                       read_meta, save_component_state)
 
@@ -384,5 +388,11 @@ def supervise(cfg: RunCfg, store: CheckpointStore, build: Callable[[], LoopConte
                              else "starting over (no checkpoint yet)", at)
                 if cfg.ray.enabled:
                     _teardown(ctx)
+            # In one process the failed components still hold their device memory (an OOM retried
+            # beside them ran out again at once): drop them before the retry builds new ones.
+            ctx = keeper = None
+            if not cfg.ray.enabled and torch.cuda.is_initialized():
+                gc.collect()
+                free_device_memory(torch.device("cuda"))
     finally:
         flag.restore()

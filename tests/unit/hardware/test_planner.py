@@ -4,7 +4,7 @@ import pytest
 
 from miles.config.validate import validate
 from miles.hardware.footprint import kv_bytes_per_token, param_groups
-from miles.hardware.planner import TrainLayout, make_plan, rollout_usage, train_usage
+from miles.hardware.planner import TrainLayout, make_plan, model_arch, resolve_offload, rollout_usage, train_usage
 
 # qwen3_tiny with a 100-token vocabulary: embed 100 x 128 (tied) = 12,800; per layer q 128x128,
 # k and v 128x64 each, o 128x128, q/k norms 32 each, MLP 3 x 128x384, two layer norms 128 each
@@ -101,3 +101,45 @@ def test_lora_fits_where_full_fine_tuning_does_not(compose):
     assert not make_plan(compose(pinned), suggest=False).fits
     plan = make_plan(compose(pinned + ["trainer.lora.rank=16"]), suggest=False)
     assert plan.fits, plan.problems
+
+
+# Qwen3-4B, bf16, 64 x 8 samples of 320 tokens on one H200: the trainer's state (weights, master,
+# moments: ~56 GB) plus the engine's weights and 512-slot KV cache do not fit beside the training
+# peak (~108 GB) unless one side gives its memory back (measured: step 2 ran out of memory).
+H200_4B = ["model=qwen3_4b", "precision=bf16", "hardware=gpu", "hardware.memory_gb=139",
+           "rollout.max_new_tokens=256", "ray.enabled=false"]
+
+
+def test_colocated_sides_that_stay_resident_must_fit_together(compose):
+    cfg = compose(H200_4B + ["rollout.offload=false", "trainer.offload=false"])
+    plan = make_plan(cfg)
+    assert not plan.fits and plan.offload == (False, False)
+    assert any(p.startswith("colocated, the engine keeps") for p in plan.problems), plan.problems
+    assert plan.suggestions[0] == "rollout.offload=true (the sides take turns on the GPU)"
+
+
+def test_null_offload_is_decided_by_the_plan(compose):
+    cfg = compose(H200_4B)
+    assert cfg.rollout.offload is None and cfg.trainer.offload is None
+    plan = make_plan(cfg)
+    assert plan.fits and plan.offload == (True, False)  # the fewest moves: the engine releases, the trainer stays
+    resolved = resolve_offload(cfg)
+    assert (resolved.rollout.offload, resolved.trainer.offload) == (True, False)
+    # The KV budget is what the trainer's resident state leaves.
+    alone = make_plan(compose(H200_4B + ["rollout.offload=true", "trainer.offload=true"]))
+    trainer_state = sum(plan.train[k] for k in ("weights", "optimizer"))
+    per_seq = rollout_usage(cfg, param_groups(model_arch(cfg), cfg.precision), 1, 0.0)[2]
+    assert alone.kv_sequences - plan.kv_sequences == pytest.approx(trainer_state / per_seq, abs=1)
+
+
+def test_small_runs_and_the_cpu_keep_both_sides_resident(compose):
+    small = make_plan(compose([*H200_4B, "model=qwen3_0_6b"]))
+    assert small.fits and small.offload == (False, False)
+    assert resolve_offload(compose([])).rollout.offload is False  # CPU: nothing to release
+
+
+def test_backends_that_cannot_release_are_not_chosen(compose):
+    cfg = compose(H200_4B + ["rollout.offload=false"])
+    assert make_plan(cfg).offload == (False, True)  # the engine pinned resident: the trainer moves
+    fsdp = compose(H200_4B + ["trainer=fsdp", "ray.enabled=true", "rollout.offload=false"])
+    assert make_plan(fsdp).offload[1] is False  # FSDP ranks do not offload
