@@ -124,8 +124,10 @@ def micro_batch_shape(cfg: RunCfg, arch) -> MicroBatchShape:
     t, r = cfg.trainer, cfg.rollout
     seq = _seq_len(cfg)
     step = t.global_batch_size * seq  # no micro-batch holds more than its optimizer step
-    # The families CausalLM.supports_packing lets pack; the others train padded whatever the config says.
-    if not (t.pack_sequences and arch.linear_attn is None and arch.dsa is None and arch.llama4 is None):
+    # The families CausalLM.supports_packing lets pack; the others train padded whatever the config
+    # says, as does true on-policy mode (its batch-invariant kernels run on padded rows).
+    if cfg.true_on_policy or not (t.pack_sequences and arch.linear_attn is None and arch.dsa is None
+                                  and arch.llama4 is None):
         tokens = t.micro_batch_size * seq
         how = f"micro-batch {t.micro_batch_size} x {seq:,} tokens, padded"
         return MicroBatchShape(tokens, max(1, step // tokens), how)

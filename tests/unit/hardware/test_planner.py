@@ -143,3 +143,10 @@ def test_backends_that_cannot_release_are_not_chosen(compose):
     assert make_plan(cfg).offload == (False, True)  # the engine pinned resident: the trainer moves
     fsdp = compose(H200_4B + ["trainer=fsdp", "ray.enabled=true", "rollout.offload=false"])
     assert make_plan(fsdp).offload[1] is False  # FSDP ranks do not offload
+
+
+def test_true_on_policy_trains_padded_micro_batches(compose):
+    # The trainer runs its batch-invariant kernels on padded rows whatever trainer.pack_sequences says
+    # (an fp8 true-on-policy 0.6B run planned as packed ran out of memory on an H200).
+    shape = make_plan(compose(H200_4B + ["model=qwen3_0_6b", "true_on_policy=true"])).micro_batch
+    assert shape.tokens == 128 * (64 + 256) and shape.how.endswith("padded")
