@@ -28,7 +28,6 @@ from pathlib import Path
 
 from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, PrecisionCfg, Quant, RunCfg, SpeculativeKind,
                                  TrainerBackend)
-from miles.config.validate import offload_problems
 from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
                                       rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
 
@@ -289,14 +288,13 @@ def resolve_offload(cfg: RunCfg) -> RunCfg:
 
 
 def _can_offload(cfg: RunCfg) -> bool:
-    """Whether the backends release what `cfg` asks them to (the validation refuses the rest)."""
+    """Whether the backends release what `cfg` asks them to on a colocated, synchronous GPU run
+    (as miles/config/validate.py's offload rules accept)."""
     r, t = cfg.rollout, cfg.trainer
     if t.offload and t.backend != TrainerBackend.torch:
         return False
-    if r.offload and (r.engine == EngineName.sglang or (r.engine == EngineName.vllm and not r.vllm.enable_sleep_mode)
-                      or (r.speculative.kind == SpeculativeKind.draft_model and r.speculative.train_online)):
-        return False
-    return not offload_problems(cfg)
+    return not (r.offload and ((r.engine == EngineName.vllm and not r.vllm.enable_sleep_mode)
+                               or (r.speculative.kind == SpeculativeKind.draft_model and r.speculative.train_online)))
 
 
 def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
