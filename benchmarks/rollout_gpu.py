@@ -26,7 +26,7 @@ import time
 import torch
 
 from miles.config.schema import DType, ModelCfg, RolloutCfg
-from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo
+from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
 from miles.hardware.footprint import kv_bytes_per_token
 from miles.models.params import param_count
 from miles.orchestrate.checkpoints import random_checkpoint
@@ -36,6 +36,18 @@ QWEN3_0_6B = ModelCfg(name="qwen3_0_6b", vocab_size=151936, hidden_size=1024, in
                       num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
                       max_position_embeddings=40960)
 SAMPLES = 8
+
+
+def left_padded(info: TokenizerInfo, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's sample order as rows: row i*n+j is prompt i, <bos> + chars, padded on the left."""
+    ids = [encode_prompt(info, p) for p in prompts for _ in range(n)]
+    width = max(map(len, ids))
+    tokens = torch.full((len(ids), width), info.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(ids):
+        tokens[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return tokens, mask
 
 
 def copy_bandwidth(gb: float = 4.0) -> float:
@@ -76,7 +88,6 @@ class HFSide:
 
     @torch.no_grad()
     def generate(self, texts: list[str], new_tokens: int, static: bool):
-        from rollout_speed import left_padded  # the CPU benchmark's layout: prompt i's n rows, left-padded
 
         tokens, mask = left_padded(self.info, texts, SAMPLES)
         width = tokens.shape[1]

@@ -35,9 +35,10 @@ import transformers
 
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.arithmetic import ArithmeticTask
-from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
+from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
+from rollout_gpu import left_padded, markdown as gpu_markdown, run_gpu
 
 TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
                 head_dim=32, rope_theta=10000.0, max_position_embeddings=64)  # conf/model/qwen3_tiny.yaml
@@ -61,18 +62,6 @@ CASES = [  # the first is the default experiment's rollout (conf/rollout/native.
     Case("512x8L, 64 rows x 32 tokens", BIGGER, 16, 4, 32),
     Case("512x8L, 256 rows x 8 tokens", BIGGER, 32, 8, 8),
 ]
-
-
-def left_padded(info: TokenizerInfo, prompts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's sample order as rows: row i*n+j is prompt i, <bos> + chars, padded on the left."""
-    ids = [encode_prompt(info, p) for p in prompts for _ in range(n)]
-    width = max(map(len, ids))
-    tokens = torch.full((len(ids), width), info.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, row in enumerate(ids):
-        tokens[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
-    return tokens, mask
 
 
 class HFSide:
@@ -242,8 +231,6 @@ def main() -> None:
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
     if args.device == "cuda":
-        from rollout_gpu import markdown as gpu_markdown, run_gpu
-
         print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
         print(gpu_markdown(run_gpu(args.rows, args.prompt_len, args.new_tokens, args.repeats,
                                    DType(args.dtype), args.skip_hf)))
