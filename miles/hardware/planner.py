@@ -232,8 +232,7 @@ def host_bytes_per_node(cfg: RunCfg, usage: dict[str, float], layout: TrainLayou
     """Host memory a node needs: colocated with `trainer.offload`, the trainer's persistent state
     (weights, optimizer, reference, critic; gradients are rebuilt every step) waits there during
     rollout; an offloaded optimizer lives there always."""
-    per_gpu = _trainer_idle_bytes(replace(cfg, trainer=replace(cfg.trainer, offload=False)), usage) \
-        if colocated and cfg.trainer.offload else 0.0
+    per_gpu = _trainer_state_bytes(usage) if colocated and cfg.trainer.offload else 0.0
     if layout.offload:
         per_gpu += _optimizer_bytes(cfg, layout, gpus)
     return per_gpu * max(1, cfg.hardware.gpus_per_node)
@@ -368,10 +367,15 @@ def _plan(cfg: RunCfg, suggest: bool = True) -> Plan:
     return plan
 
 
+def _trainer_state_bytes(train: dict[str, float]) -> float:
+    """Per GPU, the trainer's state that outlives a step (gradients are freed after each)."""
+    return sum(train.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic"))
+
+
 def _trainer_idle_bytes(cfg: RunCfg, train: dict[str, float]) -> float:
-    """Per GPU, what the trainer keeps on a colocated GPU while the engine generates: its persistent
-    state (gradients are freed after each step), or nothing when `trainer.offload` moves it to host."""
-    return 0.0 if cfg.trainer.offload else sum(train.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic"))
+    """Per GPU, what the trainer keeps on a colocated GPU while the engine generates: its state, or
+    nothing when `trainer.offload` moves it to host memory."""
+    return 0.0 if cfg.trainer.offload else _trainer_state_bytes(train)
 
 
 def _engine_idle_bytes(cfg: RunCfg, plan: Plan) -> float:
