@@ -10,6 +10,7 @@ from pathlib import Path
 
 from miles.config.errors import ConfigError
 from miles.config.schema import AlgoName, EngineName, RunCfg, SpeculativeKind, TaskKind, TrainerBackend, WeightSync
+from miles.config.debug_rules import debug_problems
 from miles.config.lora_rules import lora_problems
 
 __all__ = ["ConfigError", "check", "validate"]  # ConfigError lives in miles.config.errors; re-exported here
@@ -197,8 +198,6 @@ def validate(cfg: RunCfg) -> list[str]:
                               ("tracking.flush_timeout_s", cfg.tracking.flush_timeout_s, 0)):
         if value < least:
             problems.append(f"{key} must be >= {least} (got {value})")
-    from miles.orchestrate.debug import problems as debug_problems
-
     problems += debug_problems(cfg)
     return problems
 

@@ -21,52 +21,10 @@ from pathlib import Path
 
 import torch
 
-from miles.config.schema import AlgoName, RunCfg
+from miles.config.debug_rules import META, replay_config, step_file
+from miles.config.schema import RunCfg
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError
 from miles.types import FinishReason, Sample, routing_from_json, routing_to_json
-
-META = "rollouts.json"
-# A replayed batch must fit the model (token ids), the task (rewards) and the batch invariant.
-REPLAY_KEYS = ("model.", "task.", "rollout.batch_size", "rollout.n_samples_per_prompt", "seed")
-
-
-def _step_file(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}.json"
-
-
-def _replay_config(cfg: RunCfg) -> dict[str, str]:
-    from miles.orchestrate.resume import flat_config
-
-    return {k: v for k, v in flat_config(cfg).items() if k.startswith(REPLAY_KEYS) and k != "model.hf_checkpoint"}
-
-
-def problems(cfg: RunCfg) -> list[str]:
-    """Config problems of the debug modes (called by validate())."""
-    d, out = cfg.debug, []
-    if d.rollout_only and d.train_only:
-        out.append("debug.rollout_only and debug.train_only exclude each other")
-    if d.train_only and not d.load_rollouts:
-        out.append("debug.train_only needs debug.load_rollouts=<dir> (batches saved by debug.save_rollouts)")
-    if d.rollout_only and d.load_rollouts:
-        out.append("debug.rollout_only generates its rollouts; drop debug.load_rollouts")
-    if d.save_rollouts and d.load_rollouts:
-        out.append("debug.save_rollouts and debug.load_rollouts exclude each other")
-    if cfg.algo.name == AlgoName.sft and (d.rollout_only or d.train_only or d.save_rollouts or d.load_rollouts):
-        out.append("debug.rollout_only / train_only / save_rollouts / load_rollouts apply to RL, not algo=sft")
-    if d.load_rollouts:
-        root = Path(d.load_rollouts)
-        if not (root / META).is_file():
-            out.append(f"debug.load_rollouts={root} holds no saved rollouts ({META} missing)")
-        else:
-            saved = json.loads((root / META).read_text())
-            diff = [f"{k}: {saved.get(k)} -> {v}" for k, v in _replay_config(cfg).items() if saved.get(k) != v]
-            if diff:
-                out.append(f"debug.load_rollouts={root} was saved with another config (saved -> now): " + "; ".join(diff))
-            missing = [s for s in range(1, cfg.steps + 1) if not _step_file(root, s).is_file()]
-            if missing:
-                out.append(f"debug.load_rollouts={root} has no batch for steps {missing[0]}..{missing[-1]} "
-                           f"(steps={cfg.steps}); lower steps")
-    return out
 
 
 def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
@@ -74,13 +32,13 @@ def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, 
             "samples": [{**asdict(s), "finish_reason": s.finish_reason.value,
                          "routed_experts": routing_to_json(s.routed_experts),
                          "selected_keys": routing_to_json(s.selected_keys)} for s in samples]}
-    tmp = _step_file(root, step).with_suffix(f".tmp-{os.getpid()}")
+    tmp = step_file(root, step).with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data))
-    os.replace(tmp, _step_file(root, step))  # a replay never reads a half-written batch
+    os.replace(tmp, step_file(root, step))  # a replay never reads a half-written batch
 
 
 def load_batch(root: Path, step: int) -> tuple[list[Sample], dict[str, float]]:
-    data = json.loads(_step_file(root, step).read_text())
+    data = json.loads(step_file(root, step).read_text())
     samples = [Sample(**{**s, "finish_reason": FinishReason(s["finish_reason"]),
                          "routed_experts": routing_from_json(s.get("routed_experts")),
                          "selected_keys": routing_from_json(s.get("selected_keys"))}) for s in data["samples"]]
@@ -98,7 +56,7 @@ def rollout_hook(cfg: RunCfg):
     if d.save_rollouts:
         root = Path(d.save_rollouts)
         root.mkdir(parents=True, exist_ok=True)
-        (root / META).write_text(json.dumps(_replay_config(cfg), indent=1))
+        (root / META).write_text(json.dumps(replay_config(cfg), indent=1))
 
         def collect_and_save(ctx, cfg, step):
             samples, metrics = collect_rollout(ctx, cfg)

@@ -20,12 +20,12 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from miles.config.flat import flat_config
 from miles.config.schema import RunCfg
 from miles.config.errors import ConfigError
 
@@ -35,12 +35,6 @@ IDENTITY_PREFIXES = ("model.", "algo.", "task.", "warm_start.", "seed")
 NOT_IDENTITY = ("warm_start.cache_dir", "task.eval_size")  # where the cache lives; the eval set's size
 VOLATILE = ("output_dir", "checkpoint.dir")  # differ on every run; not worth a note
 STEP_PREFIX = "step_"
-
-
-def flat_config(cfg: RunCfg) -> dict[str, str]:
-    from miles.tracking.mlflow_logger import flatten
-
-    return flatten(asdict(cfg))
 
 
 def identity_diff(saved: dict[str, str], now: dict[str, str]) -> list[str]:

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from miles.config.flat import flatten
 from miles.config.schema import TrackingCfg
-from miles.tracking.mlflow_logger import MlflowLogger, flatten, resolve_uri
+from miles.tracking.mlflow_logger import MlflowLogger, resolve_uri
 
 JOURNAL, STATE = "journal.jsonl", "state.json"
 # Fail fast inside MLflow's client (its default retries for minutes per call); the thread retries.

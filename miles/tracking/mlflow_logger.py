@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import time
-from enum import Enum
 from pathlib import Path
 
+from miles.config.flat import flatten
 from miles.config.schema import TrackingCfg
 from miles.tracking.run_record import REPRODUCE_OF_ENV
 
 PARENT_RUN_ENV = "MILES_MLFLOW_PARENT_RUN_ID"
 SWEEP_DIR_ENV = "MILES_SWEEP_DIR"
-_MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
 
 SQLITE = "sqlite:///"
@@ -56,17 +55,6 @@ def get_or_create_experiment(client, name: str, uri: str | None) -> str:
     db = sqlite_file(resolve_uri(uri))
     location = (db.parent / "artifacts").as_uri() if db is not None else None
     return client.create_experiment(name, artifact_location=location)
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    flat = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            flat.update(flatten(v, key + "."))
-        else:
-            flat[key] = str(v.value if isinstance(v, Enum) else v)[:_MAX_PARAM_LEN]
-    return flat
 
 
 class MlflowLogger:
