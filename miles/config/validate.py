@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles.config.errors import ConfigError
-from miles.config.schema import AlgoName, EngineName, RunCfg, SpeculativeKind, TaskKind, TrainerBackend, WeightSync
+from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg, RunCfg, SpeculativeKind, TaskKind,
+                                 TrainerBackend, WeightSync)
 from miles.config.debug_rules import debug_problems
 from miles.config.lora_rules import lora_problems
 
@@ -171,8 +172,6 @@ def validate(cfg: RunCfg) -> list[str]:
         )
         if not problems:
             problems += [f"model.{p}" if not p.startswith("model.") else p for p in m.problems()]
-    from miles.hardware.planner import precision_problems
-
     problems += precision_problems(cfg.precision, cfg.hardware)
     if cfg.hardware.device == "cpu" and cfg.hardware.gpus_per_node:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
@@ -560,3 +559,18 @@ def check(cfg: RunCfg) -> None:
     problems = validate(cfg)
     if problems:
         raise ConfigError(problems)
+
+
+def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
+    """A recipe needs every number format it uses to be supported by the hardware profile."""
+    needed = {precision.train_dtype.value, precision.rollout_dtype.value,
+              precision.train_quant.value, precision.rollout_quant.value} - {"none"}
+    missing = sorted(needed - set(hw.precisions))
+    problems = []
+    if missing:
+        problems.append(f"precision={precision.name} uses {', '.join(missing)}, which hardware={hw.name} does not "
+                        f"support (it runs {', '.join(hw.precisions)}); pick another precision recipe or hardware profile")
+    if hw.device == "cpu" and precision.fp8_gemm not in ("auto", "emulated"):
+        problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} is a CUDA kernel; the CPU runs the emulated "
+                        "GEMM: set precision.fp8_gemm=auto")
+    return problems

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, PrecisionCfg, Quant, RunCfg, SpeculativeKind,
+from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, Quant, RunCfg, SpeculativeKind,
                                  TrainerBackend)
 from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
                                       rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
@@ -436,18 +436,3 @@ def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
                         out.append(f"hardware.num_nodes={nodes} (the smallest power of two that fits)")
                         break
     return out
-
-
-def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
-    """A recipe needs every number format it uses to be supported by the hardware profile."""
-    needed = {precision.train_dtype.value, precision.rollout_dtype.value,
-              precision.train_quant.value, precision.rollout_quant.value} - {"none"}
-    missing = sorted(needed - set(hw.precisions))
-    problems = []
-    if missing:
-        problems.append(f"precision={precision.name} uses {', '.join(missing)}, which hardware={hw.name} does not "
-                        f"support (it runs {', '.join(hw.precisions)}); pick another precision recipe or hardware profile")
-    if hw.device == "cpu" and precision.fp8_gemm not in ("auto", "emulated"):
-        problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} is a CUDA kernel; the CPU runs the emulated "
-                        "GEMM: set precision.fp8_gemm=auto")
-    return problems
