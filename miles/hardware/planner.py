@@ -202,9 +202,11 @@ def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capaci
     """(bytes per rollout device by item, sequences the KV cache holds, KV bytes per sequence
     per device). The KV cache gets what weights and workspace leave of `capacity`."""
     arch, hw = model_arch(cfg), cfg.hardware
-    weights = rollout_weight_bytes(groups, cfg.precision) / gpus_per_engine
+    # True on-policy: the engine holds the trainer's fp32 masters and caches keys in fp32 (run.py).
+    precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
+    weights = rollout_weight_bytes(groups, precision) / gpus_per_engine
     workspace = ROLLOUT_WORKSPACE_GB["cpu" if hw.device == "cpu" else "cuda"] * GB
-    kv_dtype = DTYPE_BYTES[cfg.precision.rollout_dtype]
+    kv_dtype = DTYPE_BYTES[precision.rollout_dtype]
     per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
     free = capacity - weights - workspace
     kv_sequences = max(0, int(free // per_seq)) if per_seq else 0

@@ -150,3 +150,12 @@ def test_true_on_policy_trains_padded_micro_batches(compose):
     # (an fp8 true-on-policy 0.6B run planned as packed ran out of memory on an H200).
     shape = make_plan(compose(H200_4B + ["model=qwen3_0_6b", "true_on_policy=true"])).micro_batch
     assert shape.tokens == 128 * (64 + 256) and shape.how.endswith("padded")
+
+
+def test_true_on_policy_engine_holds_fp32_weights_and_keys(compose):
+    small = H200_4B + ["model=qwen3_0_6b", "rollout.offload=true", "trainer.offload=true"]
+    normal, exact = make_plan(compose(small)), make_plan(compose(small + ["true_on_policy=true"]))
+    assert exact.rollout["weights"] == 2 * normal.rollout["weights"]  # the trainer's fp32 masters, not bf16
+    room = normal.capacity - normal.rollout_total  # what the KV cache gets; fp32 keys take twice the bytes
+    assert exact.kv_sequences == pytest.approx(normal.kv_sequences / 2 * (normal.capacity - exact.rollout_total)
+                                               / room, abs=1)
