@@ -20,12 +20,10 @@ def lora_problems(cfg: RunCfg) -> list[str]:
         problems.append("trainer.lora.target_modules must name at least one projection (e.g. [q_proj, v_proj])")
     elif not cfg.model.problems():  # the model's module names, from a meta-device build (no memory)
         problems += _target_problems(cfg)
-    if t.backend != "torch":
-        why = ("Megatron-core's LoRA needs its Transformer Engine layers, which this backend does not build"
-               if t.backend == "megatron" else "the FSDP ranks would have to all-reduce the adapters' gradients, "
-               "which miles/trainer/fsdp.py does not do yet")
-        problems.append(f"trainer.lora.rank={lo.rank} runs on trainer=torch only: {why}; set trainer=torch or "
-                        "trainer.lora.rank=0")
+    if t.backend == "megatron":
+        problems.append(f"trainer.lora.rank={lo.rank} runs on trainer=torch or trainer=fsdp: Megatron-core's LoRA "
+                        "needs its Transformer Engine layers, which this backend does not build; set trainer=torch, "
+                        "trainer=fsdp or trainer.lora.rank=0")
     if r.engine != "native":
         problems.append(f"trainer.lora.rank={lo.rank} syncs adapters, which only rollout=native applies yet "
                         f"(rollout={r.engine.value} would need vLLM's LoRARequest / SGLang's load_lora_adapter "

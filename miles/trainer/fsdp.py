@@ -30,6 +30,10 @@ Parallelism (miles/trainer/parallel.py), what the ranks change:
   collectives over device shards).
 - Weights and state (`policy_state`, `save_policy`, `save_state`): gathered on rank 0's CPU; resume
   state is each rank's shards through torch.distributed.checkpoint.
+- LoRA (trainer.lora.rank > 0): the frozen base is sharded as above; the adapters live outside the
+  FSDP units (forward hooks, miles/models/lora.py), replicated on every rank, and `clip_grad_norm`
+  sums their gradients over the ranks. Their optimizer state is replicated too: rank 0 saves it
+  whole (LORA_OPTIMIZER) beside the base's shards.
 Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights), MoE routing
 replay (its agreement metrics are per-rank ratios), an online speculative draft, in-process weights.
 """
@@ -46,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from miles.config.schema import DType
@@ -55,6 +60,9 @@ from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
+
+# LoRA: the adapters' optimizer state (replicated, the same on every rank), written by rank 0.
+LORA_OPTIMIZER = "lora_optimizer.pt"
 
 
 def token_balanced_bounds(loss_mask: torch.Tensor, parts: int) -> list[int]:
@@ -143,9 +151,18 @@ class FSDPSharding:
         return out
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The norm over every rank's gradient shards (a DTensor made whole), then the clip."""
+        """The norm over every rank's gradient shards (a DTensor made whole), then the clip. LoRA's
+        adapters are plain tensors outside the FSDP units, replicated on every rank: FSDP never
+        reduces their gradients, so they are summed here first (each rank's loss is already its
+        share of the step's), after which every rank holds the whole gradient and steps alike."""
+        for p in params:
+            if not isinstance(p, DTensor):
+                if p.grad is None:  # all ranks meet in the all-reduce, with or without a gradient here
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
         params = [p for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
@@ -179,8 +196,13 @@ class FSDPSharding:
         teacher are frozen: rebuilt from their checkpoints, never saved."""
         trainer._require_onloaded("save_state")
         shards = Path(path) / "trainer"
-        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=shards)
+        if trainer.lora is not None:  # the frozen base has no optimizer state; the adapters' is replicated
+            dcp.save({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)
+            if self.writes:
+                torch.save(trainer.optimizer.state_dict(), shards / LORA_OPTIMIZER)
+        else:
+            model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=shards)
         torch.save(self._rng_state(), shards / f"rng_rank{self.rank}.pt")
         self.save_policy(trainer.model, str(Path(path) / "model"))
 
@@ -188,11 +210,15 @@ class FSDPSharding:
         """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
         trainer._require_onloaded("load_state")
         shards = Path(path) / "trainer"
-        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=shards)  # in place, into this rank's shards
-        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        if trainer.lora is not None:  # the adapters themselves: TorchTrainer.load_state (adapter/)
+            dcp.load({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)
+            trainer.optimizer.load_state_dict(torch.load(shards / LORA_OPTIMIZER, weights_only=True))
+        else:
+            model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=shards)  # in place, into this rank's shards
+            set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
         rng = torch.load(shards / f"rng_rank{self.rank}.pt", weights_only=True)
         torch.set_rng_state(rng["torch_rng"])
         if "cuda_rng" in rng:

@@ -47,6 +47,23 @@ def load_adapter(lora: LoRA, model, path) -> None:
     load_peft(lora, model.config, Path(path) / ADAPTER_DIR)
 
 
+def export_merged_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """export_merged from the model's whole state dict (FSDP: gathered on rank 0, where the sharded
+    model's own weights are DTensors that `lora.merged` cannot swap)."""
+    from miles.models import CausalLM
+
+    merged = dict(state)
+    for i, name in enumerate(lora.names):
+        w = merged[f"{name}.weight"]
+        merged[f"{name}.weight"] = (w.float() + lora.delta(i).detach().to(w.device)).to(w.dtype)
+    with torch.device("meta"):  # the structure only; the merged tensors become its weights
+        whole = CausalLM(config)
+    whole.load_state_dict(merged, assign=True)
+    save_pretrained(whole, path, dtype=dtype)
+    save_peft(lora, config, Path(path) / ADAPTER_DIR)
+
+
 def export_merged(lora: LoRA, model, path, dtype: torch.dtype = torch.float32) -> None:
     """The merged HF checkpoint (W + alpha / rank * B A, in `dtype`) at `path`, the adapter in
     `path/adapter` (PEFT format); the model's own weights are left as they were."""

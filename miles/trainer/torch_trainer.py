@@ -138,8 +138,6 @@ class TorchTrainer:
             teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
             self.teacher = teacher.eval().requires_grad_(False)
         if cfg.lora.rank > 0:  # after the reference copy: the reference is the base model
-            if self.parallel.shards_policy:  # the adapters sit outside the sharded modules: no gradient all-reduce
-                raise ValueError(f"trainer.lora: {self.parallel.name} does not train adapters yet; use trainer=torch")
             self.lora = lora_side.attach(self.model, cfg.lora, precision, seed)
         if cfg.recompute:
             if self.recipe.train_quant != NONE:
@@ -519,6 +517,11 @@ class TorchTrainer:
         offloaded too (it reads the host copies); ranks gather it (collective), rank 0 writes."""
         if self.parallel.shards_policy:
             self._require_onloaded("save", (off.PARAMS,))
+        if self.lora is not None and self.parallel.shards_policy:  # gathered on rank 0, merged there
+            state = self.parallel.policy_state(self.model)
+            if self.parallel.writes:
+                lora_side.export_merged_state(self.lora, state, self.model.config, path)
+            return
         if self.lora is not None:  # the merged model, and the adapter in PEFT's format in path/adapter
             lora_side.export_merged(self.lora, self.model, path)
             return

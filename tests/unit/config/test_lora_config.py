@@ -13,6 +13,7 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     cfg = compose()
     assert cfg.trainer.lora.rank == 0 and "q_proj" in cfg.trainer.lora.target_modules
     assert validate(compose(["trainer.lora.rank=16"])) == []
+    assert _lora(validate(compose(["trainer.lora.rank=8", "trainer=fsdp"]))) == []
     assert validate(compose(["trainer.lora.rank=8", "precision=bf16", "trainer.lora.target_modules=[q_proj,v_proj]"])) == []
 
 
@@ -23,7 +24,6 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "trainer.lora.target_modules=[]"], "target_modules must name"),
     (["trainer.lora.rank=8", "trainer.lora.target_modules=[qkv_proj]"], "matches no projection of model=qwen3_tiny"),
     (["trainer.lora.rank=8", "trainer=megatron"], "Transformer Engine"),
-    (["trainer.lora.rank=8", "trainer=fsdp"], "all-reduce the adapters"),
     (["trainer.lora.rank=8", "rollout=vllm"], "LoRARequest"),
     (["trainer.lora.rank=8", "rollout=sglang"], "load_lora_adapter"),
     (["trainer.lora.rank=8", "rollout.weight_sync=shared_memory"], "rollout.weight_sync=object_store"),
