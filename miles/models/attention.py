@@ -20,7 +20,7 @@ from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import RMSNorm
-from miles.models.rope import apply_rope, rope_cos_sin
+from miles.models.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_dim, self.rope_theta, self.rope_scaling = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling
+        self.mrope_section = cfg.mrope_section
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
@@ -58,9 +59,14 @@ class Attention(nn.Module):
         if not self.full_qk_norm and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        cos, sin = ctx.memo(("rope", self.rotary_dim, self.rope_theta, id(self.rope_scaling)),
-                            lambda: rope_cos_sin(ctx.position_ids, self.rotary_dim, self.rope_theta,
-                                                 self.rope_scaling))
+        if ctx.mrope_position_ids is not None:
+            cos, sin = ctx.memo(("mrope", self.rotary_dim, self.rope_theta),
+                                lambda: mrope_cos_sin(ctx.mrope_position_ids, self.rotary_dim, self.rope_theta,
+                                                      self.mrope_section))
+        else:
+            cos, sin = ctx.memo(("rope", self.rotary_dim, self.rope_theta, id(self.rope_scaling)),
+                                lambda: rope_cos_sin(ctx.position_ids, self.rotary_dim, self.rope_theta,
+                                                     self.rope_scaling))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = ctx.layer_cache(self.layer_idx)
         if cache is not None:

@@ -134,6 +134,8 @@ class CausalLM(nn.Module):
         segment_ids: Optional[torch.Tensor] = None,
         return_hidden: bool = False,
         branch_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        mrope_position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T] (with return_hidden, the final-norm hidden states
         [B, T, hidden] instead: the caller applies `output_weight` chunk by chunk).
@@ -150,10 +152,14 @@ class CausalLM(nn.Module):
             token attends only within its sequence; pass position_ids that restart per sequence.
         branch_ids: [B, T] with segment_ids, a sequence laid out as one prompt (0) then its responses
             (1, 2, ...), each response positioned after the prompt: the prompt is computed once.
+        inputs_embeds: [B, T, hidden] used instead of embedding input_ids (a vision-language model
+            has put its image features at the image tokens; miles.models.vlm).
+        mrope_position_ids: [3, B, T] mRoPE positions (families with mrope_section; miles.models.vlm).
         """
         ctx = self._context(input_ids, attention_mask, position_ids, cache, routing_record, routing_replay,
                             segment_ids, branch_ids)
-        h = self.embed_tokens(input_ids)
+        ctx.mrope_position_ids = mrope_position_ids
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             h = layer(h, ctx)
         if cache is not None:

@@ -116,6 +116,32 @@ class Llama4AttnConfig:
 
 
 @dataclass
+class VisionConfig:
+    """The vision tower of a vision-language family (miles.models.vision) and its image tokens."""
+    depth: int = 2  # ViT blocks
+    hidden_size: int = 32  # ViT width
+    intermediate_size: int = 64  # ViT SwiGLU width
+    num_heads: int = 2  # ViT attention heads
+    out_hidden_size: int = 64  # patch merger output = the decoder's hidden_size
+    in_channels: int = 3  # image channels
+    patch_size: int = 14  # square patch side in pixels
+    temporal_patch_size: int = 2  # frames per patch (an image is repeated to fill them)
+    spatial_merge_size: int = 2  # m x m neighbouring patches merge into one decoder token
+    window_size: int = 112  # window attention side in pixels (Qwen2.5-VL)
+    fullatt_block_indexes: List[int] = field(default_factory=list)  # blocks with full (not windowed) attention
+    rope_theta: float = 10000.0  # base of the ViT's 2-D rotary embedding
+    image_token_id: int = 151655  # placeholder token each merged image patch replaces
+    video_token_id: int = 151656  # placeholder token of video patches
+    vision_start_token_id: int = 151652  # token opening an image span
+    vision_end_token_id: int = 151653  # token closing an image span
+    tokens_per_second: int = 2  # video temporal positions per second (kept for config.json)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
 class ArchConfig:
     vocab_size: int = 0
     hidden_size: int = 64
@@ -149,6 +175,10 @@ class ArchConfig:
     pad_token_id: Optional[int] = None
     # Layer indices that keep a dense MLP although `moe` is set (Qwen3-MoE's mlp_only_layers).
     mlp_only_layers: List[int] = field(default_factory=list)
+    # Vision-language families: the vision tower, and mRoPE's split of the rotary frequencies into
+    # temporal / height / width sections (sums to rotary_dim / 2; empty: plain 1-D RoPE).
+    vision: Optional[VisionConfig] = None
+    mrope_section: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -169,6 +199,8 @@ class ArchConfig:
             out.append(f"qk_norm_type must be head or full, got {self.qk_norm_type!r}")
         if self.mla is None and self.rotary_dim % 2:
             out.append(f"the rotary width (head_dim x partial_rotary_factor = {self.rotary_dim}) must be even")
+        if self.mrope_section and 2 * sum(self.mrope_section) != self.rotary_dim:
+            out.append(f"mrope_section {self.mrope_section} must sum to rotary_dim / 2 = {self.rotary_dim // 2}")
         if self.mtp_layers < 0:
             out.append(f"mtp_layers must be >= 0, got {self.mtp_layers}")
         return out + FAMILIES[self.family].problems(self)

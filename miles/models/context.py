@@ -85,6 +85,9 @@ class ForwardContext:
     routing_replay: Optional[dict] = None
     segment_ids: Optional[torch.Tensor] = None  # [B, T] packed sequences (0 = padding); no cache
     branch_ids: Optional[torch.Tensor] = None  # [B, T] with segment_ids: shared prompt 0, responses 1..n
+    # [3, B, T] temporal / height / width positions of a vision-language family (mRoPE); RoPE
+    # rotates by these instead of position_ids, which still order the tokens for the mask.
+    mrope_position_ids: Optional[torch.Tensor] = None
     _memo: dict = field(default_factory=dict)
 
     @property

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from miles.models.causal_lm import CausalLM
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
+from miles.models.vlm import VisionLM
 
 PathLike = Union[str, Path]
 
@@ -35,6 +36,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+
+
+def model_class(cfg) -> type[CausalLM]:
+    """VisionLM for the vision-language families (a vision block), else the text-only CausalLM."""
+    return VisionLM if cfg.vision is not None else CausalLM
 
 
 def _read_tensors(path: Path, device: Union[str, torch.device]) -> dict[str, torch.Tensor]:
@@ -64,7 +70,8 @@ def _drop_tied_lm_head(hf_tensors: dict[str, torch.Tensor]) -> None:
 def from_pretrained(
     path: PathLike, dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
 ) -> CausalLM:
-    """Load an HF checkpoint directory of any supported family into a CausalLM with weights in `dtype`.
+    """Load an HF checkpoint directory of any supported family into a CausalLM (VisionLM for a
+    vision-language family) with weights in `dtype`.
 
     Raises ValueError naming missing or unexpected tensors, or an unsupported model_type.
     """
@@ -80,12 +87,12 @@ def from_pretrained(
     if cfg.tie_word_embeddings:
         _drop_tied_lm_head(tensors)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg)(cfg)
     expected = {family.to_hf_name(n): n for n in model.state_dict()}
     if cfg.mtp_layers and not any(n.startswith("mtp.") and k in tensors for k, n in expected.items()):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # config.json counts MTP layers it does not hold
         with torch.device("meta"):
-            model = CausalLM(cfg)
+            model = model_class(cfg)(cfg)
         expected = {family.to_hf_name(n): n for n in model.state_dict()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

@@ -97,6 +97,20 @@ def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
     return angles.cos() * factor, angles.sin() * factor
 
 
+def mrope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
+                  sections: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): position_ids [3, B, T] hold temporal, height and
+    width positions; frequency j of the dim/2 rotates by the axis whose section (consecutive
+    blocks of `sections`, cycling t, h, w) contains j. Text tokens have three equal positions, so
+    for them this is plain RoPE. Returns (cos, sin), each [B, T, dim], float32."""
+    freq, _ = _device_inv_freq(dim, theta, "None", position_ids.device, None)
+    angles = position_ids[..., None].float() * freq  # [3, B, T, dim/2]
+    picked = [part[i % 3] for i, part in enumerate(angles.split(list(sections), dim=-1))]
+    angles = torch.cat(picked, dim=-1)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 _INV_FREQ: dict = {}
 
 

@@ -150,3 +150,4 @@ from miles.models.families import glm_moe_dsa  # noqa: E402,F401
 from miles.models.families import qwen3_next  # noqa: E402,F401
 from miles.models.families import llama4  # noqa: E402,F401
 from miles.models.families import glm4_moe_lite  # noqa: E402,F401
+from miles.models.families import qwen2_5_vl  # noqa: E402,F401

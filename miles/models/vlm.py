@@ -1,0 +1,86 @@
+"""Vision-language model: the family's decoder (CausalLM, unchanged) plus a vision tower whose
+merged patch features replace the image placeholder tokens' embeddings, with mRoPE positions.
+
+    logits = VisionLM(cfg)(input_ids, pixel_values=..., image_grid_thw=...)
+
+A prompt holds, per image, `<vision_start> <image_pad> x n <vision_end>` with n = t * h * w / m^2
+(what the family's processor writes); images appear in `image_grid_thw` order across the batch.
+Without pixel_values the model is its text decoder (mRoPE with three equal positions is RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from miles.models.causal_lm import CausalLM
+from miles.models.config import ArchConfig
+from miles.models.vision import VisionTower
+
+
+class VisionLM(CausalLM):
+    def __init__(self, config: ArchConfig, seed: Optional[int] = None):
+        if config.vision is None:
+            raise ValueError(f"family {config.family}: VisionLM needs a vision block")
+        super().__init__(config)
+        self.visual = VisionTower(config.vision)
+        # Again with the tower there, so that one seed reproduces every weight.
+        self.init_weights(seed)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        mrope_position_ids: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Logits [B, T, V]. pixel_values / image_grid_thw: the processor's output for the batch's
+        images; mrope_position_ids [3, B, T] default to `mrope_positions` (left padding honoured
+        through attention_mask). Other arguments as CausalLM.forward."""
+        embeds = self.embed_tokens(input_ids)
+        if pixel_values is not None:
+            features = self.visual(pixel_values, image_grid_thw).to(embeds.dtype)
+            slots = input_ids == self.config.vision.image_token_id
+            if int(slots.sum()) != features.shape[0]:
+                raise ValueError(f"{int(slots.sum())} image tokens in input_ids but the images give "
+                                 f"{features.shape[0]} features (grids {image_grid_thw.tolist()})")
+            embeds = embeds.masked_scatter(slots[..., None], features)
+        if mrope_position_ids is None and kwargs.get("cache") is not None:
+            # Tokens after an image sit at (prompt's last mRoPE position + 1 + step), which only the
+            # caller that ran the prompt knows.
+            raise ValueError("decoding with a cache needs mrope_position_ids (see mrope_positions)")
+        if mrope_position_ids is None:
+            mrope_position_ids = mrope_positions(input_ids, image_grid_thw, self.config, attention_mask)
+        return super().forward(input_ids, attention_mask, inputs_embeds=embeds,
+                               mrope_position_ids=mrope_position_ids, **kwargs)
+
+
+def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], cfg: ArchConfig,
+                    attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[3, B, T] (temporal, height, width) positions: text tokens count up on all three axes; an
+    image's tokens sit on its merged grid starting at the position after the text before it, and
+    the text after it resumes at 1 + that start + max(h, w) / m. Pad tokens (mask 0) get 1."""
+    vision = cfg.vision
+    b, t = input_ids.shape
+    out = torch.ones(3, b, t, dtype=torch.long, device=input_ids.device)
+    grids = iter([] if image_grid_thw is None else [tuple(int(v) for v in g) for g in image_grid_thw.tolist()])
+    for row in range(b):
+        keep = torch.ones(t, dtype=torch.bool) if attention_mask is None else attention_mask[row].bool().cpu()
+        ids = input_ids[row].cpu()[keep].tolist()
+        pos, cols, i = 0, [], 0
+        while i < len(ids):
+            if ids[i] != vision.image_token_id:
+                cols.append(torch.full((3, 1), pos))
+                pos, i = pos + 1, i + 1
+                continue
+            gt, gh, gw = next(grids)
+            m = vision.spatial_merge_size
+            tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh // m), torch.arange(gw // m), indexing="ij")
+            cols.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+            i += gt * (gh // m) * (gw // m)
+            pos += max(gh, gw) // m
+        out[:, row, keep.to(out.device)] = torch.cat(cols, dim=1).to(out.device)
+    return out
