@@ -1,11 +1,15 @@
-"""The batch-invariant matmul on CUDA (see miles/models/invariant.py): one Triton kernel, one tile shape.
+"""The batch-invariant matmul on CUDA (see miles/models/invariant.py): one Triton kernel, one K step.
 
 cuBLAS picks its kernel (tile shape, split-K, stream-K) by problem size, so a row's result changes
-with the number of rows. Here every call runs the same program: a BLOCK_M x BLOCK_N output tile
-accumulates in float32 over K in BLOCK_K steps from k = 0, never split. An element therefore sees
-the same operands in the same tensor-core instructions whatever M, N, the batch or its tile
-position, and zero terms past the end of its K (masked keys, padding) add nothing: a decode step
-over the cache and a full forward give the same bits. fp32 inputs use IEEE products (no TF32).
+with the number of rows. Here every output element accumulates in float32 over K in BLOCK_K steps
+from k = 0, never split, each step one `tl.dot` into the running accumulator. An element therefore
+sees the same operands in the same order whatever M, N, the batch or its tile position, and zero
+terms past the end of its K (masked keys, padding) add nothing: a decode step over the cache and a
+full forward give the same bits. fp32 inputs use IEEE products (no TF32).
+
+The output tile (BLOCK_M x BLOCK_N, warps, stages) changes with M: it decides which program computes
+an element, not the element's arithmetic, as long as BLOCK_K stays fixed (tests/gpu checks the bits
+across both tiles and across row counts; benchmarks/kernel_sweep.py across 9 tiles).
 """
 
 from __future__ import annotations
@@ -14,7 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+BLOCK_K = 32  # fixed for every call: it is the accumulation order of every element
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the 64 x 64 tile serves decode-sized calls and batched
+# ones (attention's many small products, where small tiles keep more programs resident per SM);
+# one 2-D GEMM of more than LARGE_M rows and columns (the trainer's projections) takes the wide tile. From
+# `benchmarks/kernel_sweep.py invariant` on one H200 (Qwen3-0.6B / 4B layer GEMMs): at 2048-8192
+# rows the wide tile is 1.2-1.8x the small one (0.55-0.7x cuBLAS's speed); below 512 rows they tie.
+# fp32 inputs (IEEE FMAs, 4-byte tiles in shared memory) keep the small tile.
+SMALL_TILE, WIDE_TILE, LARGE_M = (64, 64, 4, 3), (128, 128, 4, 3), 512
+
+
+def pick_config(m: int, n: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
+    wide = m > LARGE_M and n > LARGE_M and batch == 1 and dtype != torch.float32
+    return WIDE_TILE if wide else SMALL_TILE
 
 
 @triton.jit
@@ -42,8 +59,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def triton_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] with broadcast batch dims -> [..., M, N] in out_dtype."""
+def triton_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] with broadcast batch dims -> [..., M, N] in out_dtype.
+    `config` overrides pick_config(M) (the tests and the sweep run every config)."""
     if a.dtype != b.dtype:
         raise ValueError(f"batch-invariant matmul needs one input dtype, got {a.dtype} and {b.dtype}")
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -51,9 +70,10 @@ def triton_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> t
     n = b.shape[-1]
     a3 = a.expand(*batch, m, k).reshape(-1, m, k)  # a view where the batch dims allow it
     b3 = b.expand(*batch, k, n).reshape(-1, k, n)
+    bm, bn, warps, stages = config or pick_config(m, n, a3.shape[0], a.dtype)
     out = torch.empty(a3.shape[0], m, n, dtype=out_dtype, device=a.device)
-    grid = (triton.cdiv(m, BLOCK_M) * a3.shape[0], triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, bm) * a3.shape[0], triton.cdiv(n, bn))
     _matmul_kernel[grid](a3, b3, out, m, n, k, *a3.stride(), *b3.stride(), *out.stride(),
-                         IEEE=a.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                         num_warps=4, num_stages=3)
+                         IEEE=a.dtype == torch.float32, BM=bm, BN=bn, BK=BLOCK_K,
+                         num_warps=warps, num_stages=stages)
     return out.reshape(*batch, m, n)

@@ -29,7 +29,8 @@ Speed: `benchmarks/precision_gemm.py` (its CUDA-graph columns) and `benchmarks/p
 (docs/benchmarks.md). Eager calls pay Triton's Python launch: use it inside CUDA graphs.
 
 `int4_linear_auto` is what callers use: this kernel where it applies (CUDA, triton importable,
-bf16/fp16 activations, one 2-D weight, M <= FUSED_MAX_ROWS = 64: decode), `int4_linear` otherwise.
+bf16/fp16 activations, one 2-D weight, M <= FUSED_MAX_ROWS = 1024: decode and short prefill),
+`int4_linear` otherwise.
 """
 
 from __future__ import annotations
@@ -209,17 +210,16 @@ def _sm_count(device_index: int | None) -> int:
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> Int4Config:
     """Block sizes by M; split-K so that small-M launches still put ~2 programs on every SM.
 
-    From a sweep on one H200 (CUDA-graph timings, Qwen3-0.6B/4B shapes, group 128): decode (M <= 64)
+    From sweeps on one H200 (Qwen3-0.6B/4B shapes, group 128): decode (M <= 64, CUDA-graph timings)
     is weight-bandwidth bound and liked BN 64 x BK 256 tiles with split-K up to ~2 programs per SM
-    (one K tile per slice is fine); prefill liked 256 x 128 output tiles, BK 64, 8 warps.
+    (one K tile per slice is fine); 128-1024 rows (`benchmarks/kernel_sweep.py int4`, eager) liked
+    128 x 64 output tiles, BK 64, 4 warps: within 10% of the best of 10 configs on every 4B layer.
     """
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn, bk, warps, stages = 64, 256, 4, (4 if m <= 16 else 2)
-    elif m <= 256:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 4
     else:
-        bm, bn, bk, warps, stages = 256, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 64, 64, 4, 3
     tiles = _ceil_div(m, bm) * _ceil_div(n, bn)
     split = 1
     if tiles < sms:
@@ -294,10 +294,11 @@ def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return out.reshape(*lead, n)
 
 
-# Rows above which int4_linear_auto keeps int4_linear: the decode configs (M <= 64), the ones the GPU
-# tests ran. Above them int4_linear (dequantize + cuBLAS) is the path; the kernel's > 256-row config
-# was refused by the H200 inside a GRPO run (OutOfResources: 262144 bytes of shared memory, limit 232448; docs/benchmarks.md).
-FUSED_MAX_ROWS = 64
+# Rows above which int4_linear_auto keeps int4_linear (dequantize + cuBLAS). `kernel_sweep.py int4`
+# on the 4B layers (sum of the 4 GEMMs, eager): fused 0.43 / 0.69 / 1.06 ms at 128 / 512 / 1024 rows
+# against int4_linear's 1.14 / 1.21 / 1.40 ms; at 4096 rows int4_linear wins (2.31 vs 3.06 ms), as
+# cuBLAS's bf16 GEMM then outruns the kernel's in-register dequantization.
+FUSED_MAX_ROWS = 1024
 # (rows, N, K, group) whose launch the GPU refused; they stay on int4_linear for the process.
 _REFUSED: set[tuple[int, int, int, int]] = set()
 

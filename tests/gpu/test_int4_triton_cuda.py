@@ -38,7 +38,7 @@ def weights():
 
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("nk", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("m", [1, 7, 64, 300, 4096])
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1024, 4096])
 def test_matches_int4_linear(m, nk, group, weights):
     n, k = nk
     packed, scales = weights(n, k, group)

@@ -32,6 +32,22 @@ def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
     assert (full - ref).abs().max().item() < (1e-3 if dtype == torch.float32 else 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matmul_tile_configs_do_not_change_the_bits(dtype):
+    """The tile picked by M decides which program computes an element, never its sum: both tiles
+    give every row the same bits, so rows of a large call (2048 rows: the wide tile) equal the same
+    rows computed in a small one."""
+    from miles.models import invariant_triton as it
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(2048, 1024, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(1024, 640, device="cuda", generator=gen).to(dtype)
+    full = it.triton_matmul(a, b, torch.float32)
+    for config in (it.SMALL_TILE, it.WIDE_TILE):
+        assert torch.equal(it.triton_matmul(a, b, torch.float32, config), full), config
+    assert torch.equal(it.triton_matmul(a[1500:1501], b, torch.float32), full[1500:1501])
+
+
 @pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_moe_tiny"])
 def test_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model):
     pytest.importorskip("hydra")

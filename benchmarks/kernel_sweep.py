@@ -1,0 +1,139 @@
+"""Launch-config sweeps for the project's Triton kernels on one GPU: time and check every candidate.
+
+    python benchmarks/kernel_sweep.py invariant [--json out.json]   # miles/models/invariant_triton.py
+    python benchmarks/kernel_sweep.py int4 [--json out.json]        # miles/precision/int4_triton.py, M > 64
+
+`invariant`: the batch-invariant matmul (true on-policy mode) at the GEMM shapes of the Qwen3-0.6B
+and -4B layers, for every (BLOCK_M, BLOCK_N, warps, stages) candidate and two BLOCK_K values, against
+cuBLAS bf16 (`torch.matmul`). Within one BLOCK_K every config must give the same bits for every row
+(the invariance the mode rests on): the sweep reports any config that does not.
+
+`int4`: the fused W4A16 kernel at prefill / large-batch decode row counts (M 128-4096) on the 4B
+layer shapes, per candidate config (split-K from the kernel's heuristic), against `int4_linear`
+(dequantize + cuBLAS) and bf16 `F.linear`; a config the GPU refuses (shared memory) is listed as such.
+
+Timing: CUDA events, warm-up first, the median of 20 calls (eager: at these sizes the kernels run
+far longer than Triton's launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN3_NK = {  # (N, K) of a layer's GEMMs
+    "0.6b": [(2048 + 2 * 1024, 1024), (1024, 2048), (2 * 3072, 1024), (1024, 3072)],
+    "4b": [(4096 + 2 * 1024, 2560), (2560, 4096), (2 * 9728, 2560), (2560, 9728)],
+}
+
+
+def _time(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep_invariant() -> list[dict]:
+    from miles.models import invariant_triton as it
+
+    tiles = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
+             (128, 256, 8, 3), (64, 256, 8, 3), (128, 128, 8, 4), (64, 64, 4, 4)]
+    rows = []
+    for block_k in (32, 64):
+        it.BLOCK_K = block_k
+        for (size, shapes), m in itertools.product(QWEN3_NK.items(), (64, 512, 2048, 8192)):
+            for n, k in shapes:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+                cublas = _time(lambda: a @ b)
+                reference = None
+                for tile in tiles:
+                    try:
+                        out = it.triton_matmul(a, b, torch.bfloat16, tile)
+                        ms = _time(lambda: it.triton_matmul(a, b, torch.bfloat16, tile))
+                    except Exception as e:  # noqa: BLE001 - a refused config is a result
+                        rows.append(dict(kernel="invariant", block_k=block_k, model=size, m=m, n=n, k=k,
+                                         tile=tile, error=type(e).__name__))
+                        continue
+                    reference = out if reference is None else reference
+                    head = it.triton_matmul(a[:7], b, torch.bfloat16, tile)  # fewer rows, same bits
+                    rows.append(dict(kernel="invariant", block_k=block_k, model=size, m=m, n=n, k=k, tile=tile,
+                                     ms=ms, cublas_ms=cublas, vs_cublas=cublas / ms,
+                                     same_bits=bool(torch.equal(out, reference) and torch.equal(head, out[:7]))))
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def sweep_int4() -> list[dict]:
+    from miles.precision import int4_triton as it
+    from miles.precision.int4 import int4_linear, pack_int4, quantize_int4
+
+    candidates = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3),
+                  (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 128, 8, 2), (256, 128, 64, 8, 2),
+                  (128, 64, 64, 4, 3), (64, 64, 128, 4, 3)]
+    rows = []
+    for m in (128, 256, 512, 1024, 4096):
+        for n, k in QWEN3_NK["4b"]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda") * 0.02
+            codes, scales = quantize_int4(w, 128)
+            packed = pack_int4(codes)
+            wb = w.bfloat16()
+            bf16 = _time(lambda: torch.nn.functional.linear(x, wb))
+            ref = int4_linear(x, packed, scales, 128)
+            dequant = _time(lambda: int4_linear(x, packed, scales, 128))
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            for bm, bn, bk, warps, stages in candidates:
+                base = it.pick_config(m, n, k, sms)
+                cfg = it.Int4Config(bm, bn, bk, 1, warps, stages)
+                tiles = -(-m // bm) * -(-n // bn)
+                split = 1 if tiles >= sms else max(1, min(-(-2 * sms // tiles), -(-k // bk), 32))
+                cfg = it.Int4Config(bm, bn, bk, split, warps, stages)
+                row = dict(kernel="int4", m=m, n=n, k=k, config=[bm, bn, bk, split, warps, stages],
+                           heuristic=[base.block_m, base.block_n, base.block_k, base.split_k, base.num_warps,
+                                      base.num_stages], bf16_ms=bf16, int4_linear_ms=dequant)
+                try:
+                    out = it.int4_linear_fused(x, packed, scales, 128, config=cfg)
+                    ms = _time(lambda: it.int4_linear_fused(x, packed, scales, 128, config=cfg))
+                except Exception as e:  # noqa: BLE001 - a refused config is a result
+                    row["error"] = type(e).__name__
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row.update(ms=ms, vs_bf16=bf16 / ms, vs_int4_linear=dequant / ms, rel_to_int4_linear=rel)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("kernel", choices=["invariant", "int4"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = sweep_invariant() if args.kernel == "invariant" else sweep_int4()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
