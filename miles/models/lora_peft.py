@@ -2,6 +2,7 @@
 
     save_peft(lora, model.config, "out/adapter")            # loadable by peft.PeftModel.from_pretrained
     load_peft(lora, model.config, "out/adapter")            # back into a LoRA of the same rank / targets
+    write_peft(synced, rank, alpha, arch, "dir")            # the same from a weight sync's tensors (an engine's side)
 
 The tensors are named as PEFT names them on the transformers model, `base_model.model.<HF module>.
 lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]), the HF module name coming from the
@@ -28,26 +29,38 @@ PEFT_PREFIX = "base_model.model."
 
 def hf_module_names(lora: LoRA, arch) -> dict[str, str]:
     """native module name -> HF module name, for each adapted module."""
+    return _hf_names(lora.names, arch)
+
+
+def _hf_names(names, arch) -> dict[str, str]:
     family = get_family(arch.family)
-    return {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in lora.names}
+    return {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in names}
 
 
 def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | None = None) -> None:
     """The adapters (in their own dtype) and PEFT's config for them, into the directory `path`."""
+    write_peft(lora.tensors(), lora.rank, lora.alpha, arch, path, dropout, base_model)
+
+
+def write_peft(tensors: dict[str, torch.Tensor], rank: int, alpha: float, arch, path, dropout: float = 0.0,
+               base_model: str | None = None) -> dict[str, str]:
+    """save_peft from adapters by name (LoRA.tensors()'s names, e.g. what a weight sync carries), as
+    they are. Returns {native name: the file's tensor name}."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    hf = hf_module_names(lora, arch)
-    tensors = {}
-    for name, t in lora.tensors().items():
+    hf = _hf_names(sorted({name.partition(".lora_")[0] for name in tensors}), arch)
+    keys, files = {}, {}
+    for name, t in tensors.items():
         module, _, leaf = name.partition(".lora_")
-        tensors[f"{PEFT_PREFIX}{hf[module]}.lora_{leaf}"] = t.detach().to("cpu").contiguous()
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        keys[name] = f"{PEFT_PREFIX}{hf[module]}.lora_{leaf}"
+        files[keys[name]] = t.detach().to("cpu").contiguous()
+    save_file(files, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "r": rank,
+        "lora_alpha": alpha,
         "lora_dropout": dropout,
         "target_modules": sorted(hf.values()),
         "bias": "none",
@@ -58,6 +71,7 @@ def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | No
         "inference_mode": True,
     }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return keys
 
 
 def load_peft(lora: LoRA, arch, path) -> None:

@@ -168,7 +168,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
     # debug.train_only runs without an engine, debug.rollout_only without a trainer.
     engine_cls, engine_options = engine_backend(cfg.rollout)
     draft = {"draft_dir": str(draft_dir)} if draft_dir is not None else {}
-    if cfg.trainer.lora.rank > 0:  # validate(): rollout=native; syncs carry the adapters
+    if cfg.trainer.lora.rank > 0:  # syncs carry the adapters; every engine serves them (docs/lora.md)
         engine_options = {**engine_options, "lora": cfg.trainer.lora}
     fleet = [spawn(engine_cls, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
                    hw.device, component_threads(cfg), cfg.seed, precision=precision, max_slots=_kv_slots(cfg),

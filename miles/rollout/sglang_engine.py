@@ -38,6 +38,10 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   tensors put in that layout and hashed as the server hashes (miles/rollout/sglang_weights.py).
   (/get_weights_by_name, a read-back by name, answers HTTP 400 in 0.5.23 for every Miles family: only
   llama, granite, exaone4 and opt implement it.)
+- LoRA (`lora` with rank > 0, trainer.lora): SGLang's adapter API (miles/rollout/sglang_lora.py): the
+  launched server gets --enable-lora --max-lora-rank --lora-target-modules; a sync writes the adapters
+  as a PEFT directory, POST /load_lora_adapter under a new name, /unload_lora_adapter of the previous
+  one; every /generate row names the current adapter in `lora_path`. The base weights never move.
 - Distributed route (request side, for miles/transport/broadcast.py's bucket stream):
   `init_weights_update_group` + `update_weights_from_distributed` / `update_weights_from_bucket`.
 - release_memory / resume_memory: /release_memory_occupation and /resume_memory_occupation with tags
@@ -78,13 +82,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from miles.config.schema import DType, PrecisionCfg, RolloutCfg
+from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models.causal_lm import CausalLM
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
+from miles.rollout.sglang_lora import SGLangAdapters, server_lora_args, server_problems
 from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample, moe_layers, routing_dtype
@@ -170,6 +175,7 @@ class SGLangEngine:
         selector: str = "all",
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 3600.0,
+        lora: LoRACfg | None = None,
     ):
         """Positional arguments as NativeEngine's (threads: the server's business, unused). Options:
         url: an SGLang server to use; None launches `python -m sglang.launch_server` (`launcher` replaces
@@ -177,7 +183,9 @@ class SGLangEngine:
           shutdown(). weight_update: "disk" | "tensor". weights_dir: where "disk" writes (a directory the
           server sees). weight_session: wrap tensor / distributed updates in begin/end_weight_update (0.5.21+;
           False for 0.5.16). selector: "all" | "target" | "draft" (speculative decoding's draft).
-        request_timeout_s: any one call, generate included (a TimeoutError past it)."""
+        request_timeout_s: any one call, generate included (a TimeoutError past it). lora: trainer.lora;
+        with rank > 0 syncs carry the adapters (miles/rollout/sglang_lora.py; the adapter directories
+        go under weights_dir too)."""
         if true_on_policy is not None:
             raise ValueError("true_on_policy=true runs the native engine's batch-invariant kernels; SGLang's "
                              "counterpart (enable_deterministic_inference, rl_on_policy_target=fsdp) needs its "
@@ -224,6 +232,10 @@ class SGLangEngine:
         self._dir_finalizer = None
         self.last_check: dict = {}  # check_held's counts: checked, unchecked server tensors
         self.process, self.log_path = None, None
+        self.adapters = None
+        if lora is not None and lora.rank > 0:
+            self.adapters = SGLangAdapters(self._post_ok, lora, self.arch, weights_dir)
+            server_args = {**server_lora_args(lora, self.adapters.shapes), **(server_args or {})}
         if url is None:
             url = self._launch(server_command(self.checkpoint_dir, "127.0.0.1", _free_port(), self.dtype, seed,
                                               self.device, cfg, max_slots, record_routing, server_args, launcher),
@@ -239,6 +251,10 @@ class SGLangEngine:
         if record_routing and self.server_info.get("enable_return_routed_experts") is False:
             raise ValueError(f"routing record (R3) needs the SGLang server at {self.url} started with "
                              "--enable-return-routed-experts")
+        if self.adapters is not None and (problems := server_problems(self.server_info, lora, self.adapters.shapes,
+                                                                      self.url)):
+            self.shutdown()
+            raise ValueError("; ".join(problems))
         # /server_info has the resolved ServerArgs fields (rl_on_policy_target forces this one on too).
         self.seeded = bool(self.server_info.get("enable_deterministic_inference", False))
         if not self.seeded:
@@ -294,6 +310,8 @@ class SGLangEngine:
     def shutdown(self) -> None:
         """Kill the server this engine launched and remove its last weights directory. An external
         server is left alone, and so is the directory it now serves from (its /model_info names it)."""
+        if self.adapters is not None:
+            self.adapters.close()
         if self.process is not None:
             self._finalizer()
             self.process = None
@@ -376,6 +394,8 @@ class SGLangEngine:
                 "return_logprob": True}
         if self.routing_layers is not None:
             body["return_routed_experts"] = True
+        if self.adapters is not None and self.adapters.name is not None:
+            body["lora_path"] = [self.adapters.name] * len(rows)
         outputs = self._post("/generate", body)
         if not isinstance(outputs, list) or len(outputs) != len(rows):
             raise SGLangError(f"/generate answered {type(outputs).__name__} "
@@ -430,6 +450,10 @@ class SGLangEngine:
         if WEIGHTS in self.released:
             raise RuntimeError("update_weights: the engine's weights are released (colocation): call "
                                "resume_memory(('weights',)) first")
+        if self.adapters is not None:  # LoRA: the trainer sends its adapters, never the frozen base
+            if not isinstance(weights, dict):
+                raise TypeError("update_weights: with trainer.lora the sync carries the adapters as a dict")
+            return self.adapters.load(weights, expected_checksum)
         if isinstance(weights, FlatWeights):  # in-process: checked by its device checksum, then by SHA-256
             if expected_checksum is not None and (sent := weights.checksum()) != expected_checksum:
                 raise WeightSyncError(f"the weights reached the engine different from what the trainer sent: "
@@ -670,6 +694,7 @@ class SGLangEngine:
         return {"engine": "sglang", "device": str(self.device), "url": self.url,
                 "resident": [t for t in ENGINE_TAGS if t not in self.released],
                 "weight_version": info.get("weight_version"), "model_path": info.get("model_path"),
+                "lora_adapter": self.adapters.name if self.adapters is not None else None,
                 "seeded_sampling": self.seeded}
 
     def _check_not_released(self) -> None:

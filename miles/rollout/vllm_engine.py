@@ -33,6 +33,10 @@ How the protocol maps onto vLLM:
   restart; vLLM then rebuilds its CPU GEMM handles). With a checksum, what vLLM holds is read back
   from its modules (`read_weights`) and hashed as the trainer hashed what it sent; a difference raises
   WeightSyncError. See `read_weights` for how packed CPU kernels are read.
+- LoRA (`lora` with rank > 0, trainer.lora): vLLM serves the trainer's adapters with its own LoRA
+  support over the checkpoint's frozen base (miles/rollout/vllm_lora.py): a sync carries the adapters
+  only, as a new PEFT adapter directory and `LoRARequest` each time; every generate names it. The
+  checked sync reads the adapter back from vLLM's LoRA layers.
 - Memory: vLLM's sleep mode (`release_memory` / `resume_memory`) needs CUDA; on the CPU both calls
   keep the protocol's bookkeeping (generate refuses between them, and after `keep_weights=False` until
   the next update_weights) but free nothing, and `health()` says so (`"frees_memory": False`). On CUDA,
@@ -63,12 +67,13 @@ from pathlib import Path
 
 import torch
 
-from miles.config.schema import DType, PrecisionCfg, Quant, RolloutCfg
+from miles.config.schema import DType, LoRACfg, PrecisionCfg, Quant, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
-from miles.transport.checksum import WeightSyncError, checksum
+from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
+from miles.rollout.vllm_lora import VLLMAdapters, llm_lora_args, lora_unsupported
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 
@@ -145,6 +150,7 @@ class VLLMEngine:
         tensor_parallel_size: int | None = None,
         serve_threads: int | None = 1,
         llm_args: dict | None = None,
+        lora: LoRACfg | None = None,
     ):
         """Arguments up to true_on_policy: as NativeEngine's (miles/rollout/native.py). vLLM's own:
         kv_cache_gb: CPU KV cache (`kv_cache_memory_bytes`; on CUDA `gpu_memory_utilization` sizes it);
@@ -157,7 +163,8 @@ class VLLMEngine:
         resume_memory through LLM.sleep / wake_up; serve_threads: torch threads while vLLM works
         (generate, weight loads; vLLM's own choice is 1: multi-threaded ops in its step loop leave
         OpenMP workers spinning, measured 4-10x slower on 2 busy cores; None: `threads`), the
-        process's own `threads` in between; llm_args: more vllm.LLM arguments, as they are."""
+        process's own `threads` in between; llm_args: more vllm.LLM arguments, as they are; lora:
+        trainer.lora, with rank > 0 syncs carry the adapters (miles/rollout/vllm_lora.py)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = DType(dtype)
@@ -165,6 +172,10 @@ class VLLMEngine:
         self.arch = from_hf_config(json.loads((path / "config.json").read_text()))
         self.family = get_family(self.arch.family)
         problems = _unsupported(cfg, precision, record_routing, true_on_policy, self.device, enable_sleep_mode)
+        lora = lora if lora is not None and lora.rank > 0 else None
+        tensor_parallel = tensor_parallel_size or cfg.num_gpus_per_engine or 1
+        if lora is not None:
+            problems += lora_unsupported(lora, self.arch.family, tensor_parallel)
         if problems:
             raise ValueError("rollout=vllm: " + "; ".join(problems))
         self.tok = TokenizerInfo.load(checkpoint_dir)
@@ -188,13 +199,15 @@ class VLLMEngine:
             model=str(path), dtype=VLLM_DTYPES[self.dtype], seed=seed, enforce_eager=enforce_eager,
             max_model_len=self.max_model_len, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size or cfg.num_gpus_per_engine or 1,
+            tensor_parallel_size=tensor_parallel,
             max_num_seqs=max(1, min(max_num_seqs or cfg.max_running, max_slots or cfg.max_running)),
         )
         if self.device.type == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2 ** 30)
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+        if lora is not None:
+            kwargs.update(llm_lora_args(lora))
         kwargs.update(llm_args or {})
         set_threads, before = torch.set_num_threads, torch.get_num_threads()
         self.threads = threads or before
@@ -205,6 +218,7 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker makes it a no-op for the process
             torch.set_num_threads(self.threads)
+        self.adapters = VLLMAdapters(self.llm, lora, self.arch, TORCH_DTYPES[self.dtype]) if lora is not None else None
         self.released: set[str] = set()
         self.weights_stale = False  # released with keep_weights=False: update_weights before generate
         global _CURRENT
@@ -219,6 +233,8 @@ class VLLMEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
 
     @contextlib.contextmanager
     def _serving(self):
@@ -268,7 +284,8 @@ class VLLMEngine:
 
         sampling = [params(request_seed(s)) for s in seeds] if seeds is not None else params(None)
         with self._serving():
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in distinct], sampling, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in distinct], sampling, use_tqdm=False,
+                                        lora_request=self.adapters.request if self.adapters is not None else None)
         samples = []
         for i, output in enumerate(outputs):
             completions = sorted(output.outputs, key=lambda c: c.index)
@@ -298,6 +315,11 @@ class VLLMEngine:
             raise RuntimeError("update_weights: the engine's weights are released (sleep mode): call "
                                "resume_memory(('weights',)) first")
         flat = weights if isinstance(weights, FlatWeights) else None
+        if self.adapters is not None:  # LoRA: the trainer sends its adapters, never the frozen base
+            if flat is not None:
+                raise TypeError("update_weights: with trainer.lora the sync carries the adapters as a dict")
+            with self._serving():
+                return self.adapters.load(weights, expected_checksum)
         tensors = flat.views() if flat is not None else weights
         hf = self.family.to_hf_tensors({self.family.to_hf_name(k): v for k, v in tensors.items()}, self.arch)
         # vLLM copies each tensor into its parameters, then rebuilds its kernels' weight handles.
@@ -305,6 +327,9 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.items())})
             if self.arch.tie_word_embeddings and self.device.type == "cpu":
                 self.llm.apply_model(refresh_tied_heads)
+            # KV cached under the old weights must not serve a repeated prompt prefix (reload_weights
+            # resets vLLM's encoder and multimodal caches, not this one).
+            self.llm.reset_prefix_cache()
         self.weights_stale = False
         if expected_checksum is None:
             return ""
@@ -387,6 +412,7 @@ class VLLMEngine:
         return {"engine": self.name, "vllm_version": self.vllm_version, "device": str(self.device),
                 "dtype": self.dtype.value, "max_model_len": self.max_model_len,
                 "prefix_caching": self.prefix_caching,
+                "lora_adapter": self.adapters.request.lora_name if self.adapters and self.adapters.request else None,
                 "resident": [t for t in ENGINE_TAGS if t not in self.released],
                 "frees_memory": self.sleep_mode,
                 "memory_note": "LLM.sleep / wake_up" if self.sleep_mode else

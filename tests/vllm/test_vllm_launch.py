@@ -1,5 +1,6 @@
 """`python launch.py rollout=vllm ...` as a user runs it: a short GRPO run in-process
-(ray.enabled=false) with the vLLM engine, weights synced (and checked by read-back) after every step."""
+(ray.enabled=false) with the vLLM engine, weights synced (and checked by read-back) after every step;
+and the same with LoRA, the adapters synced and served through vLLM's LoRA support."""
 
 import json
 import os
@@ -49,3 +50,18 @@ def test_grpo_run_with_the_vllm_engine(tmp_path):
         assert m["mismatch/logprob_abs_diff"] < 1e-4
     assert "eval/arithmetic/accuracy" in metrics[STEPS]
     assert (run_dir / "checkpoint" / "model.safetensors").exists()
+
+
+def test_lora_run_with_the_vllm_engine(tmp_path):
+    """`trainer.lora.rank=16 rollout=vllm`: after each step only the adapters travel, and vLLM serves
+    them (a LoRARequest per version). Step 2's rollouts come from the adapters step 1 trained: their
+    log-probs equal the trainer's recomputation (measured 9.7e-8; an engine that ignored the adapters,
+    serving the base model, measured 0.19 on this run)."""
+    args = [a for a in ARGS if not a.startswith("steps=")] + ["steps=2", "trainer.lora.rank=16", "trainer.lr=3e-3"]
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    assert metrics[1]["mismatch/logprob_abs_diff"] < 1e-4 and metrics[2]["mismatch/logprob_abs_diff"] < 1e-4
+    assert (run_dir / "checkpoint" / "adapter" / "adapter_model.safetensors").exists()  # PEFT, beside the merged model

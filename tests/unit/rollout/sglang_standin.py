@@ -23,6 +23,17 @@ Behaviours taken from 0.5.23's source (a real 0.5.23 server on a CPU showed the 
   fused_qkv_a_proj_with_mqa, vocabulary rows padded to 64, a tied head once), hashed as
   mm_utils.tensor_hash does on the server's `device` ("cpu": SHA-256, "cuda": the Triton kernel's
   arithmetic, here in numpy), in the response layout of http_server.py `check_weights`.
+- LoRA (server args enable_lora, max_lora_rank, lora_target_modules; the current SGLang source's
+  http_server.py, io_struct.py LoadLoRAAdapterReqInput / UnloadLoRAAdapterReqInput / LoRAUpdateOutput,
+  lora_registry.py, tokenizer_manager.py, read through the `search` tools, not the 0.5.23 wheel):
+  POST /load_lora_adapter {lora_name, lora_path} reads a PEFT adapter directory and answers
+  {success, error_message, loaded_adapters: {name: path}}, HTTP 400 with success false on an error
+  ("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", "LoRA with name ... already
+  exists. Loaded LoRAs: ..."); /unload_lora_adapter {lora_name} ("LoRA with name ... does not exist.
+  ..."); /generate's `lora_path` (one name, or one per input row, None = the base model) names loaded
+  adapters ("The following requested LoRA adapters are not loaded: ..."). The adapters run as the
+  native engine's LoRA module (miles/models/lora.py) at max_lora_rank, each adapter zero-padded to it
+  with its alpha / r folded into B: SGLang's LoRA kernels and numerics are not reproduced.
 
 Strict on purpose, so a test catches adapter drift: a body with an unknown field, a missing required
 field or a wrongly typed value gets HTTP 400; a documented field the stand-in does not reproduce is
@@ -31,7 +42,8 @@ accepted only at its documented default (400 otherwise, saying so). Every reques
 
 What it does NOT reproduce: SGLang's kernels and numerics (these are the native engine's), continuous
 batching, the radix cache (cached_tokens is 0), streaming, text prompts / stop strings / regex and other
-constrained decoding, penalties, top_logprobs, LoRA, multimodal inputs, speculative decoding, TP / DP
+constrained decoding, penalties, top_logprobs, LoRA's pinning / eviction / max_loras_per_batch /
+load_lora_adapter_from_tensors / the checks of rank and modules beyond those below, multimodal inputs, speculative decoding, TP / DP
 (tp_size > 1 only checks the per-rank payload count), CUDA IPC and NCCL (tensors cross by CPU shared
 memory, weight update groups are gloo), the exact store layout of SGLang's process-group rendezvous
 (here: a TCPStore client at master_address:master_port and a PrefixStore named group_name), aborting or
@@ -70,9 +82,12 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from miles.config.schema import DType, RolloutCfg
+from miles.config.schema import DType, LoRACfg, RolloutCfg
 from miles.models.families import get_family
 from miles.models.hf_io import from_pretrained
+from miles.models.lora import ALL_PROJECTIONS
+from miles.models.lora_peft import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, hf_module_names
+from miles.rollout.lora import engine_adapters
 from miles.rollout.native import NativeEngine
 from miles.types import moe_layers
 
@@ -252,7 +267,7 @@ GENERATE = {
     "return_logprob": (_opt(BOOL), NO), "logprob_start_len": (_opt(INT), None), "top_logprobs_num": (_opt(INT), None),
     "token_ids_logprob": (ANY, None), "return_text_in_logprobs": (BOOL, False),
     "return_routed_experts": (BOOL, NO), "routed_experts_start_len": (INT, NO), "return_hidden_states": (BOOL, False),
-    "lora_path": (ANY, None), "custom_logit_processor": (ANY, None), "image_data": (ANY, None),
+    "lora_path": (lambda v: v is None or STR(v) or _list_of(_opt(STR))(v), NO), "custom_logit_processor": (ANY, None), "image_data": (ANY, None),
     "routed_dp_rank": (ANY, None), "priority": (ANY, None), "stream": (BOOL, False),
 }
 SAMPLING = {
@@ -290,6 +305,9 @@ BODIES = {  # path -> (fields, required)
     "/release_memory_occupation": ({"tags": (_opt(_list_of(lambda t: t in MEMORY_TAGS)), NO)}, ()),
     "/resume_memory_occupation": ({"tags": (_opt(_list_of(lambda t: t in MEMORY_TAGS)), NO)}, ()),
     "/pause_generation": ({"mode": (lambda v: v in ("abort", "retract", "in_place"), NO)}, ()),
+    "/load_lora_adapter": ({"lora_name": (STR, NO), "lora_path": (STR, NO), "pinned": (BOOL, False),
+                            "lora_id": (_opt(STR), None)}, ("lora_name", "lora_path")),
+    "/unload_lora_adapter": ({"lora_name": (STR, NO), "lora_id": (_opt(STR), None)}, ("lora_name",)),
     "/continue_generation": ({"torch_empty_cache": (BOOL, NO)}, ()),
 }
 
@@ -349,7 +367,8 @@ class StandInServer:
                  enable_return_routed_experts: bool = False, enable_memory_saver: bool = True,
                  enable_weights_cpu_backup: bool = False, weight_version: str = "default",
                  enable_deterministic_inference: bool = False, device: str = "cpu",
-                 shared_experts_fusion: bool = False, **other_args):
+                 shared_experts_fusion: bool = False, enable_lora: bool = False, max_lora_rank: int | None = None,
+                 lora_target_modules: list[str] | None = None, **other_args):
         """device: what /server_info says and which hash /weights_checker computes ("cpu" or "cuda");
         the stand-in itself runs on the CPU. shared_experts_fusion: DeepSeek's shared expert held as
         the last fused expert (SGLang's shared-experts fusion, on for some CUDA setups)."""
@@ -358,6 +377,7 @@ class StandInServer:
                          enable_return_routed_experts=enable_return_routed_experts,
                          enable_memory_saver=enable_memory_saver, enable_weights_cpu_backup=enable_weights_cpu_backup,
                          enable_deterministic_inference=enable_deterministic_inference, device=device,
+                         enable_lora=enable_lora, max_lora_rank=max_lora_rank, lora_target_modules=lora_target_modules,
                          **other_args)
         self.model_path = model_path  # /model_info's: moved by each successful update from disk
         self.hf_config = json.loads((Path(model_path) / "config.json").read_text())
@@ -368,6 +388,16 @@ class StandInServer:
                                    record_routing=enable_return_routed_experts)
         self.config = self.engine.model.config
         self.family = get_family(self.config.family)
+        # enable_lora: one LoRA module at max_lora_rank (scaling 1) over the engine's model; a request's
+        # adapter is copied into it, zero-padded, alpha / r folded into B. Loaded adapters by name.
+        self.lora, self.adapters = None, {}
+        if enable_lora:
+            if not max_lora_rank:
+                raise ValueError("stand-in: --enable-lora needs --max-lora-rank (no --lora-paths to infer it from)")
+            targets = ALL_PROJECTIONS if not lora_target_modules or "all" in lora_target_modules else lora_target_modules
+            self.lora = engine_adapters(self.engine.model, LoRACfg(rank=max_lora_rank, alpha=float(max_lora_rank),
+                                                                   target_modules=list(targets)), self.engine.dtype)
+            self.lora_modules = {hf: name for name, hf in hf_module_names(self.lora, self.config).items()}
         self.weight_version = weight_version
         self.log: list[tuple[str, str, object]] = []
         self.lock = threading.Lock()  # one engine operation at a time
@@ -420,6 +450,7 @@ class StandInServer:
         if self.engine.released or self.engine.weights_memory.stale:
             raise Unavailable("health_generate: the model cannot generate now")
         with self.lock:
+            self._use_adapter(None)
             self.engine.generate([""], [""], n=1, temperature=0.0, max_new_tokens=1, prompt_ids=[[0]])
         return None
 
@@ -452,7 +483,9 @@ class StandInServer:
         if len(ns) != 1 or min(ns) < 1:
             raise BadRequest("sampling_params.n must be one value >= 1 for the whole batch")
         n = ns.pop()
+        adapters = self._request_adapters(body.get("lora_path"), len(rows))
         rows, params = [r for r in rows for _ in range(n)], [p for p in params for _ in range(n)]
+        adapters = [a for a in adapters for _ in range(n)]
         start = int(body.get("routed_experts_start_len", 0))
         with self.resume:
             while self.paused is not None:  # pause_generation: new requests wait for continue_generation
@@ -460,14 +493,14 @@ class StandInServer:
             self.in_flight += 1
         try:
             with self.lock:
-                outputs = self._decode(rows, params, bool(body.get("return_logprob")),
+                outputs = self._decode(rows, params, adapters, bool(body.get("return_logprob")),
                                        bool(body.get("return_routed_experts")), start, body.get("rid"))
         finally:
             with self.resume:
                 self.in_flight -= 1
         return outputs[0] if single and n == 1 else outputs
 
-    def _decode(self, rows, params, logprob: bool, routed: bool, start: int, rids):
+    def _decode(self, rows, params, adapters, logprob: bool, routed: bool, start: int, rids):
         began = time.perf_counter()
         eos = self.engine.tok.eos_id
         outputs: list = [None] * len(rows)
@@ -477,10 +510,11 @@ class StandInServer:
             if temperature < 0 or not 0 < top_p <= 1 or (top_k != -1 and top_k < 1):
                 raise BadRequest(f"sampling_params: invalid temperature / top_p / top_k in {p}")
             stop = tuple(sorted(set(p.get("stop_token_ids") or ()) | ({eos} if eos is not None else set())))
-            key = (temperature, top_p, top_k, int(p.get("max_new_tokens", 128)), stop)
+            key = (temperature, top_p, top_k, int(p.get("max_new_tokens", 128)), stop, adapters[i])
             partitions.setdefault(key, []).append(i)
         seeded = self.args["enable_deterministic_inference"]  # else SGLang ignores sampling_seed
-        for (temperature, top_p, top_k, max_new, stop), index in partitions.items():
+        for (temperature, top_p, top_k, max_new, stop, adapter), index in partitions.items():
+            self._use_adapter(adapter)
             if max_new < 1:
                 raise BadRequest("max_new_tokens < 1 is not reproduced by the stand-in")
             self.engine.cfg = replace(self.base_cfg, top_p=top_p, top_k=max(top_k, 0), max_new_tokens=max_new)
@@ -668,6 +702,72 @@ class StandInServer:
         self._new_version(body)
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    # ------------------------------------------------------------------------- LoRA
+    def _lora_reply(self, error: str | None):
+        """LoRAUpdateOutput; http_server.py answers 400 when success is false."""
+        body = {"success": error is None, "error_message": error or "",
+                "loaded_adapters": {name: path for name, (path, _) in self.adapters.items()}}
+        return body if error is None else _Reply(400, body)
+
+    def _load_lora_adapter(self, body):
+        name, path = body["lora_name"], Path(body["lora_path"])
+        if self.lora is None:
+            return self._lora_reply("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name in self.adapters:
+            return self._lora_reply(f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}")
+        try:
+            tensors = self._read_adapter(path)
+        except (OSError, ValueError, KeyError) as error:  # the stand-in's wording: SGLang's loader raises its own
+            return self._lora_reply(f"Failed to load LoRA adapter {name} from {path}: {error}")
+        with self.lock:
+            self.adapters[name] = (str(path), tensors)
+        return self._lora_reply(None)
+
+    def _unload_lora_adapter(self, body):
+        name = body["lora_name"]
+        if name not in self.adapters:
+            return self._lora_reply(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}")
+        with self.lock:
+            del self.adapters[name]
+        return self._lora_reply(None)
+
+    def _read_adapter(self, path: Path) -> dict[str, torch.Tensor]:
+        """A PEFT adapter directory -> tensors for self.lora (native names, max_lora_rank wide)."""
+        from safetensors.torch import load_file
+
+        config = json.loads((path / CONFIG_FILE).read_text())
+        rank, scaling = int(config["r"]), float(config["lora_alpha"]) / int(config["r"])
+        if rank > self.lora.rank:
+            raise ValueError(f"LoRA rank {rank} exceeds --max-lora-rank {self.lora.rank}")
+        padded = {k: torch.zeros_like(t) for k, t in self.lora.tensors().items()}
+        for key, t in load_file(str(path / WEIGHTS_FILE)).items():
+            module, _, leaf = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+            if module not in self.lora_modules:
+                raise ValueError(f"{module} is not among --lora-target-modules")
+            target = padded[f"{self.lora_modules[module]}.lora_{leaf}"]
+            if leaf.startswith("A"):
+                target[:rank] = t
+            else:
+                target[:, :rank] = t.to(target.dtype) * scaling
+        return padded
+
+    def _request_adapters(self, lora_path, rows: int) -> list:
+        """GenerateReqInput.lora_path -> one adapter name (or None) per input row."""
+        names = [lora_path] * rows if lora_path is None or isinstance(lora_path, str) else lora_path
+        if len(names) != rows:
+            raise BadRequest(f"lora_path: {len(names)} entries for {rows} inputs")
+        unloaded = sorted({n for n in names if n is not None} - set(self.adapters))
+        if unloaded:
+            raise BadRequest(f"The following requested LoRA adapters are not loaded: {unloaded}\n"
+                             f"Loaded adapters: {list(self.adapters)}.")
+        return names
+
+    def _use_adapter(self, name: str | None) -> None:
+        """The engine's LoRA module computes with this adapter (None: zeros, the base model)."""
+        if self.lora is not None:
+            self.lora.load(self.adapters[name][1] if name is not None else
+                           {k: torch.zeros_like(t) for k, t in self.lora.tensors().items()})
+
     # ------------------------------------------------------------------------- memory, pause
     def _release_memory_occupation(self, body):
         if self.in_flight:
@@ -763,8 +863,11 @@ def main(argv=None) -> None:
     parser.add_argument("--max-running-requests", type=int)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--base-gpu-id", type=int, default=0)
+    parser.add_argument("--max-lora-rank", type=int)
+    parser.add_argument("--lora-target-modules", nargs="*")
     for flag in ("--skip-tokenizer-init", "--skip-server-warmup", "--enable-return-routed-experts",
-                 "--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-deterministic-inference"):
+                 "--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-deterministic-inference",
+                 "--enable-lora"):
         parser.add_argument(flag, action="store_true")
     args = parser.parse_args(argv)
     dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
@@ -774,7 +877,9 @@ def main(argv=None) -> None:
                            enable_memory_saver=args.enable_memory_saver,
                            enable_weights_cpu_backup=args.enable_weights_cpu_backup,
                            enable_deterministic_inference=args.enable_deterministic_inference,
-                           max_running_requests=args.max_running_requests, device=args.device)
+                           max_running_requests=args.max_running_requests, device=args.device,
+                           enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+                           lora_target_modules=args.lora_target_modules)
     server.httpd.serve_forever()
 
 
