@@ -55,6 +55,9 @@ class Sample:
     selected_keys: Optional[torch.Tensor] = None
     # Speculative rollout (rollout.speculative): (verify steps, draft tokens accepted) of this sample.
     draft_stats: Optional[tuple[int, int]] = None
+    # Vision-language prompts: {"pixel_values", "image_grid_thw"} of the prompt's images (the n
+    # samples of a prompt hold the same tensors: pickled once), or None.
+    images: Optional[dict] = None
 
 
 @dataclass
@@ -79,6 +82,9 @@ class TrainBatch:
     # R3 of DSA models (empty without): the engine's selected keys [N, T, index_layers, index_topk],
     # laid out as `tokens`; -1 where nothing was recorded.
     selected_keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # Vision-language prompts (empty without): per sample its Sample.images (a dict or None), a list
+    # because samples hold images of different sizes; the trainer's micro-batches take them along.
+    images: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -97,6 +103,7 @@ class TrainBatch:
             returns=rows(self.returns),
             routed_experts=rows(self.routed_experts),
             selected_keys=rows(self.selected_keys),
+            images=rows(self.images),
         )
 
 
@@ -118,7 +125,8 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: i
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards,
                       routed_experts=_batch_record(samples, width, "routed_experts", 0),
-                      selected_keys=_batch_record(samples, width, "selected_keys", -1))
+                      selected_keys=_batch_record(samples, width, "selected_keys", -1),
+                      images=[s.images for s in samples] if any(s.images is not None for s in samples) else [])
 
 
 def _batch_record(samples: list[Sample], width: int, name: str, fill: int) -> torch.Tensor:

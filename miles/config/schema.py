@@ -118,6 +118,8 @@ class Quant(str, Enum):
 class TaskKind(str, Enum):
     arithmetic = "arithmetic"  # built-in synthetic task (seeded, exact-match reward, held-out split)
     file = "file"  # user prompt data in JSONL / Parquet
+    images = "images"  # JSONL / Parquet records whose prompt holds image parts (vision-language models)
+    shape_count = "shape_count"  # built-in visual task: count the shapes of one colour (seeded images)
 
 
 @dataclass
@@ -243,6 +245,7 @@ class TaskCfg:
     ops: str = "+"
     eval_fraction: float = 0.1
     eval_size: int = 256
+    train_size: int = 2000  # kind=shape_count: training images (the held-out split shares none)
     train_file: Optional[str] = None
     eval_file: Optional[str] = None
     prompt_key: str = "prompt"
@@ -382,6 +385,7 @@ class TrainerCfg:
     max_tokens_per_micro_batch: int = 8192  # packed rows: tokens per forward / backward
     share_prompts: bool = True  # packed rows on the masked kernel: a prompt's tokens computed once for its n samples
     lora: LoRACfg = field(default_factory=LoRACfg)  # rank > 0: train adapters, not the policy's weights
+    freeze_vision: bool = True  # vision-language models: the vision tower is not trained (false: it is)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg
                                  TrainerBackend, WeightSync)
 from miles.config.debug_rules import debug_problems
 from miles.config.lora_rules import lora_problems
+from miles.config.vlm_rules import vlm_problems
 
 __all__ = ["ConfigError", "check", "validate"]  # ConfigError lives in miles.config.errors; re-exported here
 
@@ -181,6 +182,7 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
     problems += lora_problems(cfg)
+    problems += vlm_problems(cfg)
     if cfg.rollout.num_engines < 1:
         problems.append(f"rollout.num_engines must be >= 1 (got {cfg.rollout.num_engines})")
     elif cfg.rollout.num_engines > 1 and cfg.rollout.max_turns > 1:

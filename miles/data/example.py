@@ -15,10 +15,12 @@ class Example:
 
     `messages`: the record's conversation (role / content dicts) when its prompt field held one;
     `prompt` is then its last user turn, for logs. `fields`: the record's other fields, handed to
-    the reward function as keyword info.
+    the reward function as keyword info. `images`: the PIL images of an image prompt's parts, in
+    order (the `messages` then hold `{"type": "image"}` parts; miles/data/images.py).
     """
 
     prompt: str
     label: str
     messages: tuple[dict, ...] | None = field(default=None, hash=False)
     fields: dict = field(default_factory=dict, compare=False, hash=False)
+    images: tuple = field(default=(), compare=False, hash=False)

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from PIL import Image, UnidentifiedImageError
 
+from miles.data.example import Example
 from miles.data.prompts import DataError
 
 
@@ -46,6 +47,15 @@ def load_image_file(path: str | Path, prompt_key: str = "prompt", label_key: str
     else:
         raise DataError(f"{path}: image data must be .jsonl or .parquet")
     return [_example(record, prompt_key, label_key, path.parent, where) for where, record in records]
+
+
+def to_example(ex: ImageExample) -> Example:
+    """The run's Example of an image record: its messages and images; `prompt` (for logs) the text
+    of its last user turn."""
+    last_user = next(m for m in reversed(ex.messages) if m.get("role") == "user")
+    content = last_user["content"]
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+    return Example(prompt=text, label=ex.label, messages=ex.messages, images=ex.images)
 
 
 def preprocess(images: list[Image.Image], processor) -> dict[str, Any]:

@@ -9,6 +9,9 @@
 
 SFT of a conversation trains on the assistant turns only: each turn is tokenized as the template
 renders it after the turns before it, so prompt, tool and role tokens carry no loss.
+
+An example with images (a vision-language run) is encoded by `vision` (miles/data/vision_inputs.py):
+the template's image placeholders widened to the image's merged patches, plus its pixels.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from miles.data.example import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
+from miles.data.vision_inputs import VisionInputs
 
 NO_TEMPLATE = ("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja): use a chat "
                "model's tokenizer")
@@ -23,8 +27,9 @@ NO_TEMPLATE = ("the tokenizer has no chat_template (tokenizer_config.json or cha
 
 class PromptFormat:
     def __init__(self, tok: TokenizerInfo, apply_chat_template: bool, system_prompt: str | None = None,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, vision: VisionInputs | None = None):
         self.tok, self.apply, self.system_prompt, self.tools = tok, apply_chat_template, system_prompt, tools or None
+        self.vision = vision
         if (apply_chat_template or tools) and tok.chat_template is None:
             needs = "task.tools" if tools else "task.apply_chat_template=true"
             raise ValueError(f"{needs} needs a chat template, but {NO_TEMPLATE} or set task.apply_chat_template=false")
@@ -48,12 +53,21 @@ class PromptFormat:
             return example.prompt
         return self.template.render(self.messages(example), add_generation_prompt=True, tools=self.tools)
 
+    def encode(self, example: Example) -> tuple[list[int], dict | None]:
+        """(prompt ids, the images' {"pixel_values", "image_grid_thw"} or None) the engine is given."""
+        if not example.images:
+            return encode_prompt(self.tok, self(example)), None
+        if self.vision is None:
+            raise ValueError("image prompts need a vision-language model whose checkpoint has an image processor "
+                             "(preprocessor_config.json): set model=qwen2_5_vl_tiny or a Qwen2.5-VL model.hf_checkpoint")
+        return self.vision.encode(self(example), example.images)
+
     def sft_sequence(self, example: Example, target: str) -> tuple[list[int], list[int], list[int]]:
         """(prompt ids, response ids, response loss mask) of one SFT example: a record with a
         reference conversation trains on its assistant turns; otherwise the reply is `target`
         followed by eos."""
         reply = example.messages[len(prompt_turns(example.messages)):] if example.messages else []
-        prompt_ids = encode_prompt(self.tok, self(example))
+        prompt_ids = self.encode(example)[0]
         if not reply:
             ids = self.tok.tokenizer.encode(target, add_special_tokens=False).ids
             ids += [self.tok.eos_id] if self.tok.eos_id is not None else []

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from miles.data.example import Example
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 70, 220)}
 SHAPES = ("circle", "square", "triangle")
 _SPLITS = {"train": 0, "eval": 1}
@@ -96,7 +98,18 @@ def write_split(directory: str | Path, scenes: list[ShapeScene], name: str) -> P
     return path
 
 
-def reward(response: str, label: str) -> float:
-    """1.0 when the last integer in the response equals the label, else 0.0."""
+def examples(seed: int, split: str, size: int, train_size: int = 0) -> list[Example]:
+    """The split as the run's Examples (images rendered in memory, the record format of write_split)."""
+    out = []
+    for s in split_scenes(seed, split, size, train_size):
+        content = ({"type": "image"}, {"type": "text", "text": s.question})
+        out.append(Example(prompt=s.question, label=str(s.answer), images=(s.render(),),
+                           messages=({"role": "user", "content": list(content)},)))
+    return out
+
+
+def reward(response: str, label: str, **info) -> float:
+    """1.0 when the last integer in the response equals the label, else 0.0 (`task.reward:
+    miles.data.shape_count.reward`; the record's info is not needed)."""
     numbers = re.findall(r"-?\d+", response)
     return float(bool(numbers) and int(numbers[-1]) == int(label))

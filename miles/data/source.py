@@ -1,7 +1,8 @@
 """Prompt source of a run: the next training prompts of each step and the held-out eval set.
 
-Built-in arithmetic draws fresh problems from a seeded generator; a prompt file is read in
-epochs, each in a fresh seeded order (`task.shuffle`) or in file order. Either way the order
+Built-in arithmetic draws fresh problems from a seeded generator; a prompt file (text, or records
+with images: kind=images), or the generated splits of the visual task (kind=shape_count), is read
+in epochs, each in a fresh seeded order (`task.shuffle`) or in file order. Either way the order
 depends only on `seed`.
 """
 
@@ -11,7 +12,9 @@ import numpy as np
 
 from miles.config.schema import TaskCfg, TaskKind
 from miles.data.arithmetic import ArithmeticTask
+from miles.data import shape_count
 from miles.data.example import Example
+from miles.data.images import load_image_file, to_example
 from miles.data.prompts import load_prompt_file
 from miles.data.tokenizer import DEFAULT_ALPHABET
 
@@ -27,12 +30,18 @@ class PromptSource:
             self.eval = self.task.eval_set()
         else:
             self.task = None
-            self.train = self._load(cfg.train_file)
-            self.eval = self._load(cfg.eval_file)[: cfg.eval_size] if cfg.eval_file else []
+            if cfg.kind == TaskKind.shape_count:
+                self.train = shape_count.examples(seed, "train", cfg.train_size)
+                self.eval = shape_count.examples(seed, "eval", cfg.eval_size, train_size=cfg.train_size)
+            else:
+                self.train = self._load(cfg.train_file)
+                self.eval = self._load(cfg.eval_file)[: cfg.eval_size] if cfg.eval_file else []
             self._order, self._pos = self._epoch_order(), 0
 
     def _load(self, path: str) -> list[Example]:
         cfg = self.cfg
+        if cfg.kind == TaskKind.images:
+            return [to_example(ex) for ex in load_image_file(path, cfg.prompt_key, cfg.label_key)]
         return load_prompt_file(path, cfg.prompt_key, cfg.label_key, label_extractor=cfg.label_extractor)
 
     def _epoch_order(self) -> np.ndarray:
@@ -73,5 +82,6 @@ class PromptSource:
             chars.update(ex.prompt, ex.label)
             # Every turn reaches the model, not only the last user one kept in `prompt`.
             for message in ex.messages or ():
-                chars.update(message["content"])
+                content = message["content"]  # text, or (image prompts) a list of parts
+                chars.update(content if isinstance(content, str) else "".join(p.get("text", "") for p in content))
         return "".join(sorted(chars))

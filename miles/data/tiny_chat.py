@@ -8,6 +8,9 @@ positions on each), every turn closed by the tokenizer's eos, tool calls written
     <bos><|user|>What is 123*456?<eos><|assistant|><tool_call>{"name": "calculator",
     "arguments": {"expression": "123*456"}}</tool_call><eos><|tool|>56088<eos><|assistant|>56088<eos>
 
+A turn whose content is a list of parts (an image prompt, miles/data/images.py) writes its text
+parts as they are and each image part as Qwen's `<|vision_start|><|image_pad|><|vision_end|>`.
+
 The tool schemas are not rendered into the prompt (hundreds of characters a tiny model does not
 need); a real model's template does that.
 """
@@ -25,7 +28,11 @@ CHAT_ALPHABET = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
 
 TINY_CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
-    "<|{{ m.role }}|>{{ m.content }}"
+    "<|{{ m.role }}|>"
+    "{%- if m.content is string -%}{{ m.content }}{%- else -%}"
+    "{%- for part in m.content -%}"
+    "{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- else -%}{{ part.text }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
     "{%- for call in m.tool_calls or [] -%}"
     "{%- set f = call.function if call.function is defined else call -%}"
     '<tool_call>{"name": {{ f.name | tojson }}, "arguments": '

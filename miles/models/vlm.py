@@ -6,6 +6,8 @@ merged patch features replace the image placeholder tokens' embeddings, with mRo
 A prompt holds, per image, `<vision_start> <image_pad> x n <vision_end>` with n = t * h * w / m^2
 (what the family's processor writes); images appear in `image_grid_thw` order across the batch.
 Without pixel_values the model is its text decoder (mRoPE with three equal positions is RoPE).
+A sampled response may hold the image token too (a tiny random model's does); `image_mask` then
+says which placeholders the images fill (the prompt's), the others are text.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ class VisionLM(CausalLM):
         pixel_values: Optional[torch.Tensor] = None,
         image_grid_thw: Optional[torch.Tensor] = None,
         mrope_position_ids: Optional[torch.Tensor] = None,
+        image_mask: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> torch.Tensor:
         """Logits [B, T, V]. pixel_values / image_grid_thw: the processor's output for the batch's
         images; mrope_position_ids [3, B, T] default to `mrope_positions` (left padding honoured
-        through attention_mask). Other arguments as CausalLM.forward."""
+        through attention_mask); image_mask [B, T]: the placeholders the images fill (default:
+        every image token). Other arguments as CausalLM.forward."""
         embeds = self.embed_tokens(input_ids)
         if pixel_values is not None:
             features = self.visual(pixel_values, image_grid_thw).to(embeds.dtype)
-            slots = input_ids == self.config.vision.image_token_id
+            slots = input_ids == self.config.vision.image_token_id if image_mask is None else image_mask
             if int(slots.sum()) != features.shape[0]:
                 raise ValueError(f"{int(slots.sum())} image tokens in input_ids but the images give "
                                  f"{features.shape[0]} features (grids {image_grid_thw.tolist()})")
@@ -53,26 +57,30 @@ class VisionLM(CausalLM):
             # caller that ran the prompt knows.
             raise ValueError("decoding with a cache needs mrope_position_ids (see mrope_positions)")
         if mrope_position_ids is None:
-            mrope_position_ids = mrope_positions(input_ids, image_grid_thw, self.config, attention_mask)
+            mrope_position_ids = mrope_positions(input_ids, image_grid_thw, self.config, attention_mask, image_mask)
         return super().forward(input_ids, attention_mask, inputs_embeds=embeds,
                                mrope_position_ids=mrope_position_ids, **kwargs)
 
 
 def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], cfg: ArchConfig,
-                    attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    attention_mask: Optional[torch.Tensor] = None,
+                    image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[3, B, T] (temporal, height, width) positions: text tokens count up on all three axes; an
     image's tokens sit on its merged grid starting at the position after the text before it, and
-    the text after it resumes at 1 + that start + max(h, w) / m. Pad tokens (mask 0) get 1."""
+    the text after it resumes at 1 + that start + max(h, w) / m. Pad tokens (mask 0) get 1.
+    image_mask [B, T]: the image placeholders (default: every image token)."""
     vision = cfg.vision
     b, t = input_ids.shape
     out = torch.ones(3, b, t, dtype=torch.long, device=input_ids.device)
     grids = iter([] if image_grid_thw is None else [tuple(int(v) for v in g) for g in image_grid_thw.tolist()])
+    if image_mask is None:
+        image_mask = input_ids == vision.image_token_id
     for row in range(b):
         keep = torch.ones(t, dtype=torch.bool) if attention_mask is None else attention_mask[row].bool().cpu()
-        ids = input_ids[row].cpu()[keep].tolist()
+        ids = image_mask[row].cpu()[keep].tolist()
         pos, cols, i = 0, [], 0
         while i < len(ids):
-            if ids[i] != vision.image_token_id:
+            if not ids[i]:
                 cols.append(torch.full((3, 1), pos))
                 pos, i = pos + 1, i + 1
                 continue

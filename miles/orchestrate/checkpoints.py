@@ -18,12 +18,14 @@ from miles.config.schema import (AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCf
                                  TrainerCfg)
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo, build_char_tokenizer, save_tokenizer
-from miles.models import CausalLM, save_pretrained
+from miles.data.vision_inputs import VISION_TOKENS, save_image_processor, vision_token_ids
+from miles.models import save_pretrained
+from miles.models.hf_io import model_class
 from miles.orchestrate.prompting import prompt_setup, uses_chat
 
 # With the chat model's template and end-of-turn ids where it has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json")
 # Bump when the warm-start recipe changes, so stale cached checkpoints are rebuilt.
 WARM_START_VERSION = 1
 # The built-in OPD teacher: the warm-start recipe continued until it solves this share of training problems.
@@ -39,14 +41,22 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
 
 def random_checkpoint(model: ModelCfg, alphabet: str, seed: int, out: str | Path, chat: bool = False) -> Path:
     """A seeded, randomly initialized model of `model`'s sizes with a char tokenizer over `alphabet`
-    (`chat`: with the tiny chat format, miles/data/tiny_chat.py)."""
+    (`chat`: with the tiny chat format, miles/data/tiny_chat.py). A vision-language model's tokenizer
+    also carries Qwen's vision tokens (their ids replace the YAML's) and an image processor is saved."""
     out = Path(out)
     tok = build_char_tokenizer(alphabet, chat=chat)
+    vision = {}
+    if model.vision is not None:
+        tok.add_special_tokens(list(VISION_TOKENS))
+        vision = {"vision": replace(model.vision, **vision_token_ids(TokenizerInfo.from_tokenizer(tok)))}
     info = TokenizerInfo.from_tokenizer(tok)
-    arch = model.arch(info.vocab_size, bos_token_id=info.bos_id, eos_token_id=info.eos_id, pad_token_id=info.pad_id)
+    arch = model.arch(info.vocab_size, bos_token_id=info.bos_id, eos_token_id=info.eos_id, pad_token_id=info.pad_id,
+                      **vision)
     torch.manual_seed(seed)
-    save_pretrained(CausalLM(arch), out)
+    save_pretrained(model_class(arch)(arch), out)
     save_tokenizer(tok, out)
+    if arch.vision is not None:
+        save_image_processor(arch.vision, out)
     return out
 
 
@@ -84,7 +94,10 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     init = Path(cfg.model.hf_checkpoint) if from_hf else \
         random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init", chat=uses_chat(cfg, source))
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
-    trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size)
+    # A random init's vision tower is trained with the rest (this is its pretraining); a checkpoint's as
+    # trainer.freeze_vision says.
+    trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size,
+                             freeze_vision=from_hf and cfg.trainer.freeze_vision)
     device = cfg.hardware.device
     # A model with MTP modules trains them with the policy (as DeepSeek pretrains them), so a
     # speculative run starts from a draft that predicts the warm start's own outputs.

@@ -86,10 +86,16 @@ def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: flo
     # A fleet of engines samples each prompt group from its own seed (drawn from the driver's
     # checkpointed RNG), so the samples do not depend on which engine ran which group.
     seeds = {"seeds": [random.getrandbits(62) for _ in examples]} if isinstance(ctx.engine, EngineFleet) else {}
+    vision = {}
+    if any(e.images for e in examples):  # a VLM: token ids with the image placeholders, and the pixels
+        encoded = [ctx.fmt.encode(e) for e in examples]
+        vision = {"prompt_ids": [ids for ids, _ in encoded], "images": [images for _, images in encoded]}
     samples = ctx.engine.call("generate", [ctx.fmt(e) for e in examples], [e.label for e in examples], n,
-                              temperature, max_new_tokens, **seeds)
+                              temperature, max_new_tokens, **seeds, **vision)
     for s in samples:
         s.info = examples[s.group].fields
+        if vision:  # the trainer's forward takes them with the sample
+            s.images = vision["images"][s.group]
     return samples, {}
 
 
@@ -253,7 +259,8 @@ def sft_batch(examples: list[Example], tok: TokenizerInfo, fmt: PromptFormat | N
         target = ex.fields.get(target_key, ex.label) if target_key else ex.label
         prompt_ids, response_ids, mask = fmt.sft_sequence(ex, str(target))
         samples.append(Sample(prompt=ex.prompt, label=ex.label, prompt_ids=prompt_ids, response_ids=response_ids,
-                              rollout_logprobs=[], response_mask=mask))
+                              rollout_logprobs=[], response_mask=mask,
+                              images=fmt.encode(ex)[1] if ex.images else None))
     return build_train_batch(samples, torch.zeros(len(samples)), tok.pad_id or 0)
 
 

@@ -11,6 +11,7 @@ from miles.data.chat_template import TemplateError
 from miles.data.prompt_format import PromptFormat
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
+from miles.data.vision_inputs import VisionInputs
 from miles.rollout.multi_turn import MultiTurn, ToolTurns
 from miles.rollout.tools import build_toolbox
 
@@ -29,17 +30,19 @@ def prompt_setup(cfg: RunCfg, checkpoint_dir: Path, source: PromptSource) -> tup
 
     t, r = cfg.task, cfg.rollout
     tok = TokenizerInfo.load(checkpoint_dir)
-    max_context = json.loads((Path(checkpoint_dir) / "config.json").read_text())["max_position_embeddings"]
+    config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    max_context = {**config, **config.get("text_config", {})}["max_position_embeddings"]  # VLMs nest the decoder's
     try:
         toolbox = build_toolbox(t.tools, t.sandbox) if t.tools else None
-        fmt = PromptFormat(tok, t.apply_chat_template, t.system_prompt, toolbox.schemas() if toolbox else None)
+        fmt = PromptFormat(tok, t.apply_chat_template, t.system_prompt, toolbox.schemas() if toolbox else None,
+                           VisionInputs.load(checkpoint_dir, tok))
         multi = None
         if toolbox is not None:
             multi = MultiTurn(fmt, toolbox, ToolTurns(tok, fmt.template, r.max_tool_response_tokens), r.max_turns,
                               r.max_new_tokens, max_context)
             multi.turns.tokens(["0"], tok.eos_id)  # the template renders a tool turn
         for example in source.train[:1] + source.eval[:1]:  # now, not at the first rollout
-            fmt(example)
+            fmt.encode(example)
     except (ValueError, TemplateError) as error:
         raise ConfigError([str(error)]) from None
     return fmt, multi

@@ -40,6 +40,15 @@ verifies them in one forward, with exact rejection sampling, so the samples and 
 the model's own (miles/rollout/spec_decode.py; the draft is the model's MTP module or a small model of
 `draft_dir`, trained online by the trainer). Each sample reports its `draft_stats`.
 
+Images (vision-language models, miles/models/vlm.py): `images=[{"pixel_values", "image_grid_thw"}
+or None per prompt]` with `prompt_ids` that hold one image placeholder per merged patch
+(miles/data/vision_inputs.py). The padded path runs the vision tower once per distinct prompt, in
+its prefill, and the n samples share it as they share the prefill; positions are mRoPE's, and the
+text decoded after the prompt continues from the prompt's largest mRoPE position + 1 on all three
+axes. The slot decoder does not take images (a VLM decodes on the padded path; docs/vlm.md).
+
+    samples = engine.generate(prompts, labels, n=4, prompt_ids=ids, images=pixels)
+
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
 so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
@@ -54,6 +63,7 @@ import torch
 from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, from_pretrained, invariant
+from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
 from miles.rollout.lora import engine_adapters, load_synced
@@ -155,6 +165,9 @@ class NativeEngine:
         spec = self.cfg.speculative
         if spec.kind == "none":
             return None
+        if self.model.config.vision is not None:
+            raise ValueError(f"rollout.speculative: {self.model.config.family} (vision-language) decodes on the padded "
+                             "path without a draft; set rollout.speculative.kind=none")
         if self.true_on_policy or self.routing_layers is not None:
             raise ValueError("rollout.speculative decodes on the padded path without routing records or the "
                              "trainer's kernels: set rollout.speculative.kind=none for R3 / true on-policy")
@@ -192,6 +205,11 @@ class NativeEngine:
         wanted = self._wants_slots()
         if self.spec is not None:  # the speculative decoder has its own layout (padded, or slots of its own)
             return False
+        if self.model.config.vision is not None:  # images (mRoPE offsets) are fed on the padded path only
+            if self.cfg.slot_decode:
+                raise ValueError(f"rollout.slot_decode=true: {self.model.config.family} (vision-language) decodes on "
+                                 "the padded path; set rollout.slot_decode=null")
+            return False
         if wanted and not self.model.supports_slot_decode:
             if self.cfg.slot_decode:
                 raise ValueError(f"rollout.slot_decode=true needs GQA attention in every layer; "
@@ -225,10 +243,12 @@ class NativeEngine:
         max_new_tokens: int | None = None,
         prompt_ids: list[list[int]] | None = None,
         seeds: list[int] | None = None,
+        images: list[dict | None] | None = None,
     ) -> list[Sample]:
         """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]. `prompt_ids`:
         the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`.
-        `seeds`: one per prompt; its group's sampling noise comes from a generator seeded by it."""
+        `seeds`: one per prompt; its group's sampling noise comes from a generator seeded by it.
+        `images`: one per prompt, its {"pixel_values", "image_grid_thw"} or None (a VLM; see above)."""
         self._check_resident("generate")
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
@@ -243,6 +263,7 @@ class NativeEngine:
                 f"max_position_embeddings ({limit}); lower rollout.max_new_tokens"
             )
         generators = self._group_generators(seeds, len(distinct))
+        vision = self._vision_inputs(images, len(distinct))
         with self._numerics():
             if self.spec is not None:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
@@ -256,7 +277,7 @@ class NativeEngine:
                     raise ValueError("true_on_policy=true on CUDA decodes in the slot layout (keys at their "
                                      "positions, as the trainer lays them out); this batch does not fit its "
                                      "cache: raise rollout.max_prompt_len")
-                decoded = self._generate_padded(distinct, n, temperature, max_new, generators)
+                decoded = self._generate_padded(distinct, n, temperature, max_new, generators, vision)
         samples = []
         for i, (ids, (resp, logprobs, stopped, routing, *rest)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
@@ -275,6 +296,20 @@ class NativeEngine:
                 )
             )
         return samples
+
+    def _vision_inputs(self, images: list[dict | None] | None, prompts: int) -> dict | None:
+        """A VLM's prefill inputs: the prompts' images concatenated in prompt order (None: a text model)."""
+        if self.model.config.vision is None:
+            if images is not None and any(im is not None for im in images):
+                raise ValueError(f"generate: images given to a text model ({self.model.config.family}); "
+                                 "use a vision-language model (e.g. model=qwen2_5_vl_tiny)")
+            return None
+        present = [im for im in images or () if im is not None]
+        if images is not None and len(images) != prompts:
+            raise ValueError(f"images: one entry (or None) per prompt, got {len(images)} for {prompts} prompts")
+        if not present:
+            return {}
+        return {key: torch.cat([im[key] for im in present]).to(self.device) for key in ("pixel_values", "image_grid_thw")}
 
     def _group_generators(self, seeds: list[int] | None, groups: int) -> list[torch.Generator] | None:
         """One generator per prompt group, seeded by its seed (None without seeds: the engine's own)."""
@@ -295,10 +330,11 @@ class NativeEngine:
         return stack
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float, max_new: int,
-                         generators: list[torch.Generator] | None = None
+                         generators: list[torch.Generator] | None = None, vision: dict | None = None,
                          ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None, DSA selected keys
-        or None) per sample: left-padded batch decode. `generators`: one per prompt group (seeds)."""
+        or None) per sample: left-padded batch decode. `generators`: one per prompt group (seeds).
+        `vision` (a VLM; None otherwise): the prompts' pixel_values / image_grid_thw, {} without images."""
         cfg = self.cfg
         batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
@@ -313,8 +349,13 @@ class NativeEngine:
 
         cache = self.model.new_cache(len(distinct), width + max_new, dtype=self.dtype, device=self.device)
         record = None if self.routing_layers is None else {}
+        if vision is not None:  # the tower runs here, once per distinct prompt; positions are mRoPE's
+            vision = {**vision, "mrope_position_ids": mrope_positions(tokens, vision.get("image_grid_thw"),
+                                                                      self.model.config, mask)}
         logits = self.model(tokens, attention_mask=mask, position_ids=positions, cache=cache,
-                            routing_record=record)[:, -1]
+                            routing_record=record, **(vision or {}))[:, -1]
+        if vision is not None:  # text after the prompt: from its largest mRoPE position + 1, on every axis
+            positions = positions + (vision["mrope_position_ids"].amax(dim=(0, 2)) + 1 - mask.sum(-1))[:, None]
         if record is not None:  # prompts' experts [P, width, L, k]; each sample's decode steps fill its row
             prompt_routing = stack_routing(record, self.routing_layers, self.routing_dtype)
             response_routing = prompt_routing.new_zeros(batch, max_new, *prompt_routing.shape[2:])
@@ -357,8 +398,9 @@ class NativeEngine:
                 mask, position = mask[keep], position[keep]
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=self.device)], dim=1)
             position = position + 1
+            mrope = {} if vision is None else {"mrope_position_ids": position[None].expand(3, -1, -1)}
             logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache,
-                                routing_record=record)[:, -1]
+                                routing_record=record, **mrope)[:, -1]
             if record is not None:  # the input was response token t of each batch row's sample
                 response_routing[rows, t] = stack_routing(record, self.routing_layers, self.routing_dtype)[:, 0]
             if keys:

@@ -6,7 +6,8 @@
 The LM head runs only at the loss positions (prompt tokens need no log-probs) and, through
 `chunked_ce`, never materializes the whole [tokens, vocab] logits. A recipe that would quantize
 the output matrix (it never does with the shipped `keep_high_precision`) gets the model's own head
-inside `Recipe.forward` instead, so its fake quantization is kept. `enable_recompute` makes each
+inside `Recipe.forward` instead, so its fake quantization is kept. A vision-language model gets the
+micro-batch's images and mRoPE positions (miles/trainer/packing.py) as keyword inputs. `enable_recompute` makes each
 decoder layer recompute its activations in backward.
 """
 
@@ -57,6 +58,7 @@ def token_logprobs_of(model: CausalLM, recipe: Recipe, mb: MicroBatch, temperatu
     input layout) to route by / to fill, as `CausalLM.forward` takes them."""
     routing = {k: v for k, v in (("routing_replay", routing_replay), ("routing_record", routing_record))
                if v is not None}
+    routing.update(mb.vision_inputs())  # a VLM's images and mRoPE positions
     if chunk_tokens > 0 and head_outside(model, recipe):
         hidden = gather_outputs(functools.partial(recipe.forward, model), mb, return_hidden=True, **routing)
         logp, entropy = hidden_logprobs(hidden, model.output_weight, mb.targets, temperature, with_entropy,

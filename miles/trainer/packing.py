@@ -12,6 +12,10 @@ Both give, for every loss position, `src` (its flat index in the forward's [R * 
 (its flat index in the micro-batch's [n * (T-1)] loss layout) and `targets` (the token it predicts).
 When the batch carries the engine's routed experts (R3), `routing` holds them laid out exactly as
 `input_ids` (gathered with the same index arithmetic; expert 0 on padding), ready to replay.
+A vision-language model's micro-batch carries its mRoPE positions the same way (each sample's own,
+computed on its whole sequence) and the images of the prompts it lays out, in layout order (a
+prompt laid out once for its n samples, shared_prompt_micro_batches, brings its images once), so
+every packing keeps each sample's images with it.
 Plans are built on the host; `MicroBatch.to` moves one to the device without a host sync.
 """
 
@@ -43,8 +47,23 @@ class MicroBatch:
     branch_ids: Optional[torch.Tensor] = None  # [R, L] shared prompts: 0 = a prompt, 1..n its responses
     cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] int32: row-major bounds of samples and tails
     max_seqlen: int = 0  # longest of those blocks
+    # Packed rows: (flat index, sample, position) of every laid-out token, on the host (vision inputs are gathered by it).
+    layout: Optional[tuple] = None
     routing: Optional[torch.Tensor] = None  # [R, L, moe_layers, k] the engine's experts per input token (R3)
     selected_keys: Optional[torch.Tensor] = None  # [R, L, index_layers, index_topk] DSA keys kept (R3; padded)
+    mrope_position_ids: Optional[torch.Tensor] = None  # [3, R, L] a VLM's positions (miles.models.vlm)
+    image_mask: Optional[torch.Tensor] = None  # [R, L] the prompts' image placeholders (not a response's image tokens)
+    pixel_values: Optional[torch.Tensor] = None  # the laid-out prompts' images, in layout order
+    image_grid_thw: Optional[torch.Tensor] = None  # [images, 3]
+
+    def vision_inputs(self) -> dict:
+        """The keyword inputs of a VisionLM forward ({} for a text model)."""
+        if self.mrope_position_ids is None:
+            return {}
+        out = {"mrope_position_ids": self.mrope_position_ids, "image_mask": self.image_mask}
+        if self.pixel_values is not None:
+            out.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        return out
 
     @property
     def num_samples(self) -> int:
@@ -70,12 +89,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in fields(batch)})
+    """The batch's tensors on the device; its images stay where they are (the micro-batches move theirs)."""
+    return replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def select(batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
-    """The rows `index` of every per-sample tensor (optional fields left empty stay empty)."""
-    def rows(t: torch.Tensor) -> torch.Tensor:
+    """The rows `index` of every per-sample tensor or list (optional fields left empty stay empty)."""
+    def rows(t):
+        if isinstance(t, list):
+            return [t[i] for i in index.tolist()] if t else t
         return t.index_select(0, index) if len(t) else t
 
     return replace(batch, **{f.name: rows(getattr(batch, f.name)) for f in fields(batch)})
@@ -86,7 +109,10 @@ def plan_micro_batches(batch: TrainBatch, model: CausalLM, cfg: TrainerCfg, devi
     """The micro-batches of `batch` for `model` under `cfg` (pack_sequences, max_tokens_per_micro_batch,
     micro_batch_size), on the device. With the variable-length kernel a micro-batch is one row
     (attention costs sum len_i^2 however long the row is); with the masked kernel rows are as wide
-    as the longest sample (a row of L costs L^2), several per micro-batch."""
+    as the longest sample (a row of L costs L^2), several per micro-batch.
+    A VLM's micro-batches carry their mRoPE positions and images (`with_vision`)."""
+    if len(batch.images) and model.config.vision is None:
+        raise ValueError(f"the batch carries images but the model ({model.config.family}) has no vision tower")
     if not (cfg.pack_sequences and model.supports_packing):
         plan = padded_micro_batches(batch, cfg.micro_batch_size)
     else:
@@ -97,7 +123,52 @@ def plan_micro_batches(batch: TrainBatch, model: CausalLM, cfg: TrainerCfg, devi
             plan = shared_prompt_micro_batches(batch, max_tokens)
         else:
             plan = packed_micro_batches(batch, max_tokens, max_tokens if varlen else None)
+    if model.config.vision is not None:
+        image_mask = prompt_image_mask(batch, model.config)
+        mrope = batch_mrope_positions(batch, model.config, image_mask)
+        plan = [with_vision(mb, batch, mrope, image_mask) for mb in plan]
     return [mb.to(device) for mb in plan]
+
+
+def prompt_image_mask(batch: TrainBatch, config) -> torch.Tensor:
+    """[N, T] the image placeholders of each sample's prompt (the tokens before its first loss
+    target): an image token the policy sampled in a response is text."""
+    mask = batch.loss_mask > 0
+    prompt_len = torch.where(mask.any(-1), mask.int().argmax(-1) + 1, batch.tokens.shape[1])
+    in_prompt = torch.arange(batch.tokens.shape[1]) < prompt_len[:, None]
+    return (batch.tokens == config.vision.image_token_id) & in_prompt
+
+
+def batch_mrope_positions(batch: TrainBatch, config, image_mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's mRoPE positions [N, 3, T] on its own right-padded row (pads after the sample
+    change no position of it), as the engine gave its prompt and response."""
+    from miles.models.vlm import mrope_positions
+
+    grids = [im["image_grid_thw"] for im in batch.images if im is not None]
+    return mrope_positions(batch.tokens, torch.cat(grids) if grids else None, config,
+                           image_mask=image_mask).transpose(0, 1)
+
+
+def with_vision(mb: MicroBatch, batch: TrainBatch, mrope: torch.Tensor, image_mask: torch.Tensor) -> MicroBatch:
+    """`mb` with its mRoPE positions and image placeholders (each input token's, gathered from
+    `mrope` [N, 3, T] and `image_mask` [N, T] as the tokens were) and the images of the prompts it
+    lays out, in the order their tokens appear."""
+    r, cols = mb.input_ids.shape
+    if mb.segment_ids is None:  # padded: sample mb.index[k] in row k from column 0
+        flat = torch.arange(r * cols)
+        sample, pos = mb.index.repeat_interleave(cols), torch.arange(cols).repeat(r)
+    else:
+        flat, sample, pos = mb.layout
+    positions = torch.zeros(3, r * cols, dtype=torch.long)
+    positions[:, flat] = mrope[sample, :, pos].T
+    placeholders = torch.zeros(r * cols, dtype=torch.bool)
+    placeholders[flat] = image_mask[sample, pos]
+    starts = pos == 0  # where a sample's prompt is laid out
+    owners = sample[starts][flat[starts].argsort()].tolist()
+    images = [batch.images[i] for i in owners if batch.images and batch.images[i] is not None]
+    return replace(mb, mrope_position_ids=positions.view(3, r, cols), image_mask=placeholders.view(r, cols),
+                   pixel_values=torch.cat([im["pixel_values"] for im in images]) if images else None,
+                   image_grid_thw=torch.cat([im["image_grid_thw"] for im in images]) if images else None)
 
 
 def padded_micro_batches(batch: TrainBatch, size: int) -> list[MicroBatch]:
@@ -191,7 +262,7 @@ def _packed(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> Mic
         dst=(owner * width + pos)[is_loss], targets=batch.tokens[sample, pos + 1][is_loss], width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         cu_seqlens=bounds.to(torch.int32), max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
-        routing=_gather_routing(batch, (r, cols), flat, sample, pos),
+        routing=_gather_routing(batch, (r, cols), flat, sample, pos), layout=(flat, sample, pos),
     )
 
 
@@ -201,7 +272,8 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
     `branch_ids` keep each response from seeing the others. The prompt's last token predicts every
     sample's first response token, so its hidden state serves n loss positions. Groups are samples
     whose tokens before their first loss target are equal (the n samples of a prompt); rows are as
-    wide as the longest group, best-fit decreasing, max_tokens // width rows per micro-batch."""
+    wide as the longest group, best-fit decreasing, max_tokens // width rows per micro-batch.
+    Image prompts share only with the same images."""
     mask = batch.loss_mask > 0
     width = mask.shape[1]
     has_loss = mask.any(-1)
@@ -212,7 +284,8 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
     groups: dict[tuple, list[int]] = {}
     for i in has_loss.nonzero().squeeze(1).tolist():
         prompt = first[i] + 1  # tokens [0, prompt) are shared: the last of them predicts the first target
-        groups.setdefault((prompt, tuple(batch.tokens[i, :prompt].tolist())), []).append(i)
+        key = (prompt, tuple(batch.tokens[i, :prompt].tolist()), _image_key(batch, i))
+        groups.setdefault(key, []).append(i)
     units = [(key[0], members) for key, members in groups.items()]
     sizes = [prompt + sum(last[i] + 1 - prompt for i in members) for prompt, members in units]
     capacity = max(sizes)
@@ -220,6 +293,12 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
     per_micro_batch = max(1, max_tokens // capacity)
     return [_shared(batch, [[units[u] for u in row] for row in rows[k:k + per_micro_batch]], last)
             for k in range(0, len(rows), per_micro_batch)]
+
+
+def _image_key(batch: TrainBatch, i: int):
+    """What tells two prompts of equal tokens apart: their images (placeholders are the same ids)."""
+    image = batch.images[i] if batch.images else None
+    return None if image is None else hash(image["pixel_values"].numpy().tobytes())
 
 
 def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: list[int]) -> MicroBatch:
@@ -268,4 +347,5 @@ def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: li
         dst=torch.tensor(dst), targets=torch.tensor(targets), width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         branch_ids=branch_ids.view(r, cols), routing=_gather_routing(batch, (r, cols), flat, sample, pos),
+        layout=(flat, sample, pos),
     )

@@ -21,6 +21,8 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   (miles/models/invariant.py) on padded rows, what the engine computes in its decode.
 - bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
   the device until the end of the call, so no host sync per micro-batch.
+- Vision-language models: micro-batches carry each sample's images and mRoPE positions
+  (miles/trainer/packing.py); `trainer.freeze_vision` keeps the vision tower out of the optimizer.
 - Colocation (`rollout.colocate`): `offload(tags)` parks the parameters (policy, reference, teacher)
   and the optimizer state in pinned host memory and drops the gradients while the engine has the
   GPU; `onload(tags)` brings them back, and training continues bit for bit (miles/trainer/offload.py).
@@ -137,6 +139,8 @@ class TorchTrainer:
         if teacher_dir is not None:
             teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
             self.teacher = teacher.eval().requires_grad_(False)
+        if self.model.config.vision is not None and cfg.freeze_vision:  # trainer.freeze_vision: no gradient
+            self.model.visual.requires_grad_(False)
         if cfg.lora.rank > 0:  # after the reference copy: the reference is the base model
             self.lora = lora_side.attach(self.model, cfg.lora, precision, seed)
         if cfg.recompute:
@@ -190,10 +194,12 @@ class TorchTrainer:
 
     def _policy_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the policy's optimizer and gradient clipping see: all but the MTP modules'
-        ("mtp.*"), which only the draft's trainer updates (or none, without one); with LoRA the adapters only."""
+        ("mtp.*"), which only the draft's trainer updates (or none, without one), and a frozen vision
+        tower's (trainer.freeze_vision); with LoRA the adapters only."""
         if self.lora is not None:
             return list(self.lora.parameters())
-        return [p for name, p in self.model.named_parameters() if not name.startswith(MTP_PREFIX)]
+        frozen = (MTP_PREFIX, "visual.") if self.cfg.freeze_vision else (MTP_PREFIX,)
+        return [p for name, p in self.model.named_parameters() if not name.startswith(frozen)]
 
     # ----------------------------------------------------------------------------- data parallelism
     # What the ranks change is `self.parallel`'s (miles/trainer/parallel.py): the identity in one process.

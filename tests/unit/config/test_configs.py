@@ -29,7 +29,9 @@ def plan_only(hardware: str) -> list[str]:
 
 
 # Options that run on a GPU only: validated as a one-GPU plan.
-GPU_ONLY = {("trainer", "megatron"): ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true"]}
+# Options that need another group's choice to validate: Megatron a GPU, the visual task a vision-language model.
+GPU_ONLY = {("trainer", "megatron"): ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true"],
+            ("task", "shape_count"): ["model=qwen2_5_vl_tiny"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
