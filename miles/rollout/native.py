@@ -51,7 +51,8 @@ axes. The slot decoder does not take images (a VLM decodes on the padded path; d
 
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
-so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout.
+so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout,
+dense models from CUDA graphs captured under those kernels (the same kernels, launched at once).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class NativeEngine:
             self.key_layers = index_layers(config)
             self.keys_dtype = keys_dtype(config.max_position_embeddings)
         self.spec = self._speculative(draft_dir, max_slots)
-        self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
+        with self._numerics():  # the decode graphs are captured here: with true on-policy's kernels
+            self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
         # Colocation (release_memory / resume_memory): what is off the device now.
         self.weights_memory = EngineWeights(self.model, self.flat, self.device)
         self.released: set[str] = set()
@@ -225,7 +227,7 @@ class NativeEngine:
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
         # (So recording the routing, which only MoE models do, never meets a captured graph.)
-        graphs = cfg.cuda_graphs and self.model.config.moe is None and not self.true_on_policy
+        graphs = cfg.cuda_graphs and self.model.config.moe is None
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
                            routing=routing)
@@ -326,7 +328,8 @@ class NativeEngine:
         stack = contextlib.ExitStack()
         stack.enter_context(invariant.kernels())
         stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                           enabled=self.autocast_dtype != torch.float32))
+                                           enabled=self.autocast_dtype != torch.float32,
+                                           cache_enabled=False))  # no cached casts inside a graph capture
         return stack
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float, max_new: int,
@@ -512,7 +515,8 @@ class NativeEngine:
                 self.slots.allocate(capture=False)
             self.released.discard(KV_CACHE)
         if self.slots is not None and not self.released:
-            self.slots.capture()  # no-op without graphs, or when they are still captured
+            with self._numerics():
+                self.slots.capture()  # no-op without graphs, or when they are still captured
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
