@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pyarrow.parquet as pq
 from PIL import Image, UnidentifiedImageError
 
 from miles.data.example import Example
-from miles.data.prompts import DataError
+from miles.data.prompts import DataError, jsonl_records
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def load_image_file(path: str | Path, prompt_key: str = "prompt", label_key: str
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     if path.suffix == ".jsonl":
-        records = _jsonl_records(path)
+        records = jsonl_records(path)
     elif path.suffix == ".parquet":
         records = ((f"{path}, row {i}", _drop_nulls(r)) for i, r in enumerate(pq.read_table(path).to_pylist(), 1))
     else:
@@ -63,21 +62,6 @@ def preprocess(images: list[Image.Image], processor) -> dict[str, Any]:
     processor (e.g. transformers.Qwen2VLImageProcessor), the inputs of miles.models.vlm.VisionLM."""
     out = processor(images=list(images), return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-
-
-def _jsonl_records(path: Path):
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, record
 
 
 def _drop_nulls(value: Any) -> Any:

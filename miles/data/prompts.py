@@ -101,8 +101,9 @@ def _to_example(
     return Example(prompt=prompt, label=label, messages=messages, fields=fields)
 
 
-def _load_jsonl(path: Path, prompt_key: str, label_key: str, extractor: str) -> list[Example]:
-    examples = []
+def jsonl_records(path: Path):
+    """(where, record) for each non-blank line of a JSONL file, `where` = "<path>, line <n>" for
+    error messages; DataError for a line that is not a JSON object."""
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -114,8 +115,11 @@ def _load_jsonl(path: Path, prompt_key: str, label_key: str, extractor: str) -> 
                 raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            examples.append(_to_example(record, prompt_key, label_key, extractor, where))
-    return examples
+            yield where, record
+
+
+def _load_jsonl(path: Path, prompt_key: str, label_key: str, extractor: str) -> list[Example]:
+    return [_to_example(record, prompt_key, label_key, extractor, where) for where, record in jsonl_records(path)]
 
 
 _JSON_SCALARS = (
