@@ -23,6 +23,12 @@ from miles.data.example import Example
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 70, 220)}
 SHAPES = ("circle", "square", "triangle")
+# The background is the mean colour of the Qwen-VL image processors (CLIP's image_mean x 255), so an
+# empty cell normalises to ~0 and a shape is all the signal its patch carries. On white, every patch
+# of an 84 x 84 image shares one large mean-pixel component: a random tiny tower's merged tokens are
+# then near-parallel and the tiny decoder stayed at the answers' prior for 100s of SFT steps
+# (docs/vlm.md, "Why it did not learn").
+BACKGROUND = (123, 117, 104)
 _SPLITS = {"train": 0, "eval": 1}
 
 
@@ -43,7 +49,7 @@ class ShapeScene:
 
     def render(self) -> Image.Image:
         side = self.grid * self.cell
-        image = Image.new("RGB", (side, side), (255, 255, 255))
+        image = Image.new("RGB", (side, side), BACKGROUND)
         draw = ImageDraw.Draw(image)
         pad = self.cell // 5
         for row, col, shape, colour in self.shapes:

@@ -68,6 +68,8 @@ def _warm_start_key(cfg: RunCfg) -> str:
     recipe = {"v": WARM_START_VERSION, "model": asdict(cfg.model), "task": asdict(cfg.task), "ws": ws, "seed": cfg.seed}
     if cfg.hardware.device != "cpu":  # built on a GPU: other kernels, other weights (CPU keys unchanged)
         recipe["device"] = cfg.hardware.device
+    if cfg.model.vision is not None:  # a frozen or a trained tower: other weights (text keys unchanged)
+        recipe["freeze_vision"] = cfg.trainer.freeze_vision
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -94,10 +96,13 @@ def warm_start_checkpoint(cfg: RunCfg, log=print) -> Path:
     init = Path(cfg.model.hf_checkpoint) if from_hf else \
         random_checkpoint(cfg.model, source.alphabet(), cfg.seed, tmp / "init", chat=uses_chat(cfg, source))
     fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
-    # A random init's vision tower is trained with the rest (this is its pretraining); a checkpoint's as
-    # trainer.freeze_vision says.
+    # The vision tower as trainer.freeze_vision says, a random init's too: trained from scratch by
+    # AdamW at the SFT learning rate, a random tower's output collapses within tens of steps (the
+    # patch embedding grows along the mean-pixel direction, every merged token turns parallel) and
+    # the decoder learns the answers' prior; frozen, its random features keep each cell's colour
+    # (docs/vlm.md, "Why it did not learn").
     trainer_cfg = TrainerCfg(lr=ws.lr, global_batch_size=ws.batch_size, micro_batch_size=ws.batch_size,
-                             freeze_vision=from_hf and cfg.trainer.freeze_vision)
+                             freeze_vision=cfg.trainer.freeze_vision)
     device = cfg.hardware.device
     # A model with MTP modules trains them with the policy (as DeepSeek pretrains them), so a
     # speculative run starts from a draft that predicts the warm start's own outputs.
