@@ -25,6 +25,8 @@ run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
 # The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
+# tests/conftest.py: one Ray for the session that the Ray tests join (the runs that test Ray's own
+# start still start theirs), and OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not spin).
 test: $(STAMP) $(VLLM_STAMP) bwrap
 	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
@@ -34,7 +36,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The shipped example tasks learning through launch.py (tests/integration/test_rlvr_tasks.py):
-# ~10 minutes on 2 free cores, so not part of `make test`.
+# ~10 minutes on 2 free cores, so not part of `make test`. Also the long versions of checks whose
+# short version stays in `make test`: test_inprocess_runs.py::test_sft_trains_the_base_policy[100]
+# (100 SFT steps; [30] in make test, the same assertions).
 test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
 

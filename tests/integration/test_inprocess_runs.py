@@ -72,11 +72,15 @@ def test_prompt_files_jsonl_and_parquet(tmp_path):
     assert "eval times" in proc.stdout
 
 
-def test_sft_trains_the_base_policy(tmp_path):
+# From a random init (loss ~ log(vocab) = 3) the answer format and the leading digits are learned within
+# ~25 steps, then the loss stays on a plateau (measured: 2.93 at step 1, 1.40-1.62 over steps 21-100).
+# 30 steps in `make test`; the 100-step run in the `learning` tier (make test-learning).
+@pytest.mark.parametrize("steps", [30, pytest.param(100, marks=pytest.mark.learning)])
+def test_sft_trains_the_base_policy(tmp_path, steps):
     from mlflow.tracking import MlflowClient
 
     proc = run_launch(
-        ["ray.enabled=false", "algo=sft", "steps=100", "eval.interval=100", "task.eval_size=64",
+        ["ray.enabled=false", "algo=sft", f"steps={steps}", f"eval.interval={steps}", "task.eval_size=64",
          "trainer.lr=3e-3", "trainer.global_batch_size=32", "trainer.micro_batch_size=32"],
         cwd=tmp_path,
     )
@@ -84,10 +88,8 @@ def test_sft_trains_the_base_policy(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("miles").experiment_id])
     loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
-    assert set(loss) == set(range(1, 101))
-    # From a random init (loss ~ log(vocab) = 3) the answer format and the leading digits are learned in
-    # 100 steps (measured: 2.93 -> <= 1.50 over the last ten steps).
-    assert loss[1] > 2.5 and max(loss[s] for s in range(91, 101)) < 0.6 * loss[1]
+    assert set(loss) == set(range(1, steps + 1))
+    assert loss[1] > 2.5 and max(loss[s] for s in range(steps - 9, steps + 1)) < 0.6 * loss[1]
     assert len(list((tmp_path / "outputs").glob("*/*/checkpoint/model.safetensors"))) == 1
 
 

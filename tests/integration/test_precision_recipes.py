@@ -38,14 +38,15 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
 
 
 @pytest.fixture(scope="module")
-def shared_ray():
-    """One local Ray for the module's Ray runs (a start costs ~10 s here); run() shuts Ray down after
-    each run, so the tests stop it doing so and kill their actors themselves."""
+def module_ray(shared_ray):
+    """The session's Ray (tests/conftest.py; a start costs ~10 s here), joined for the module's Ray
+    runs; run() shuts Ray down after each run, so the tests stop it doing so and kill their actors
+    themselves."""
     import ray
 
     from miles.orchestrate.handles import start_ray
 
-    start_ray(None, None)
+    start_ray(shared_ray.address(), None)
     shutdown = ray.shutdown
     yield
     shutdown()
@@ -57,7 +58,7 @@ EXPECTED_DTYPES = {"fp32": {torch.float32}, "bf16": {torch.bfloat16},
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, shared_ray, recipe):
+def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, module_ray, recipe):
     """The FP8 payload used to fail to load in the engine actor (torch cannot unpickle float8:
     miles/transport/ray_tensors.py). Both checks on: the checksum, and tensor by tensor."""
     import ray

@@ -6,7 +6,6 @@ object store (batches, weights, metrics) and the class a Ray worker builds are w
 the in-process one (tests/unit/trainer/test_trainer_contract.py). 2 ranks: each trains on its share of
 the batch, and the reductions over ranks give the 1-rank numbers."""
 
-import logging
 import sys
 from pathlib import Path
 
@@ -22,12 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+def local_ray(ray_connection):
+    """The session's Ray (tests/conftest.py), joined for this module."""
     yield
-    ray.shutdown()
 
 
 def _kill(handle) -> None:

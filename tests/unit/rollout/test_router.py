@@ -143,16 +143,10 @@ def probe_engine_class():
 
 
 @pytest.fixture(scope="module")
-def ray_fleet(ckpt):
-    """Two engine actors (one CPU each) on a local Ray of two CPUs."""
-    ray = pytest.importorskip("ray")
-    import logging
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+def ray_fleet(ckpt, ray_connection):
+    """Two engine actors (one CPU each) on the session's Ray (tests/conftest.py)."""
     engines = [spawn(probe_engine_class(), True, ckpt, CFG, DType.fp32, "cpu", 1, 0) for _ in range(2)]
-    fleet = EngineFleet(engines, log=lambda line: None)
-    yield fleet
-    ray.shutdown()
+    yield EngineFleet(engines, log=lambda line: None)
 
 
 def set_probe(handle, **knobs):

@@ -2,7 +2,6 @@
 the 1-rank native TorchTrainer on the same global batch, resume exactly from their sharded
 checkpoint, and sync the same weights."""
 
-import logging
 import time
 from pathlib import Path
 
@@ -49,10 +48,9 @@ def batch(ckpt):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+def local_ray(ray_connection):
+    """The session's Ray (tests/conftest.py), joined for this module."""
     yield
-    ray.shutdown()
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -180,6 +178,7 @@ def test_a_rank_that_cannot_start_fails_the_group_and_frees_its_cpus(ckpt, local
     with pytest.raises(ValueError, match="does not fake-quantize"):
         FSDPGroup(2, ckpt, AlgoCfg(name=AlgoName.grpo), CFG, fp8, threads=1)
     deadline = time.monotonic() + 30  # Ray frees a killed actor's resources asynchronously
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+    cpus = ray.cluster_resources()["CPU"]
+    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray.available_resources().get("CPU", 0) == 2
+    assert ray.available_resources().get("CPU", 0) == cpus

@@ -3,10 +3,7 @@ trainer on the same batch. The base is sharded and frozen; the adapters are repl
 and their gradients summed over the ranks (FSDPSharding.clip_grad_norm), so after each step every
 rank holds the adapters the 1-process trainer has."""
 
-import logging
-
 import pytest
-import ray
 import torch
 
 from miles.config.schema import AlgoCfg, AlgoName, LoRACfg, PrecisionCfg, TrainerCfg
@@ -24,10 +21,9 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+def local_ray(ray_connection):
+    """The session's Ray (tests/conftest.py), joined for this module."""
     yield
-    ray.shutdown()
 
 
 def test_two_ranks_train_the_adapters_of_one_process(ckpt, rollout_batch, local_ray, tmp_path):

@@ -21,14 +21,9 @@ PROMPTS, LABELS = ["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from miles.orchestrate.handles import start_ray
-
-    start_ray(None, 2, num_actors=2)
+def ray_cluster(ray_connection):
+    """The session's Ray (tests/conftest.py), joined for this module."""
     yield
-    ray.shutdown()
 
 
 def _batch(samples, pad_id, rewards=None):

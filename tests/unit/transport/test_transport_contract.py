@@ -44,14 +44,10 @@ def local_contract(name, ckpt) -> Contract:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from miles.orchestrate.handles import start_ray
-
-    start_ray(None, 3, num_actors=3)  # one CPU each for the trainer and two engines
+def ray_cluster(ray_connection):
+    """The session's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
+    for this module."""
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(params=[*NAMES, *[pytest.param(("ray", n), marks=pytest.mark.slow, id=f"ray-{n.value}")
