@@ -102,11 +102,8 @@ def sweep_int4() -> list[dict]:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             for bm, bn, bk, warps, stages in candidates:
                 base = it.pick_config(m, n, k, sms)
-                cfg = it.Int4Config(bm, bn, bk, 1, warps, stages)
-                tiles = -(-m // bm) * -(-n // bn)
-                split = 1 if tiles >= sms else max(1, min(-(-2 * sms // tiles), -(-k // bk), 32))
-                cfg = it.Int4Config(bm, bn, bk, split, warps, stages)
-                row = dict(kernel="int4", m=m, n=n, k=k, config=[bm, bn, bk, split, warps, stages],
+                cfg = it.Int4Config(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages)
+                row = dict(kernel="int4", m=m, n=n, k=k, config=[bm, bn, bk, cfg.split_k, warps, stages],
                            heuristic=[base.block_m, base.block_n, base.block_k, base.split_k, base.num_warps,
                                       base.num_stages], bf16_ms=bf16, int4_linear_ms=dequant)
                 try:

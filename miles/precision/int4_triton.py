@@ -220,12 +220,14 @@ def pick_config(m: int, n: int, k: int, sms: int = 132) -> Int4Config:
         bn, bk, warps, stages = 64, 256, 4, (4 if m <= 16 else 2)
     else:
         bm, bn, bk, warps, stages = 128, 64, 64, 4, 3
+    return Int4Config(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), warps, stages)
+
+
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int = 132) -> int:
+    """K slices that put ~2 programs on every SM when the output tiles alone do not, capped at the
+    K tiles (no empty slices) and at 32 (the partial buffer grows with the split)."""
     tiles = _ceil_div(m, bm) * _ceil_div(n, bn)
-    split = 1
-    if tiles < sms:
-        # Capped at the K tiles (no empty slices) and at 32 (the partial buffer grows with S).
-        split = max(1, min(_ceil_div(2 * sms, tiles), _ceil_div(k, bk), 32))
-    return Int4Config(bm, bn, bk, split, warps, stages)
+    return 1 if tiles >= sms else max(1, min(_ceil_div(2 * sms, tiles), _ceil_div(k, bk), 32))
 
 
 def fused_supported(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
