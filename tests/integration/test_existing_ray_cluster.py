@@ -15,6 +15,14 @@ pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).parent / "ray")
 
 
+@pytest.fixture(autouse=True)
+def no_shared_ray(shared_ray):
+    """These tests start clusters of their own and end them with `ray stop --force`, which kills every
+    Ray on the machine; with the session's shared Ray also up, `ray.address=auto` runs had their actors
+    cancelled before they started. The shared Ray is stopped first and restarts when next asked for."""
+    shared_ray.stop()
+
+
 @pytest.fixture
 def ray_head():
     # Ray's socket paths must fit AF_UNIX's 107 bytes: pytest's tmp_path is too deep for them.
