@@ -27,7 +27,7 @@ register_configs()
 
 @hydra.main(config_path=str(Path(__file__).parent / "conf"), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
-    from miles.config.validate import check
+    from miles.validate import check
     from miles.hardware import check_plan
     from miles.orchestrate.run import run
 

@@ -104,7 +104,7 @@ def miles_cfg(p: int, n: int, t: int, threads: int):
     from omegaconf import OmegaConf
 
     from miles.config.store import register_configs
-    from miles.config.validate import check
+    from miles.validate import check
 
     register_configs()
     overrides = [

@@ -23,7 +23,7 @@ def replay_config(cfg: RunCfg) -> dict[str, str]:
 
 
 def debug_problems(cfg: RunCfg) -> list[str]:
-    """Config problems of the debug modes (called by validate())."""
+    """Config problems of the debug modes (called by config_problems())."""
     d, out = cfg.debug, []
     if d.rollout_only and d.train_only:
         out.append("debug.rollout_only and debug.train_only exclude each other")

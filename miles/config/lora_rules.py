@@ -1,4 +1,6 @@
-"""What `trainer.lora` (rank > 0) combines with, checked before anything starts (docs/lora.md)."""
+"""What `trainer.lora` (rank > 0) combines with, checked before anything starts (docs/lora.md). What
+the external engines' own LoRA support serves is theirs to say (miles/rollout/vllm_lora.py,
+sglang_lora.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ def lora_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"trainer.lora.rank={lo.rank} runs on trainer=torch or trainer=fsdp: Megatron-core's LoRA "
                         "needs its Transformer Engine layers, which this backend does not build; set trainer=torch, "
                         "trainer=fsdp or trainer.lora.rank=0")
-    if r.engine != "native":
-        problems += _external_engine_problems(cfg)
     if r.weight_sync != "object_store":
         problems.append(f"trainer.lora.rank={lo.rank}: rollout.weight_sync={r.weight_sync.value} carries the whole "
                         "flat state dict; the adapters travel through rollout.weight_sync=object_store")
@@ -56,16 +56,3 @@ def _target_problems(cfg: RunCfg) -> list[str]:
     return [f"trainer.lora.target_modules={list(cfg.trainer.lora.target_modules)} matches no projection of "
             f"model={cfg.model.name}; its decoder projections: {', '.join(candidate_names(model))}"]
 
-
-def _external_engine_problems(cfg: RunCfg) -> list[str]:
-    """rollout=vllm / sglang serve the adapters through the engine's own LoRA support, on the dense
-    families whose projections it wraps as the project's adapters do (miles/rollout/vllm_lora.py)."""
-    from miles.rollout.vllm_lora import VLLM_LORA_FAMILIES, lora_unsupported
-
-    lo, r = cfg.trainer.lora, cfg.rollout
-    if r.engine == "vllm":
-        return lora_unsupported(lo, cfg.model.family, r.num_gpus_per_engine or 1)
-    if cfg.model.family not in VLLM_LORA_FAMILIES:
-        return [f"trainer.lora with rollout=sglang serves adapters on the families {', '.join(VLLM_LORA_FAMILIES)} "
-                f"(model family {cfg.model.family} is not one): use rollout=native or trainer.lora.rank=0"]
-    return []

@@ -1,21 +1,21 @@
-"""Cross-field rules of a composed config, checked before anything starts.
+"""The config's own cross-field rules, checked before anything starts.
 
-`validate(cfg)` returns every problem at once, each naming the key to change; `check(cfg)` raises a
-`ConfigError` holding them all. Types and unknown keys are the schema's job (miles/config/schema.py).
+`config_problems(cfg)` returns every problem it finds at once, each naming the key to change. Types
+and unknown keys are the schema's job (miles/config/schema.py). A rule that needs what a component
+knows (the families Megatron maps, the tools that resolve) lives with that component, and
+miles/validate.py runs it after these: the config imports nothing above itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from miles.config.errors import ConfigError
 from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg, RunCfg, SpeculativeKind, TaskKind,
-                                 TrainerBackend, WeightSync)
+                                 TrainerBackend)
 from miles.config.debug_rules import debug_problems
 from miles.config.lora_rules import lora_problems
 from miles.config.vlm_rules import vlm_problems
-
-__all__ = ["ConfigError", "check", "validate"]  # ConfigError lives in miles.config.errors; re-exported here
+from miles.transport.protocol import TransportName
 
 
 def _positive(problems: list[str], **values: float) -> None:
@@ -61,7 +61,7 @@ def _algo_rl(problems: list[str], cfg: RunCfg) -> None:
             )
 
 
-def validate(cfg: RunCfg) -> list[str]:
+def config_problems(cfg: RunCfg) -> list[str]:
     from miles.algo.corrections import LEVELS
     from miles.algo.losses import AGG_MODES
     from miles.algo.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, TOKEN_ADVANTAGES
@@ -92,7 +92,6 @@ def validate(cfg: RunCfg) -> list[str]:
     problems += scale_out_problems(cfg)
     problems += asynchronous_problems(cfg)
     problems += offload_problems(cfg)
-    problems += megatron_problems(cfg)
     problems += speculative_problems(cfg)
     if t.grad_clip < 0:
         problems.append(f"trainer.grad_clip must be >= 0 (got {t.grad_clip}; 0 turns it off)")
@@ -178,7 +177,7 @@ def validate(cfg: RunCfg) -> list[str]:
         problems.append("hardware.gpus_per_node must be 0 when hardware.device=cpu")
     problems += device_problems(cfg)
     problems += reward_problems(cfg)
-    problems += tool_problems(cfg)
+    problems += multi_turn_problems(cfg)
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
     problems += lora_problems(cfg)
@@ -276,7 +275,7 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
                        "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout"}
         problems += [f"trainer=fsdp does not support {what} yet: use trainer=torch"
                      for what, bad in unsupported.items() if bad]
-    if r.weight_sync == WeightSync.shared_memory:
+    if r.weight_sync == TransportName.shared_memory:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=shared_memory maps one buffer into the engines' Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
@@ -286,7 +285,7 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
         if cfg.hardware.device != "cpu" and not r.colocate:
             problems.append("rollout.weight_sync=shared_memory on a GPU shares the trainer's GPU with the engines "
                             "(CUDA IPC); rollout.colocate=false gives them other GPUs: set rollout.weight_sync=broadcast")
-    elif r.weight_sync == WeightSync.broadcast:
+    elif r.weight_sync == TransportName.broadcast:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=broadcast joins the trainer and the engines as Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
@@ -367,7 +366,7 @@ def sglang_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
-# The native engine's own rules are the rest of validate() (it reads the shared rollout keys).
+# The native engine's own rules are the rest of config_problems() (it reads the shared rollout keys).
 ENGINE_PROBLEMS = {EngineName.vllm: vllm_problems, EngineName.sglang: sglang_problems}
 
 
@@ -431,34 +430,6 @@ def offload_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
-def megatron_problems(cfg: RunCfg) -> list[str]:
-    """trainer=megatron (miles/trainer/megatron): one CUDA process, the mapped families, the
-    bf16 / fp32 recipes."""
-    if cfg.trainer.backend != TrainerBackend.megatron:
-        return []
-    from miles.trainer.megatron.arch import problems as unmapped
-
-    t = cfg.trainer
-    problems = list(unmapped(cfg.model))
-    if cfg.hardware.device == "cpu":
-        problems.append("trainer=megatron runs on CUDA only (Megatron-core allocates its RoPE, RNG and "
-                        "gradient buffers there): pick a GPU hardware profile or trainer=torch")
-    if max(t.tp, 1) * max(t.pp, 1) * max(t.ep, 1) * max(t.cp, 1) > 1:
-        problems.append(f"trainer=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
-                        f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
-    unsupported = {f"precision={cfg.precision.name}": cfg.precision.train_quant.value != "none"
-                   or cfg.precision.rollout_quant.value != "none",
-                   "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
-                   f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
-                   "true_on_policy=true": cfg.true_on_policy,
-                   "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
-                   "trainer.offload=true": t.offload,
-                   f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
-    problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
-                 for what, bad in unsupported.items() if bad]
-    return problems
-
-
 def asynchronous_problems(cfg: RunCfg) -> list[str]:
     """rollout.asynchronous overlaps generating and training an RL run's batches."""
     r, d = cfg.rollout, cfg.debug
@@ -513,20 +484,15 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
-def tool_problems(cfg: RunCfg) -> list[str]:
-    """task.tools must resolve, and multi-turn needs both tools and turns to call them in."""
-    from miles.rollout.tools import build_toolbox
-
+def multi_turn_problems(cfg: RunCfg) -> list[str]:
+    """Multi-turn needs both tools and turns to call them in (the tools' names resolve in
+    miles/rollout/tools.py's tool_problems)."""
     t, r = cfg.task, cfg.rollout
     problems = []
     if t.tools and r.max_turns < 2:
         problems.append("task.tools needs rollout.max_turns >= 2 (a turn to call a tool, one to answer)")
     if r.max_turns > 1 and not t.tools:
         problems.append("rollout.max_turns > 1 needs task.tools (the tools the model calls between turns)")
-    try:
-        build_toolbox(t.tools, t.sandbox)
-    except ValueError as error:
-        problems.append(str(error))
     return problems
 
 
@@ -555,12 +521,6 @@ def device_problems(cfg: RunCfg) -> list[str]:
         return [f"hardware={hw.name} plans {gpus} GPUs, but a run drives one GPU today: "
                 "set hardware.gpus_per_node=1 (or use hardware=gpu), or dry_run=true to plan the cluster"]
     return []
-
-
-def check(cfg: RunCfg) -> None:
-    problems = validate(cfg)
-    if problems:
-        raise ConfigError(problems)
 
 
 def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:

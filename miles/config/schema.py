@@ -4,7 +4,7 @@ The dataclasses below are registered in Hydra's ConfigStore (`miles.config.store
 under `conf/` hold the values. Hydra merges each group file into its typed node, so an unknown key or
 a value of the wrong type fails at composition time. `launch.py` converts the composed config once
 with `OmegaConf.to_object`; every component below it receives the dataclass of its own section.
-Cross-field rules live in `miles.config.validate`.
+Cross-field rules live in `miles.config.rules` (run, with the components' own, by `miles.validate`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,9 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from miles.choice import Choice
 from miles.models.config import ArchConfig
-
-
-class Choice(str, Enum):
-    """A named choice of the config: compares equal to its value ("vllm" == EngineName.vllm) and
-    prints as it (f"rollout={EngineName.vllm}" -> "rollout=vllm") on every Python version."""
-
-    def __str__(self) -> str:
-        return self.value
+from miles.transport.protocol import TransportName  # rollout.weight_sync: the transports' registry names them
 
 
 class EngineName(Choice):
@@ -40,14 +34,6 @@ class TrainerBackend(Choice):
     torch = "torch"  # one process
     fsdp = "fsdp"  # trainer.num_ranks FSDP2 ranks as Ray actors
     megatron = "megatron"  # Megatron-core on one GPU
-
-
-class WeightSync(Choice):
-    """rollout.weight_sync: how the trainer's weights reach the engines."""
-
-    object_store = "object_store"  # Ray's object store (in-process runs copy directly)
-    broadcast = "broadcast"  # a gloo / NCCL group of the trainer and every engine, in buckets
-    shared_memory = "shared_memory"  # one buffer the engines map (one node: /dev/shm or CUDA IPC)
 
 
 class SpeculativeKind(Choice):
@@ -334,7 +320,7 @@ class RolloutCfg:
     # object_store: weights through Ray's object store (in-process runs copy them directly);
     # broadcast: over a gloo / NCCL group of the trainer and every engine, in buckets (transport/broadcast.py);
     # shared_memory: colocated on one node, one buffer the engines map (/dev/shm, or CUDA IPC on a GPU)
-    weight_sync: WeightSync = WeightSync.object_store
+    weight_sync: TransportName = TransportName.object_store
     weight_sync_bucket_mb: float = 64.0  # rollout.weight_sync=broadcast: bytes per collective
     # Generate the next steps' batches while the trainer trains (miles/orchestrate/rollout_ahead.py);
     # not `async`: a Python keyword cannot name a dataclass field.
@@ -366,7 +352,7 @@ class LoRACfg:
 @dataclass
 class TrainerCfg:
     backend: TrainerBackend = TrainerBackend.torch  # set by the group file trainer=<backend>, never by hand
-    num_ranks: int = 1  # trainer=fsdp: ranks that shard the model and split each batch (1 for the others)
+    num_ranks: int = 1  # the trainer's processes, each a rank of one batch; > 1 with trainer=fsdp only
     lr: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

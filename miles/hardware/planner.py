@@ -290,7 +290,7 @@ def resolve_offload(cfg: RunCfg) -> RunCfg:
 
 def _can_offload(cfg: RunCfg) -> bool:
     """Whether the backends release what `cfg` asks them to on a colocated, synchronous GPU run
-    (as miles/config/validate.py's offload rules accept)."""
+    (as miles/config/rules.py's offload rules accept)."""
     r, t = cfg.rollout, cfg.trainer
     if t.offload and t.backend != TrainerBackend.torch:
         return False

@@ -25,7 +25,7 @@ def uses_chat(cfg: RunCfg, source: PromptSource) -> bool:
 def prompt_setup(cfg: RunCfg, checkpoint_dir: Path, source: PromptSource) -> tuple[PromptFormat, MultiTurn | None]:
     """The prompt format and multi-turn rollout (None: single-turn) of a run of `checkpoint_dir`;
     every problem of the template with the data or the tools is a ConfigError naming the key to
-    change (the tools themselves were checked by miles.config.validate)."""
+    change (the tools themselves were checked by miles.validate)."""
     from miles.config.errors import ConfigError
 
     t, r = cfg.task, cfg.rollout

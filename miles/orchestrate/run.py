@@ -155,7 +155,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
     engines = 0 if cfg.debug.train_only else cfg.rollout.num_engines
-    ranks = 0 if cfg.debug.rollout_only else cfg.trainer.num_ranks if cfg.trainer.backend == "fsdp" else 1
+    ranks = 0 if cfg.debug.rollout_only else cfg.trainer.num_ranks
     actors = engines + ranks + with_critic
     if use_ray:
         start_ray(cfg.ray.address, cfg.ray.num_cpus,

@@ -29,9 +29,21 @@ from __future__ import annotations
 
 import torch
 
-from miles.config.schema import LoRACfg
+from miles.config.schema import EngineName, LoRACfg, RunCfg
 from miles.rollout.adapter_files import Adapter, AdapterDirs, adapter_shapes, check_payload, target_leaves
+from miles.rollout.vllm_lora import VLLM_LORA_FAMILIES
 from miles.transport.checksum import WeightSyncError
+
+
+def sglang_lora_problems(cfg: RunCfg) -> list[str]:
+    """trainer.lora with rollout=sglang, checked before anything starts (miles/validate.py runs this
+    with the config's rules): SGLang serves the adapters through its own LoRA support on the dense
+    families whose projections it wraps as the project's adapters do, the list vLLM's serve too."""
+    lora_on_sglang = cfg.trainer.lora.rank > 0 and cfg.rollout.engine == EngineName.sglang
+    if not lora_on_sglang or cfg.model.family in VLLM_LORA_FAMILIES:
+        return []
+    return [f"trainer.lora with rollout=sglang serves adapters on the families {', '.join(VLLM_LORA_FAMILIES)} "
+            f"(model family {cfg.model.family} is not one): use rollout=native or trainer.lora.rank=0"]
 
 
 def server_lora_args(cfg: LoRACfg, shapes: dict) -> dict:

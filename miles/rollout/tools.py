@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from miles.config.schema import SandboxCfg
+from miles.config.schema import RunCfg, SandboxCfg
 from miles.data.plugins import import_dotted
 
 CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -179,3 +179,13 @@ def build_toolbox(specs: list[str], limits: SandboxCfg) -> ToolBox:
             raise ValueError(f"task.tools: unknown tool {spec!r}; built-ins: calculator, python, "
                              "or a dotted path to your function (pkg.module.fn)")
     return ToolBox(tools)
+
+
+def tool_problems(cfg: RunCfg) -> list[str]:
+    """task.tools must resolve before anything starts (miles/validate.py runs this with the config's
+    rules): each a built-in or a function that imports, and `python` only where its sandbox works."""
+    try:
+        build_toolbox(cfg.task.tools, cfg.task.sandbox)
+    except ValueError as error:
+        return [str(error)]
+    return []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.config.schema import LoRACfg
+from miles.config.schema import EngineName, LoRACfg, RunCfg
 from miles.rollout.adapter_files import Adapter, AdapterDirs, adapter_shapes, check_payload
 from miles.transport.checksum import WeightSyncError
 
@@ -55,6 +55,14 @@ def lora_unsupported(cfg: LoRACfg, family: str, tensor_parallel: int) -> list[st
         problems.append("trainer.lora with rollout=vllm: the adapter read-back that checks each sync runs on one "
                         "GPU per engine: set rollout.num_gpus_per_engine=1 or rollout=native")
     return problems
+
+
+def vllm_lora_problems(cfg: RunCfg) -> list[str]:
+    """trainer.lora with rollout=vllm, checked before anything starts (miles/validate.py runs this
+    with the config's rules; the engine checks the same when it is built)."""
+    if cfg.trainer.lora.rank <= 0 or cfg.rollout.engine != EngineName.vllm:
+        return []
+    return lora_unsupported(cfg.trainer.lora, cfg.model.family, cfg.rollout.num_gpus_per_engine or 1)
 
 
 def llm_lora_args(cfg: LoRACfg) -> dict:

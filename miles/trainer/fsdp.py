@@ -58,6 +58,7 @@ from miles.models import CausalLM, save_pretrained
 from miles.precision.recipe import NONE
 from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch
+from miles.trainer.parallel import TrainerParts
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
 
@@ -106,7 +107,7 @@ class FSDPSharding:
         self._init_method = f"tcp://{master_addr}:{master_port}"
         self.device = torch.device("cpu")
 
-    def shard_models(self, trainer: TorchTrainer) -> None:
+    def shard_models(self, trainer: TrainerParts) -> None:
         if trainer.recipe.train_quant != NONE:
             raise ValueError(f"the FSDP trainer does not fake-quantize yet (precision.train_quant="
                              f"{trainer.recipe.train_quant}): Recipe.forward replaces whole weights")
@@ -189,12 +190,12 @@ class FSDPSharding:
             whole.load_state_dict(state, assign=True)
             save_pretrained(whole, path)
 
-    def save_state(self, trainer: TorchTrainer, path: str) -> None:
+    def save_state(self, trainer: TrainerParts, path: str) -> None:
         """Collective: resume state into the directory `path` (one every rank sees): the sharded policy
         and optimizer state in `trainer/` (torch.distributed.checkpoint; each rank writes its shards and
         its torch RNG), and the policy as an HF-format dir `model/` (rank 0). The KL reference and the
-        teacher are frozen: rebuilt from their checkpoints, never saved."""
-        trainer._require_onloaded("save_state")
+        teacher are frozen: rebuilt from their checkpoints, never saved. Not while offloaded (the
+        trainer refuses it first: the collectives run over device shards)."""
         shards = Path(path) / "trainer"
         if trainer.lora is not None:  # the frozen base has no optimizer state; the adapters' is replicated
             dcp.save({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)
@@ -206,9 +207,8 @@ class FSDPSharding:
         torch.save(self._rng_state(), shards / f"rng_rank{self.rank}.pt")
         self.save_policy(trainer.model, str(Path(path) / "model"))
 
-    def load_state(self, trainer: TorchTrainer, path: str) -> None:
+    def load_state(self, trainer: TrainerParts, path: str) -> None:
         """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
-        trainer._require_onloaded("load_state")
         shards = Path(path) / "trainer"
         if trainer.lora is not None:  # the adapters themselves: TorchTrainer.load_state (adapter/)
             dcp.load({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)

@@ -22,9 +22,28 @@ import torch
 from miles.trainer import offload as off
 
 if TYPE_CHECKING:
+    from miles.config.schema import AlgoCfg, PrecisionCfg
+    from miles.models.lora import LoRA
+    from miles.precision.recipe import Recipe
+    from miles.trainer.draft import DraftTrainer
     from miles.trainer.packing import MicroBatch
-    from miles.trainer.torch_trainer import TorchTrainer
     from miles.types import TrainBatch
+
+
+class TrainerParts(Protocol):
+    """What a Parallelism shards, moves and saves of the trainer that holds it (TorchTrainer), and the
+    settings it reads to do so: these names, not the trainer's class, so that the trainer depends on
+    this module and not the other way round."""
+    model: torch.nn.Module  # the policy
+    ref_model: torch.nn.Module | None  # the frozen KL reference (algo.kl_coef > 0)
+    teacher: torch.nn.Module | None  # the frozen teacher (on-policy distillation)
+    draft: DraftTrainer | None  # the speculative draft's trainer
+    lora: LoRA | None  # the adapters (trainer.lora.rank > 0)
+    optimizer: torch.optim.Optimizer
+    recipe: Recipe
+    algo: AlgoCfg
+    precision: PrecisionCfg
+    device: torch.device
 
 
 class Parallelism(Protocol):
@@ -37,7 +56,7 @@ class Parallelism(Protocol):
     writes: bool  # this process returns the weights and writes the files (rank 0)
     name: str  # for messages: "the FSDP trainer"
 
-    def shard_models(self, trainer: TorchTrainer) -> None:
+    def shard_models(self, trainer: TrainerParts) -> None:
         """Shard the trainer's built models in place, before its optimizer takes their parameters."""
 
     def plan(self, batch: TrainBatch, plan: Callable[[TrainBatch], list[MicroBatch]]) -> list[MicroBatch]:
@@ -59,10 +78,10 @@ class Parallelism(Protocol):
     def save_policy(self, model: torch.nn.Module, path: str) -> None:
         """The policy as an HF-format dir."""
 
-    def save_state(self, trainer: TorchTrainer, path: str) -> None:
+    def save_state(self, trainer: TrainerParts, path: str) -> None:
         """Resume state into the directory `path` (Trainer.save_state)."""
 
-    def load_state(self, trainer: TorchTrainer, path: str) -> None:
+    def load_state(self, trainer: TrainerParts, path: str) -> None:
         """What save_state wrote."""
 
 
@@ -75,7 +94,7 @@ class SingleProcess:
     writes = True
     name = "the torch trainer"
 
-    def shard_models(self, trainer: TorchTrainer) -> None:
+    def shard_models(self, trainer: TrainerParts) -> None:
         pass
 
     def plan(self, batch: TrainBatch, plan: Callable[[TrainBatch], list[MicroBatch]]) -> list[MicroBatch]:
@@ -99,7 +118,7 @@ class SingleProcess:
 
         save_pretrained(model, path)
 
-    def save_state(self, trainer: TorchTrainer, path: str) -> None:
+    def save_state(self, trainer: TrainerParts, path: str) -> None:
         """`model/` (the HF-format policy, its fp32 master weights) and `trainer.pt`: the optimizer state,
         the draft's (a separate draft model's weights included), the torch RNG of this process. Works
         while offloaded too (it reads the host copies)."""
@@ -113,7 +132,7 @@ class SingleProcess:
             state["draft"] = trainer.draft.state_dict()
         torch.save(state, out / "trainer.pt")
 
-    def load_state(self, trainer: TorchTrainer, path: str) -> None:
+    def load_state(self, trainer: TrainerParts, path: str) -> None:
         """A state without a draft's (the draft enabled since): the draft starts afresh."""
         from miles.models import from_pretrained
 

@@ -536,13 +536,18 @@ class TorchTrainer:
     def save_state(self, path: str) -> None:
         """Resume state into the directory `path` (protocol: miles/trainer/protocol.py): the HF-format
         policy `model/` and the optimizer's, the draft's and the RNG's state, as `self.parallel` keeps
-        them (one process: `trainer.pt`; FSDP ranks: their shards, collectively)."""
+        them (one process: `trainer.pt`, while offloaded too; FSDP ranks: their shards, collectively,
+        onloaded)."""
+        if self.parallel.shards_policy:
+            self._require_onloaded("save_state")
         self.parallel.save_state(self, path)
         if self.lora is not None and self.parallel.writes:  # the frozen base is model/, the adapters beside it
             lora_side.save_adapter(self.lora, self.model, path, self.cfg.lora.dropout)
 
     def load_state(self, path: str) -> None:
         """What `save_state` wrote, into a trainer built with the same arguments (and ranks)."""
+        if self.parallel.shards_policy:
+            self._require_onloaded("load_state")
         self.parallel.load_state(self, path)
         if self.lora is not None:
             lora_side.load_adapter(self.lora, self.model, path)

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
+from miles.choice import Choice
 
-class TransportName(str, Enum):
-    """The values of `rollout.weight_sync`."""
+
+class TransportName(Choice):
+    """rollout.weight_sync: how the trainer's weights reach the engines (the config's field is of this
+    Enum, so the names the config accepts are the names this registry builds)."""
     object_store = "object_store"  # host state dicts through Ray's object store; in-process: a flat device copy
     broadcast = "broadcast"  # a gloo / NCCL group of the trainer and the engines, in buckets
     shared_memory = "shared_memory"  # one buffer the engines map: /dev/shm on the CPU, CUDA IPC on a GPU

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.orchestrate.run import run
 
 pytestmark = pytest.mark.slow

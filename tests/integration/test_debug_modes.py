@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 from runs import TINY, file_digest, journal_metrics, run_inprocess
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from statistics import mean
 import pytest
 from omegaconf import OmegaConf
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.orchestrate.run import run
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.orchestrate.run import run
 from runs import journal_metrics
 

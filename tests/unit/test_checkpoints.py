@@ -3,7 +3,7 @@
 import pytest
 
 from miles.config.schema import AlgoCfg, AlgoName, ModelCfg, RunCfg
-from miles.config.validate import ConfigError
+from miles.config.errors import ConfigError
 from miles.orchestrate.checkpoints import random_checkpoint, teacher_checkpoint
 
 MODEL = ModelCfg(name="t", hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

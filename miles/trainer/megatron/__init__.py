@@ -2,9 +2,10 @@
 
   arch.py     ArchConfig -> TransformerConfig / layer spec / GPTModel arguments, and what is not mapped
   weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts
+  rules.py    what trainer=megatron combines with (config validation)
   trainer.py  MegatronTrainer: TorchTrainer's RL step with a GPTModel policy and Megatron's optimizer
 
-arch and weights are pure (no megatron import: CPU tests); trainer imports megatron-core lazily.
+arch, weights and rules are pure (no megatron import: CPU tests); trainer imports megatron-core lazily.
 """
 
 from __future__ import annotations

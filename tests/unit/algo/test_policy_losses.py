@@ -236,7 +236,7 @@ def test_gspo_token_equals_sequence_level_gspo_for_per_sequence_advantages(mode)
                          ids=lambda o: o[0])
 def test_gspo_with_per_token_advantages_validates(compose, overrides):
     # The three ways per-token advantages reach algo=gspo are allowed: gspo_loss is GSPO-token there.
-    from miles.config.validate import validate
+    from miles.validate import validate
 
     assert validate(compose(["algo=gspo", *overrides])) == []
 

@@ -6,9 +6,9 @@ import pytest
 from hydra.errors import HydraException
 
 from miles.config.errors import OLD_KEYS, ConfigError, old_form_problems, refuse_old_forms
-from miles.config.schema import (EngineName, SpeculativeKind, TrackingBackend, TrainerBackend, VLLMCfg,
-                                 WeightSync)
-from miles.config.validate import validate
+from miles.config.schema import EngineName, SpeculativeKind, TrackingBackend, TrainerBackend, VLLMCfg
+from miles.transport.protocol import TransportName
+from miles.validate import validate
 
 
 @pytest.mark.parametrize("engine", list(EngineName))
@@ -31,7 +31,7 @@ def test_trainer_group_chooses_the_backend(compose, backend):
 
 def test_choices_print_as_their_names():
     assert f"rollout={EngineName.vllm}" == "rollout=vllm" and str(TrainerBackend.fsdp) == "fsdp"
-    assert {"mtp": 1}.get(SpeculativeKind.mtp) == 1 and WeightSync("broadcast") is WeightSync.broadcast
+    assert {"mtp": 1}.get(SpeculativeKind.mtp) == 1 and f"{TransportName.broadcast}" == "broadcast"
     assert [m.value for m in TrackingBackend] == ["mlflow"]
 
 
@@ -78,10 +78,3 @@ def test_removed_keys_are_gone_from_the_schema(compose):
     for key in OLD_KEYS:
         assert old_form_problems([f"{key}=1"])
 
-
-def test_the_weight_sync_names_are_the_transports():
-    """rollout.weight_sync's Enum names what the transport registry builds (one name set)."""
-    from miles.transport.protocol import TransportName
-
-    assert [n.value for n in WeightSync] == [n.value for n in TransportName]
-    assert all(TransportName(n) == n for n in WeightSync)

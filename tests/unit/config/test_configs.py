@@ -9,7 +9,7 @@ import pytest
 from hydra.errors import HydraException
 
 from miles.config.schema import AlgoName, RunCfg
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.hardware.planner import make_plan
 
 CONF = Path(__file__).resolve().parents[3] / "conf"

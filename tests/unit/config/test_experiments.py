@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.hardware.planner import make_plan
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 
 
 def _lora(problems):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.data.prompts import DataError
 from miles.data.source import PromptSource
 from miles.hardware.planner import make_plan

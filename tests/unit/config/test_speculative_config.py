@@ -3,7 +3,7 @@ refused by validate(), naming the key to change; the supported ones pass."""
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 
 DRAFT = ["rollout.speculative.kind=draft_model", "rollout.speculative.draft_model=qwen3_tiny_draft"]
 

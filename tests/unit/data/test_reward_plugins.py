@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from miles.config.schema import SandboxCfg, TaskCfg
-from miles.config.validate import reward_problems
+from miles.config.rules import reward_problems
 from miles.data.code_reward import extract_code
 from miles.data.rewards import RewardScorer, WeightedSum, batched, build_scorer, exact_match, get_reward_fn
 

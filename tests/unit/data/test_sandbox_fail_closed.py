@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from miles.config.schema import SandboxCfg, TaskCfg
-from miles.config.validate import reward_problems
+from miles.config.rules import reward_problems
 from miles.data import sandbox
 from miles.data.sandbox import SandboxUnavailable, run_python, sandbox_problems
 from miles.rollout.tools import build_toolbox

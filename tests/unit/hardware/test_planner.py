@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.config.validate import validate
+from miles.validate import validate
 from miles.hardware.footprint import kv_bytes_per_token, param_groups
 from miles.hardware.planner import TrainLayout, make_plan, model_arch, resolve_offload, rollout_usage, train_usage
 

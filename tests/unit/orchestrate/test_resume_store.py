@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.config.schema import AlgoCfg, AlgoName, ModelCfg, RolloutCfg, TrainerCfg, PrecisionCfg
-from miles.config.validate import ConfigError
+from miles.config.errors import ConfigError
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.resume import (CheckpointStore, flat_config, identity_diff, load_component_state,
                                       load_driver_rng, save_component_state, save_driver_rng)

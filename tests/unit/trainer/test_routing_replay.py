@@ -159,7 +159,7 @@ def test_replay_modes_need_moe_and_r3_needs_the_record(checkpoints, tmp_path, co
                      head_dim=8, max_position_embeddings=64)
     with pytest.raises(ValueError, match="needs an MoE model"):
         trainer(str(random_checkpoint(dense, DEFAULT_ALPHABET, 0, tmp_path)), "r2", FP32)
-    from miles.config.validate import validate
+    from miles.validate import validate
 
     assert not [p for p in validate(compose(["model=qwen3_moe_tiny", "algo.routing_replay=r3"])) if "routing" in p]
     assert any("no MoE layer" in p for p in validate(compose(["algo.routing_replay=r2"])))

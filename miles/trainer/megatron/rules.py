@@ -1,0 +1,32 @@
+"""What `trainer=megatron` combines with, checked before anything starts (miles/validate.py runs it
+with the config's own rules): one CUDA process, the families `arch.py` maps, the bf16 / fp32 recipes.
+Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
+
+from __future__ import annotations
+
+from miles.config.schema import RunCfg, TrainerBackend
+from miles.trainer.megatron.arch import problems as unmapped
+
+
+def megatron_problems(cfg: RunCfg) -> list[str]:
+    if cfg.trainer.backend != TrainerBackend.megatron:
+        return []
+    t = cfg.trainer
+    problems = list(unmapped(cfg.model))
+    if cfg.hardware.device == "cpu":
+        problems.append("trainer=megatron runs on CUDA only (Megatron-core allocates its RoPE, RNG and "
+                        "gradient buffers there): pick a GPU hardware profile or trainer=torch")
+    if max(t.tp, 1) * max(t.pp, 1) * max(t.ep, 1) * max(t.cp, 1) > 1:
+        problems.append(f"trainer=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
+                        f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
+    unsupported = {f"precision={cfg.precision.name}": cfg.precision.train_quant.value != "none"
+                   or cfg.precision.rollout_quant.value != "none",
+                   "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
+                   f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
+                   "true_on_policy=true": cfg.true_on_policy,
+                   "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
+                   "trainer.offload=true": t.offload,
+                   f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
+    problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
+                 for what, bad in unsupported.items() if bad]
+    return problems
