@@ -1,6 +1,6 @@
-"""What a vision-language model (a vision block: model=qwen2_5_vl_*) and the image tasks combine
-with, checked before anything starts (docs/vlm.md). What is refused here is not wired for images
-yet; each message names the key to change."""
+"""What a vision-language model (a vision block: model=qwen2_5_vl_*, qwen3_vl_*, glm4_5v,
+glm4v_moe_tiny) and the image tasks combine with, checked before anything starts (docs/vlm.md).
+What is refused here is not wired for images yet; each message names the key to change."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
     problems = []
     if t.kind in IMAGE_TASKS and not vlm:
         problems.append(f"task.kind={t.kind.value} has images, model={cfg.model.name} has no vision tower: "
-                        "use a vision-language model (model=qwen2_5_vl_tiny, or a Qwen2.5-VL model.hf_checkpoint)")
+                        "use a vision-language model (model=qwen2_5_vl_tiny, qwen3_vl_tiny, qwen3_vl_moe_tiny or "
+                        "glm4v_moe_tiny, or a Qwen2.5-VL / Qwen3-VL / GLM-4.5V model.hf_checkpoint)")
     if t.kind == TaskKind.images and not t.train_file:
         problems.append("task.train_file must be set when task.kind=images")
     if t.kind == TaskKind.shape_count and t.train_size < 1:

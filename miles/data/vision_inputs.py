@@ -6,8 +6,9 @@ placeholder per merged patch, and the image processor's pixel_values / image_gri
     # images = {"pixel_values": [patches, C*tp*p*p], "image_grid_thw": [images, 3]}
 
 The chat template writes each image part as `<|vision_start|><|image_pad|><|vision_end|>` (Qwen's
-templates do; the tiny chat format of miles/data/tiny_chat.py too); `encode` widens each
-`<|image_pad|>` to t * h * w / m^2 copies, m the merge size, as transformers' Qwen2.5-VL
+templates do; the tiny chat format of miles/data/tiny_chat.py too; GLM-4.5V's writes
+`<|begin_of_image|><|image|><|end_of_image|>`); `encode` widens each image token (config.json's
+`image_token_id`) to t * h * w / m^2 copies, m the merge size, as transformers' Qwen2.5-VL
 processor does, so the model's image features fill them one to one. Pixels come from the
 checkpoint's own transformers image processor (preprocessor_config.json), never by hand.
 A tiny model's checkpoint gets a processor of its vision config (`save_image_processor`).
@@ -15,6 +16,7 @@ A tiny model's checkpoint gets a processor of its vision config (`save_image_pro
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,14 +64,15 @@ class VisionInputs:
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path, tok: TokenizerInfo) -> "VisionInputs | None":
-        """The checkpoint's image processor with the tokenizer's image token; None without
-        preprocessor_config.json (a text model)."""
+        """The checkpoint's image processor and image token (its config.json's image_token_id);
+        None without preprocessor_config.json (a text model)."""
         import transformers
 
         if not (Path(checkpoint_dir) / PROCESSOR_FILE).is_file():
             return None
         processor = transformers.AutoImageProcessor.from_pretrained(str(checkpoint_dir))
-        return cls(tok, processor, vision_token_ids(tok)["image_token_id"], int(processor.merge_size))
+        image_token_id = json.loads((Path(checkpoint_dir) / "config.json").read_text())["image_token_id"]
+        return cls(tok, processor, image_token_id, int(processor.merge_size))
 
     def pixels(self, images) -> dict[str, torch.Tensor]:
         out = self.processor(images=list(images), return_tensors="pt")
@@ -81,8 +84,9 @@ class VisionInputs:
         ids = encode_prompt(self.tok, text)
         counts = [int(t * h * w) // self.merge_size ** 2 for t, h, w in pixels["image_grid_thw"].tolist()]
         if ids.count(self.image_token_id) != len(counts):
+            token = self.tok.tokenizer.id_to_token(self.image_token_id)
             raise ValueError(f"the prompt holds {ids.count(self.image_token_id)} image placeholders for "
-                             f"{len(counts)} images: the chat template must write {IMAGE_PAD} once per image part")
+                             f"{len(counts)} images: the chat template must write {token} once per image part")
         out, k = [], 0
         for i in ids:
             if i == self.image_token_id:

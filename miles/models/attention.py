@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_dim, self.rope_theta, self.rope_scaling = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling
-        self.mrope_section = cfg.mrope_section
+        self.mrope_section, self.mrope_interleaved = cfg.mrope_section, cfg.mrope_interleaved
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         if ctx.mrope_position_ids is not None:
             cos, sin = ctx.memo(("mrope", self.rotary_dim, self.rope_theta),
                                 lambda: mrope_cos_sin(ctx.mrope_position_ids, self.rotary_dim, self.rope_theta,
-                                                      self.mrope_section))
+                                                      self.mrope_section, self.mrope_interleaved))
         else:
             cos, sin = ctx.memo(("rope", self.rotary_dim, self.rope_theta, id(self.rope_scaling)),
                                 lambda: rope_cos_sin(ctx.position_ids, self.rotary_dim, self.rope_theta,

@@ -136,6 +136,7 @@ class CausalLM(nn.Module):
         branch_ids: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         mrope_position_ids: Optional[torch.Tensor] = None,
+        layer_additions: Optional[list[torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for input_ids [B, T] (with return_hidden, the final-norm hidden states
         [B, T, hidden] instead: the caller applies `output_weight` chunk by chunk).
@@ -155,13 +156,18 @@ class CausalLM(nn.Module):
         inputs_embeds: [B, T, hidden] used instead of embedding input_ids (a vision-language model
             has put its image features at the image tokens; miles.models.vlm).
         mrope_position_ids: [3, B, T] mRoPE positions (families with mrope_section; miles.models.vlm).
+        layer_additions: [B, T, hidden] tensors added to the hidden states after layers 0, 1, ...
+            (Qwen3-VL's DeepStack: inner vision-tower features at the image tokens; miles.models.vlm).
         """
         ctx = self._context(input_ids, attention_mask, position_ids, cache, routing_record, routing_replay,
                             segment_ids, branch_ids)
         ctx.mrope_position_ids = mrope_position_ids
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
+        additions = layer_additions or []
+        for i, layer in enumerate(self.layers):
             h = layer(h, ctx)
+            if i < len(additions):
+                h = h + additions[i]
         if cache is not None:
             cache.advance(input_ids.shape[1])
         h = self.norm(h)

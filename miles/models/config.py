@@ -117,10 +117,13 @@ class Llama4AttnConfig:
 
 @dataclass
 class VisionConfig:
-    """The vision tower of a vision-language family (miles.models.vision) and its image tokens."""
+    """The vision tower of a vision-language family and its image tokens. The family picks the
+    tower (miles.models.vlm.TOWERS): Qwen2.5-VL's windowed ViT (window_size, fullatt_block_indexes),
+    Qwen3-VL's (num_position_embeddings, deepstack_visual_indexes) or GLM-4.5V's
+    (num_position_embeddings, norm_eps); a field another tower has no use for keeps its default."""
     depth: int = 2  # ViT blocks
     hidden_size: int = 32  # ViT width
-    intermediate_size: int = 64  # ViT SwiGLU width
+    intermediate_size: int = 64  # ViT MLP width (GLM-4.5V: its merger's; its blocks' MLP is out_hidden_size wide)
     num_heads: int = 2  # ViT attention heads
     out_hidden_size: int = 64  # patch merger output = the decoder's hidden_size
     in_channels: int = 3  # image channels
@@ -135,6 +138,13 @@ class VisionConfig:
     vision_start_token_id: int = 151652  # token opening an image span
     vision_end_token_id: int = 151653  # token closing an image span
     tokens_per_second: int = 2  # video temporal positions per second (kept for config.json)
+    # A learned square grid of position embeddings, resampled to each image's patch grid (Qwen3-VL:
+    # bilinear, GLM-4.5V: bicubic); 0: none (Qwen2.5-VL, whose ViT has rotary positions only).
+    num_position_embeddings: int = 0  # entries of the learned ViT position grid (a square number)
+    # DeepStack (Qwen3-VL): the merged features after these ViT blocks are added to the image tokens'
+    # hidden states after decoder layers 0, 1, ... (one decoder layer per listed block).
+    deepstack_visual_indexes: List[int] = field(default_factory=list)  # ViT blocks feeding DeepStack
+    norm_eps: float = 1e-6  # ViT RMSNorm epsilon of GLM-4.5V (rms_norm_eps); the Qwen towers fix 1e-6
 
     @property
     def head_dim(self) -> int:
@@ -179,6 +189,9 @@ class ArchConfig:
     # temporal / height / width sections (sums to rotary_dim / 2; empty: plain 1-D RoPE).
     vision: Optional[VisionConfig] = None
     mrope_section: List[int] = field(default_factory=list)
+    # Qwen3-VL interleaves the axes over the frequencies (t, h, w, t, h, w, ...; the sections count
+    # each axis' share) where Qwen2.5-VL and GLM-4.5V give each axis one consecutive block.
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()

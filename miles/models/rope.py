@@ -97,16 +97,25 @@ def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
     return angles.cos() * factor, angles.sin() * factor
 
 
-def mrope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float,
-                  sections: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): position_ids [3, B, T] hold temporal, height and
-    width positions; frequency j of the dim/2 rotates by the axis whose section (consecutive
-    blocks of `sections`, cycling t, h, w) contains j. Text tokens have three equal positions, so
-    for them this is plain RoPE. Returns (cos, sin), each [B, T, dim], float32."""
+def mrope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float, sections: list[int],
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL / GLM-4.5V): position_ids [3, B, T] hold temporal,
+    height and width positions; frequency j of the dim/2 rotates by the axis whose section
+    (consecutive blocks of `sections`, cycling t, h, w) contains j. `interleaved` (Qwen3-VL): j
+    rotates by height when j % 3 == 1 and j < 3 * sections[1], by width when j % 3 == 2 and
+    j < 3 * sections[2], else by time (transformers' rule, kept exactly). Text tokens have three
+    equal positions, so for them this is plain RoPE. Returns (cos, sin), each [B, T, dim], float32."""
     freq, _ = _device_inv_freq(dim, theta, "None", position_ids.device, None)
     angles = position_ids[..., None].float() * freq  # [3, B, T, dim/2]
-    picked = [part[i % 3] for i, part in enumerate(angles.split(list(sections), dim=-1))]
-    angles = torch.cat(picked, dim=-1)
+    if interleaved:
+        picked = angles[0].clone()
+        for axis in (1, 2):
+            every_third = slice(axis, 3 * sections[axis], 3)
+            picked[..., every_third] = angles[axis][..., every_third]
+        angles = picked
+    else:
+        picked = [part[i % 3] for i, part in enumerate(angles.split(list(sections), dim=-1))]
+        angles = torch.cat(picked, dim=-1)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 

@@ -1,5 +1,6 @@
 """The Qwen2.5-VL vision tower: patch embedding, 2-D rotary ViT blocks with windowed / full
-attention, and the patch merger that turns each m x m block of patches into one decoder token.
+attention, and the patch merger that turns each m x m block of patches into one decoder token;
+and the parts the Qwen3-VL and GLM-4.5V towers share with it (vision_qwen3.py, vision_glm4v.py).
 
 Input is what transformers' Qwen2VLImageProcessor gives: `pixel_values` [N, C * tp * p * p], one
 row per patch, patches of an image ordered block by block (the m x m patches a merger token
@@ -7,7 +8,8 @@ takes are consecutive), and `grid_thw` [images, 3] each image's (temporal, heigh
 grid. Images of any size share one call: attention never crosses an image (nor a window).
 
 The patch embedding is HF's stride = kernel Conv3d, which on exactly one patch is a matmul: a
-bias-free Linear over the flattened patch (the family converts the [E, C, tp, p, p] kernel).
+Linear over the flattened patch, bias-free in Qwen2.5-VL (the family converts the [E, C, tp, p, p]
+kernel).
 Parameter names equal the checkpoint's `visual.*` names.
 """
 
@@ -23,21 +25,21 @@ from miles.models.rope import apply_rope
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias: bool = False):
         super().__init__()
         patch = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-        self.proj = nn.Linear(patch, cfg.hidden_size, bias=False)
+        self.proj = nn.Linear(patch, cfg.hidden_size, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, bias: bool = True):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=bias)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden]; cos / sin: [N, head_dim]; mask: [N, N] True where attention is allowed."""
@@ -103,7 +105,7 @@ class VisionTower(nn.Module):
         [N / m^2, out_hidden_size], in the images' (and the placeholders') order."""
         cfg = self.cfg
         unit = cfg.spatial_merge_size ** 2
-        grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+        grids = grid_list(grid_thw)
         order, window_ids = window_order(grids, cfg)  # merger blocks regrouped window by window
         patch_order = (order[:, None] * unit + torch.arange(unit)).flatten().to(pixel_values.device)
         x = self.patch_embed(pixel_values)[patch_order]
@@ -119,6 +121,27 @@ class VisionTower(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full_mask if i in cfg.fullatt_block_indexes else window_mask)
         return self.merger(x)[torch.argsort(order.to(x.device))]
+
+
+def grid_list(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+    """image_grid_thw [images, 3] as (t, h, w) ints."""
+    return [tuple(int(v) for v in g) for g in grid_thw.tolist()]
+
+
+def frame_mask(grids: list[tuple[int, int, int]], device) -> torch.Tensor:
+    """[N, N] True where two patches lie in the same frame of the same image: the full attention
+    of the Qwen3-VL and GLM-4.5V towers (transformers' per-frame cu_seqlens)."""
+    frames = torch.arange(sum(t for t, _, _ in grids), device=device)
+    frame_of_patch = frames.repeat_interleave(torch.tensor([h * w for t, h, w in grids for _ in range(t)],
+                                                           device=device))
+    return frame_of_patch[:, None] == frame_of_patch[None, :]
+
+
+def block_major(grid: torch.Tensor, m: int) -> torch.Tensor:
+    """[E, h, w] per-patch values in raster order -> [h * w, E] in the processor's patch order: the
+    m x m patches of one merger block consecutive, blocks row by row."""
+    e, h, w = grid.shape
+    return grid.reshape(e, h // m, m, w // m, m).permute(1, 3, 2, 4, 0).reshape(h * w, e)
 
 
 def vision_rope(grids: list[tuple[int, int, int]], cfg: VisionConfig, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,9 @@
 """Vision-language model: the family's decoder (CausalLM, unchanged) plus a vision tower whose
 merged patch features replace the image placeholder tokens' embeddings, with mRoPE positions.
+The family picks the tower (TOWERS): Qwen2.5-VL's, Qwen3-VL's (dense and MoE decoders) or
+GLM-4.5V's. Qwen3-VL's DeepStack features (inner tower blocks' merged outputs) are added to the
+image tokens' hidden states after the first decoder layers, inside this forward, so the engine and
+the trainer call every VLM alike.
 
     logits = VisionLM(cfg)(input_ids, pixel_values=..., image_grid_thw=...)
 
@@ -19,6 +23,13 @@ import torch
 from miles.models.causal_lm import CausalLM
 from miles.models.config import ArchConfig
 from miles.models.vision import VisionTower
+from miles.models.vision_glm4v import Glm4vVisionTower
+from miles.models.vision_qwen3 import Qwen3VisionTower
+
+# family -> its vision tower: (pixel_values, image_grid_thw) -> [image tokens, (1 + k) * hidden], each
+# token's merged features and then its k DeepStack features (k = 0 but for Qwen3-VL).
+TOWERS = {"qwen2_5_vl": VisionTower, "qwen3_vl": Qwen3VisionTower, "qwen3_vl_moe": Qwen3VisionTower,
+          "glm4v_moe": Glm4vVisionTower}
 
 
 class VisionLM(CausalLM):
@@ -26,7 +37,9 @@ class VisionLM(CausalLM):
         if config.vision is None:
             raise ValueError(f"family {config.family}: VisionLM needs a vision block")
         super().__init__(config)
-        self.visual = VisionTower(config.vision)
+        if config.family not in TOWERS:
+            raise ValueError(f"family {config.family}: no vision tower (vision-language families: {', '.join(TOWERS)})")
+        self.visual = TOWERS[config.family](config.vision)
         # Again with the tower there, so that one seed reproduces every weight.
         self.init_weights(seed)
 
@@ -45,13 +58,17 @@ class VisionLM(CausalLM):
         through attention_mask); image_mask [B, T]: the placeholders the images fill (default:
         every image token). Other arguments as CausalLM.forward."""
         embeds = self.embed_tokens(input_ids)
+        deepstack = []
         if pixel_values is not None:
-            features = self.visual(pixel_values, image_grid_thw).to(embeds.dtype)
+            features, *deepstack = self.visual(pixel_values, image_grid_thw).split(self.config.hidden_size, dim=-1)
             slots = input_ids == self.config.vision.image_token_id if image_mask is None else image_mask
             if int(slots.sum()) != features.shape[0]:
                 raise ValueError(f"{int(slots.sum())} image tokens in input_ids but the images give "
                                  f"{features.shape[0]} features (grids {image_grid_thw.tolist()})")
-            embeds = embeds.masked_scatter(slots[..., None], features)
+            embeds = embeds.masked_scatter(slots[..., None], features.to(embeds.dtype))
+            # Zero away from the image tokens: adding it leaves those hidden states bit for bit.
+            deepstack = [torch.zeros_like(embeds).masked_scatter(slots[..., None], f.to(embeds.dtype))
+                         for f in deepstack]
         if mrope_position_ids is None and kwargs.get("cache") is not None:
             # Tokens after an image sit at (prompt's last mRoPE position + 1 + step), which only the
             # caller that ran the prompt knows.
@@ -59,7 +76,7 @@ class VisionLM(CausalLM):
         if mrope_position_ids is None:
             mrope_position_ids = mrope_positions(input_ids, image_grid_thw, self.config, attention_mask, image_mask)
         return super().forward(input_ids, attention_mask, inputs_embeds=embeds,
-                               mrope_position_ids=mrope_position_ids, **kwargs)
+                               mrope_position_ids=mrope_position_ids, layer_additions=deepstack, **kwargs)
 
 
 def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], cfg: ArchConfig,

@@ -151,3 +151,5 @@ from miles.models.families import qwen3_next  # noqa: E402,F401
 from miles.models.families import llama4  # noqa: E402,F401
 from miles.models.families import glm4_moe_lite  # noqa: E402,F401
 from miles.models.families import qwen2_5_vl  # noqa: E402,F401
+from miles.models.families import qwen3_vl  # noqa: E402,F401
+from miles.models.families import glm4v_moe  # noqa: E402,F401
