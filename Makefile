@@ -25,15 +25,22 @@ run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
 # The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
-# tests/conftest.py: one Ray for the session that the Ray tests join (the runs that test Ray's own
-# start still start theirs), and OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not spin).
+# tests/conftest.py: a fresh local Ray for each test or module that runs Ray actors (never one shared
+# by the session: see there), and OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not spin).
+# TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's
+# fixtures in one process): one test run keeps ~0.6 of a core busy (it waits on launch.py's imports,
+# Ray, MLflow), so 2 workers overlap the waits on 2 cores. The tests marked serial (they stop every
+# Ray on the machine, or assert wall-clock limits) run alone after.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) bwrap
-	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not learning and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not learning" $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 # Unit tests only (seconds): skips the end-to-end tier marked slow.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
 
 # The shipped example tasks learning through launch.py (tests/integration/test_rlvr_tasks.py):
 # ~10 minutes on 2 free cores, so not part of `make test`. Also the long versions of checks whose

@@ -41,84 +41,78 @@ def compose():
     return _compose
 
 
-# One local Ray for the whole session, joined by the tests that run Ray actors (each module, contract
-# and run connects as a job of its own and disconnects after, as it did with a Ray of its own): a Ray
-# start costs ~10 s on 2 cores (~17 s loaded), and the suite started ~25. A helper process starts it
-# with ray.init (which, unlike `ray start`, writes no /tmp/ray/ray_current_cluster that a plain
-# ray.init() elsewhere would join) and ends it when pytest exits (its stdin closes). The runs that test
-# Ray's start by the run itself (launch.py's default local Ray, the fault tests that kill its actors,
-# `ray.address=auto`) still start their own.
+# A local Ray of a test's own (`own_ray`) or of a module's own (`module_ray_cluster`, `ray_connection`), never
+# one shared by the whole session: a session Ray saved ~10 s per start, but jobs that joined it after
+# other jobs had their actors cancelled before they started (an unexplained Ray state; the CI run of
+# 2026-12-04 failed 56 tests that way), so each user starts from a fresh one as before. A helper
+# process starts it with ray.init(address="local") (a new Ray, never one found running on the
+# machine: another test worker's, a `ray start`; unlike `ray start`, it writes no
+# /tmp/ray/ray_current_cluster that a plain ray.init() elsewhere would join) and ends it when asked
+# or when pytest exits (its stdin closes).
 _RAY_HOLDER = r"""
-import logging, select, sys, time
+import logging, select, sys
 import ray
-ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level=logging.WARNING)
+ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level=logging.WARNING)
 node = ray._private.worker._global_node
 print(node.gcs_address, flush=True)
-while node.remaining_processes_alive():  # `ray stop --force` (test_existing_ray_cluster) kills it
+while node.remaining_processes_alive():
     if select.select([sys.stdin], [], [], 0.5)[0] and not sys.stdin.read(1):
-        break  # pytest is gone
+        break  # stopped, or pytest is gone
 ray.shutdown()
 """
-SHARED_RAY_CPUS = 4  # the most any test asks for at once: 2 FSDP ranks + 2 engines (test_scale_out_runs)
+RAY_CPUS = 4  # the most any test asks for at once: 2 FSDP ranks + 2 engines (test_scale_out_runs)
 
 
-class SharedRay:
-    """address(): the GCS address of the session's Ray, (re)started if it is not running."""
+class LocalRay:
+    """A local Ray in a helper process: address() for ray.init(address=...) or ray.address=<it>
+    (ray.shutdown() there only disconnects; Ray ends that job's actors), stop() ends it."""
 
     def __init__(self, cwd: Path):
-        self.cwd, self.proc, self._address = cwd, None, None
-
-    def _alive(self) -> bool:
-        import socket
-
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        host, port = self._address.rsplit(":", 1)
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError:  # its GCS is gone (`ray stop --force`), the holder about to notice
-            return False
-        return True
+        # No token auth on this local test cluster: the drivers that join it start with Ray's defaults.
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _RAY_HOLDER, str(RAY_CPUS)], cwd=cwd, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._address = self.proc.stdout.readline().strip()
+        if not self._address:
+            self.stop()
+            raise RuntimeError("the test's local Ray did not start")
 
     def address(self) -> str:
-        if not self._alive():
-            self.stop()
-            # No token auth on this local test cluster: the drivers that join it start with Ray's defaults.
-            env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-            self.proc = subprocess.Popen([sys.executable, "-c", _RAY_HOLDER, str(SHARED_RAY_CPUS)], cwd=self.cwd,
-                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            self._address = self.proc.stdout.readline().strip()
-            if not self._address:
-                raise RuntimeError("the shared Ray did not start")
         return self._address
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc = None
 
 
-@pytest.fixture(scope="session")
-def shared_ray(tmp_path_factory):
-    """The session's Ray (SharedRay): connect with ray.init(address=shared_ray.address()) or run with
-    ray.address=<it>; ray.shutdown() then disconnects, and Ray ends the job's actors."""
-    holder = SharedRay(tmp_path_factory.mktemp("shared_ray"))
-    yield holder
-    holder.stop()
+@pytest.fixture
+def own_ray(tmp_path_factory):
+    """A Ray for this test alone (LocalRay): runs join it with ray.address=own_ray.address()."""
+    ray_ = LocalRay(tmp_path_factory.mktemp("ray"))
+    yield ray_
+    ray_.stop()
 
 
 @pytest.fixture(scope="module")
-def ray_connection(shared_ray):
-    """A module's connection to the session's Ray (instead of a Ray of its own per module)."""
+def module_ray_cluster(tmp_path_factory):
+    """A Ray for this module's tests (LocalRay)."""
+    ray_ = LocalRay(tmp_path_factory.mktemp("ray"))
+    yield ray_
+    ray_.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_connection(module_ray_cluster):
+    """This process connected to the module's Ray for the module's tests."""
     import logging
 
     import ray
 
-    ray.init(address=shared_ray.address(), logging_level=logging.WARNING)
+    ray.init(address=module_ray_cluster.address(), logging_level=logging.WARNING)
     yield
     ray.shutdown()

@@ -11,16 +11,8 @@ import pytest
 
 from launch_cli import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-@pytest.fixture(autouse=True)
-def no_shared_ray(shared_ray):
-    """These tests start clusters of their own and end them with `ray stop --force`, which kills every
-    Ray on the machine; with the session's shared Ray also up, `ray.address=auto` runs had their actors
-    cancelled before they started. The shared Ray is stopped first and restarts when next asked for."""
-    shared_ray.stop()
 
 
 @pytest.fixture

@@ -38,15 +38,15 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
 
 
 @pytest.fixture(scope="module")
-def module_ray(shared_ray):
-    """The session's Ray (tests/conftest.py; a start costs ~10 s here), joined for the module's Ray
+def module_ray(module_ray_cluster):
+    """The module's Ray (tests/conftest.py; a start costs ~10 s here), joined for the module's Ray
     runs; run() shuts Ray down after each run, so the tests stop it doing so and kill their actors
     themselves."""
     import ray
 
     from miles.orchestrate.handles import start_ray
 
-    start_ray(shared_ray.address(), None)
+    start_ray(module_ray_cluster.address(), None)
     shutdown = ray.shutdown
     yield
     shutdown()

@@ -12,6 +12,9 @@ from miles.config.rules import reward_problems
 from miles.data.code_reward import extract_code
 from miles.data.rewards import RewardScorer, WeightedSum, batched, build_scorer, exact_match, get_reward_fn
 
+# Wall-clock limits and kills are asserted: make test runs this file alone, after the parallel part.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):

@@ -4,8 +4,12 @@ open files, output size, environment, a fresh scratch directory (conftest.py: ru
 import json
 import time
 
+import pytest
+
 from miles.config.schema import SandboxCfg
 
+# Wall-clock limits and kills are asserted: make test runs this file alone, after the parallel part.
+pytestmark = pytest.mark.serial
 LIMITS = SandboxCfg(wall_time_s=3.0, cpu_time_s=1, memory_mb=256, max_processes=16, max_file_mb=1)
 
 

@@ -15,7 +15,8 @@ import pytest
 from miles.config.schema import SandboxCfg
 from miles.data.sandbox import run_python
 
-
+# Wall-clock limits and kills are asserted: make test runs this file alone, after the parallel part.
+pytestmark = pytest.mark.serial
 
 LIMITS = SandboxCfg(wall_time_s=5.0, cpu_time_s=2, memory_mb=256, max_processes=16, max_file_mb=1)
 UNBOXED = dataclasses.replace(LIMITS, isolation="none")

@@ -155,7 +155,7 @@ def test_engines_off_the_trainers_node_or_gpu_are_refused_with_the_key_to_change
 # ----------------------------------------------------------------------------- Ray actors
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The session's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
+    """The module's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
     for this module."""
     yield
 

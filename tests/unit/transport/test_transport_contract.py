@@ -45,7 +45,7 @@ def local_contract(name, ckpt) -> Contract:
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The session's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
+    """The module's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
     for this module."""
     yield
 
