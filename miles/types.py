@@ -58,6 +58,9 @@ class Sample:
     # Vision-language prompts: {"pixel_values", "image_grid_thw"} of the prompt's images (the n
     # samples of a prompt hold the same tensors: pickled once), or None.
     images: Optional[dict] = None
+    # Several LoRA adapters (trainer.lora.adapters): the number of the adapter that sampled this
+    # response and that its loss trains; None in a run without named adapters.
+    adapter: Optional[int] = None
 
 
 @dataclass
@@ -85,6 +88,8 @@ class TrainBatch:
     # Vision-language prompts (empty without): per sample its Sample.images (a dict or None), a list
     # because samples hold images of different sizes; the trainer's micro-batches take them along.
     images: list = field(default_factory=list)
+    # Several LoRA adapters (empty without): [N] long, each sample's adapter (Sample.adapter).
+    adapter_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -104,6 +109,7 @@ class TrainBatch:
             routed_experts=rows(self.routed_experts),
             selected_keys=rows(self.selected_keys),
             images=rows(self.images),
+            adapter_ids=rows(self.adapter_ids),
         )
 
 
@@ -126,7 +132,19 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: i
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards,
                       routed_experts=_batch_record(samples, width, "routed_experts", 0),
                       selected_keys=_batch_record(samples, width, "selected_keys", -1),
-                      images=[s.images for s in samples] if any(s.images is not None for s in samples) else [])
+                      images=[s.images for s in samples] if any(s.images is not None for s in samples) else [],
+                      adapter_ids=_adapter_ids(samples))
+
+
+def _adapter_ids(samples: list[Sample]) -> torch.Tensor:
+    """Each sample's adapter as [N] long; empty when no sample names one (a run without named adapters)."""
+    routed = [s.adapter for s in samples if s.adapter is not None]
+    if not routed:
+        return torch.zeros(0, dtype=torch.long)
+    if len(routed) < len(samples):
+        raise ValueError(f"only {len(routed)} of {len(samples)} samples name their LoRA adapter: a batch of "
+                         "several adapters routes every sample")
+    return torch.tensor(routed, dtype=torch.long)
 
 
 def _batch_record(samples: list[Sample], width: int, name: str, fill: int) -> torch.Tensor:

@@ -4,7 +4,12 @@ sglang_lora.py)."""
 
 from __future__ import annotations
 
-from miles.config.schema import RunCfg
+import re
+
+from miles.config.schema import RunCfg, TaskKind
+
+# An adapter's name is a directory of its own in checkpoints (adapter/<name>/) and a metric suffix.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def lora_problems(cfg: RunCfg) -> list[str]:
@@ -12,8 +17,11 @@ def lora_problems(cfg: RunCfg) -> list[str]:
     if lo.rank < 0:
         return [f"trainer.lora.rank must be >= 0 (got {lo.rank}; 0 turns LoRA off)"]
     if lo.rank == 0:
+        if lo.adapters or lo.adapter_key:
+            return ["trainer.lora.adapters / adapter_key name adapters to train: set trainer.lora.rank > 0 "
+                    "(e.g. trainer.lora.rank=16)"]
         return []
-    problems = []
+    problems = adapter_problems(cfg)
     if lo.alpha <= 0:
         problems.append(f"trainer.lora.alpha must be > 0 (got {lo.alpha})")
     if not 0 <= lo.dropout < 1:
@@ -56,3 +64,37 @@ def _target_problems(cfg: RunCfg) -> list[str]:
     return [f"trainer.lora.target_modules={list(cfg.trainer.lora.target_modules)} matches no projection of "
             f"model={cfg.model.name}; its decoder projections: {', '.join(candidate_names(model))}"]
 
+
+
+def adapter_problems(cfg: RunCfg) -> list[str]:
+    """Several adapters (trainer.lora.adapters): their names, the record field that routes prompts to
+    them, and what does not serve or train them per prompt yet."""
+    lo, r = cfg.trainer.lora, cfg.rollout
+    names = list(lo.adapters)
+    if not names:
+        if lo.adapter_key:
+            return [f"trainer.lora.adapter_key={lo.adapter_key!r} routes prompts to trainer.lora.adapters, which "
+                    "is empty: name the adapters (e.g. trainer.lora.adapters=[add,mul]) or unset adapter_key"]
+        return []
+    problems = [f"trainer.lora.adapters: {name!r} is not a valid adapter name (letters, digits, '_', '.', '-', "
+                "starting with a letter or digit: it names a directory)"
+                for name in names if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name)]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        problems.append(f"trainer.lora.adapters names {repeated} more than once: each adapter once")
+    if len(names) > 1 and not lo.adapter_key:
+        problems.append(f"trainer.lora.adapters={names} needs trainer.lora.adapter_key: the prompt record field "
+                        "whose value names each prompt's adapter (e.g. trainer.lora.adapter_key=adapter)")
+    if lo.adapter_key and cfg.task.kind != TaskKind.file:  # image records keep no other fields yet
+        problems.append(f"trainer.lora.adapter_key={lo.adapter_key!r} routes by a prompt record's field; "
+                        f"task.kind={cfg.task.kind.value} has no record fields: use a prompt file (task.kind=file, "
+                        "task.train_file) whose records carry the field")
+    if r.speculative.kind != "none":
+        problems.append("trainer.lora.adapters with rollout.speculative: the draft-and-verify decoders do not "
+                        "route rows to adapters yet: set rollout.speculative.kind=none")
+    if cfg.task.tools:
+        problems.append("trainer.lora.adapters with task.tools: multi-turn rollouts do not route turns to "
+                        "adapters yet: use a single adapter (trainer.lora.adapters=[]) or no tools")
+    if cfg.algo.advantage == "gae":
+        problems.append("trainer.lora.adapters with algo.advantage=gae: the critic is one model for every "
+                        "adapter: use a critic-free estimator (e.g. algo.advantage=grpo)")
+    return problems

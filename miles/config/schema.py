@@ -347,6 +347,10 @@ class LoRACfg:
     # ("layers\.[0-3]\..*_proj"); nn.Linear projections of the decoder layers.
     target_modules: List[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # Several adapters over one frozen base (docs/lora.md, "Several adapters"): their names, each
+    # prompt routed to the one its record's `adapter_key` field names. Empty: the run's one adapter.
+    adapters: List[str] = field(default_factory=list)
+    adapter_key: str = ""  # the record field that names a prompt's adapter (needed with 2+ adapters)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The data of the shipped CPU example tasks (conf/experiment/gsm8k_cpu.yaml, tool_calc_cpu.yaml).
+"""The data of the shipped CPU example tasks (conf/experiment/gsm8k_cpu.yaml, tool_calc_cpu.yaml, and
+the two-adapter LoRA run of docs/lora.md).
 
 Both are seeded and small enough for a tiny model on a laptop CPU, in the formats real datasets
 use, so the same config keys carry over to GSM8K or a tool-use dataset:
@@ -8,6 +9,9 @@ use, so the same config keys carry over to GSM8K or a tool-use dataset:
 - `tool_calc`: "What is 123*45?" (too hard for a tiny model to compute, one calculator call
   away): `messages` records whose reference reply (for the SFT warm start) calls the calculator in
   a quarter of them and answers from memory in the rest, so RL has a tool-call rate to raise.
+- `two_tasks`: two arithmetic tasks in one file, "12+34=" and "7*12=", each record naming its task in
+  an `adapter` field ("add" / "mul"): one LoRA adapter per task (trainer.lora.adapters=[add,mul],
+  trainer.lora.adapter_key=adapter).
 
     python -m miles.data.example_tasks examples/data     # rewrites the shipped files
 """
@@ -83,6 +87,28 @@ def tool_calc_records(seed: int = 0, train: int = 1000, test: int = 100) -> tupl
     return train_records, test_records
 
 
+def two_tasks_records(seed: int = 0, train: int = 1000, test: int = 100) -> tuple[list[dict], list[dict]]:
+    """(train, test) prompt / label records, half addition of two-digit numbers ("add"), half a digit
+    times a two-digit number ("mul"), alternating; test problems never in train."""
+    rng = np.random.default_rng(seed)
+    seen: set[tuple] = set()
+    splits = []
+    for size in (test, train):
+        records = []
+        while len(records) < size:
+            adapter = ("add", "mul")[len(records) % 2]
+            a = int(rng.integers(10, 100)) if adapter == "add" else int(rng.integers(2, 10))
+            b = int(rng.integers(10, 100))
+            if (adapter, a, b) in seen:
+                continue
+            seen.add((adapter, a, b))
+            op, value = ("+", a + b) if adapter == "add" else ("*", a * b)
+            records.append({"prompt": f"{a}{op}{b}=", "label": str(value), "adapter": adapter})
+        splits.append(records)
+    test_records, train_records = splits
+    return train_records, test_records
+
+
 def write_jsonl(records: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -97,12 +123,16 @@ def write_all(out: Path) -> list[Path]:
     """Writes the example files under `out`; returns their paths."""
     (out / "gsm8k_cpu").mkdir(parents=True, exist_ok=True)
     (out / "tool_calc").mkdir(parents=True, exist_ok=True)
+    (out / "two_tasks").mkdir(parents=True, exist_ok=True)
     gsm_train, gsm_test = gsm8k_records()
     tool_train, tool_test = tool_calc_records()
+    two_train, two_test = two_tasks_records()
     files = [(write_parquet, gsm_train, out / "gsm8k_cpu" / "train.parquet"),
              (write_jsonl, gsm_test, out / "gsm8k_cpu" / "test.jsonl"),
              (write_parquet, tool_train, out / "tool_calc" / "train.parquet"),
-             (write_jsonl, tool_test, out / "tool_calc" / "test.jsonl")]
+             (write_jsonl, tool_test, out / "tool_calc" / "test.jsonl"),
+             (write_jsonl, two_train, out / "two_tasks" / "train.jsonl"),
+             (write_jsonl, two_test, out / "two_tasks" / "test.jsonl")]
     for write, records, path in files:
         write(records, path)
     return [path for _, _, path in files]

@@ -11,10 +11,15 @@ from miles.models.config import ArchConfig
 _CACHE: dict[tuple, int] = {}
 
 
-def lora_params(arch: ArchConfig, rank: int, target_modules) -> int:
-    """rank x (in + out) summed over the decoder projections `target_modules` selects."""
+def lora_params(arch: ArchConfig, rank: int, target_modules, adapters: int = 1) -> int:
+    """rank x (in + out) summed over the decoder projections `target_modules` selects, for each of
+    `adapters` adapters (trainer.lora.adapters; 0 or 1: the run's one adapter)."""
     if rank <= 0:
         return 0
+    return max(1, adapters) * _one_adapter(arch, rank, target_modules)
+
+
+def _one_adapter(arch: ArchConfig, rank: int, target_modules) -> int:
     key = (repr(arch), rank, tuple(target_modules))
     if key not in _CACHE:
         from miles.models import CausalLM

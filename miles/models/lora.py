@@ -7,6 +7,15 @@
     with lora.merged():       # W + alpha / rank * B @ A in the base weights, the adapters off:
         save_pretrained(model, out)                                  # the merged HF checkpoint
 
+Several adapters over the one base (`adapters=["add", "mul"]`, trainer.lora.adapters): every
+projection holds one A / B pair per adapter, and `lora.route(ids)` says which adapter each row
+([B, 1]) or token ([B, T]: packed rows) of the next forwards goes through. Each targeted projection
+then adds sum_k where(ids == k, alpha / rank * B_k(A_k(x)), 0): every adapter runs on every row
+(N times the LoRA FLOPs, still small next to the base's), the others' results masked out, so shapes
+never depend on the routing (a captured CUDA graph replays it) and a row's gradient reaches only
+its own adapter. Their tensors are named "<adapter>/<module>.lora_A.weight". With one adapter no
+mask is computed: the single-adapter forward is unchanged.
+
 The math and the initialisation are PEFT's `lora.Linear` (A kaiming-uniform, B zero, so a fresh
 adapter leaves the model's outputs bit for bit as they were); the PEFT file format is
 miles/models/lora_peft.py. Why the project's own module and not PEFT's layers: PEFT wraps each
@@ -29,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +47,8 @@ from torch import nn
 # Every projection of a dense Qwen / Llama-style decoder layer (attention and MLP).
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DECODER_PREFIX = "layers."
+# Several adapters: "<adapter>/<module>.lora_A.weight" (an adapter name is a directory name, never "/").
+ADAPTER_SEPARATOR = "/"
 
 
 def _matches(name: str, entry: str) -> bool:
@@ -64,12 +76,14 @@ def candidate_names(model: nn.Module) -> list[str]:
 class LoRA(nn.Module):
     """Adapters A [rank, in] and B [out, rank] for each targeted projection of `model`, applied by
     forward hooks. `dtype`: the adapters' (the trainer keeps them in fp32, the engine in its own).
-    `seed`: A's initialisation without touching the global RNG. `zero`: A = 0 too (an engine's
-    adapters before the first sync: the same outputs as B = 0, nothing drawn)."""
+    `seed`: A's initialisation without touching the global RNG (adapter after adapter, so the first
+    is the one a single-adapter LoRA of the same seed draws). `zero`: A = 0 too (an engine's
+    adapters before the first sync: the same outputs as B = 0, nothing drawn). `adapters`: the
+    names of several adapters (see the module docstring); empty: one unnamed adapter."""
 
     def __init__(self, model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  target_modules=ALL_PROJECTIONS, dtype: torch.dtype | None = None, seed: int | None = None,
-                 zero: bool = False):
+                 zero: bool = False, adapters: Sequence[str] = ()):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0 (got {rank})")
@@ -79,67 +93,118 @@ class LoRA(nn.Module):
                              f"model; its decoder projections: {', '.join(candidate_names(model))}")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.names = [name for name, _ in targets]
+        self.adapter_names = list(adapters)
+        self.num_adapters = max(1, len(self.adapter_names))
         self._linears = [m for _, m in targets]  # a plain list: not submodules, the model owns them
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
+        self._route: torch.Tensor | None = None  # several adapters: each row's / token's adapter id
         gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+        # Adapter k's pair for projection i at index k * len(names) + i.
         self.lora_A, self.lora_B = nn.ParameterList(), nn.ParameterList()
-        for linear in self._linears:
-            weight = linear.weight
-            a = torch.zeros(rank, linear.in_features, dtype=torch.float32)
-            if not zero:  # PEFT's default: kaiming-uniform A (drawn on the CPU: the same on every device)
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-            kind = dict(device=weight.device, dtype=dtype or weight.dtype)
-            self.lora_A.append(nn.Parameter(a.to(**kind)))
-            self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
+        for _ in range(self.num_adapters):
+            for linear in self._linears:
+                weight = linear.weight
+                a = torch.zeros(rank, linear.in_features, dtype=torch.float32)
+                if not zero:  # PEFT's default: kaiming-uniform A (drawn on the CPU: the same on every device)
+                    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+                kind = dict(device=weight.device, dtype=dtype or weight.dtype)
+                self.lora_A.append(nn.Parameter(a.to(**kind)))
+                self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
         for i, linear in enumerate(self._linears):
             linear.register_forward_hook(self._hook(i))
+
+    def _pair(self, adapter: int, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+        j = adapter * len(self.names) + i
+        return self.lora_A[j], self.lora_B[j]
 
     def _hook(self, i: int):
         def add_delta(module, args, out):
             if not self.enabled:
                 return out
             x = args[0]
-            a, b = self.lora_A[i], self.lora_B[i]
+            a, b = self._pair(0, i)
             if not torch.is_autocast_enabled(x.device.type):
                 x = x.to(a.dtype)  # as PEFT: the input in the adapters' dtype, the sum in the output's
-            return out + (F.linear(F.linear(self.dropout(x), a), b) * self.scaling).to(out.dtype)
+            x = self.dropout(x)
+            if self.num_adapters == 1:
+                delta = F.linear(F.linear(x, a), b)
+            else:
+                ids = self._ids_for(x)
+                delta = None
+                for k in range(self.num_adapters):
+                    a, b = self._pair(k, i)
+                    mine = torch.where(ids == k, F.linear(F.linear(x, a), b), 0.0)
+                    delta = mine if delta is None else delta + mine
+            return out + (delta * self.scaling).to(out.dtype)
         return add_delta
 
+    # ------------------------------------------------------------------ routing (several adapters)
+    def route(self, adapter_ids: torch.Tensor) -> None:
+        """The adapter (its index in `adapter_names`) of each row ([B, 1]) or token ([B, T]) of the
+        model's input in the forwards that follow, on the input's device. It stays set until the next
+        call, not for a `with` block: a recomputing backward (trainer.recompute) runs the layers'
+        forwards again after the trainer's forward has returned. One adapter: ignored."""
+        self._route = adapter_ids
+
+    def _ids_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The route laid out against the projection's input [..., in]: [B, T, 1] or [B, 1, 1] for
+        [B, T, in]; per token [B * T, 1] where a module flattened the tokens (an MoE's shared expert)."""
+        ids = self._route
+        if ids is None:
+            raise RuntimeError(f"LoRA with {self.num_adapters} adapters: no route set; call lora.route(adapter_ids) "
+                               "before the forward")
+        lead = x.shape[:-1]
+        if ids.dim() == len(lead):
+            return ids[..., None]
+        if len(lead) == 1:
+            return ids.expand(ids.shape[0], lead[0] // ids.shape[0]).reshape(-1, 1)
+        raise ValueError(f"LoRA route of shape {tuple(ids.shape)} does not lay out over an input of shape "
+                         f"{tuple(x.shape)}")
+
     # ------------------------------------------------------------------ tensors by name
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The adapters under `<module>.lora_A.weight` / `<module>.lora_B.weight` (native module names)."""
+    def tensors(self, adapter: int | None = None) -> dict[str, torch.Tensor]:
+        """The adapters under `<module>.lora_A.weight` / `<module>.lora_B.weight` (native module
+        names); several adapters under "<adapter>/<module>...". `adapter`: that one adapter's, unprefixed."""
         out = {}
-        for name, a, b in zip(self.names, self.lora_A, self.lora_B):
-            out[f"{name}.lora_A.weight"] = a
-            out[f"{name}.lora_B.weight"] = b
+        for k in range(self.num_adapters) if adapter is None else (adapter,):
+            prefix = f"{self.adapter_names[k]}{ADAPTER_SEPARATOR}" if self.adapter_names and adapter is None else ""
+            for i, name in enumerate(self.names):
+                out[f"{prefix}{name}.lora_A.weight"], out[f"{prefix}{name}.lora_B.weight"] = self._pair(k, i)
         return out
 
     @torch.no_grad()
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy `tensors` (tensors()'s names and shapes, any dtype / device) into the adapters in place."""
-        mine = self.tensors()
+    def load(self, tensors: dict[str, torch.Tensor], adapter: int | None = None) -> None:
+        """Copy `tensors` (tensors(adapter)'s names and shapes, any dtype / device) into the adapters in place."""
+        mine = self.tensors(adapter)
         missing, unexpected = sorted(set(mine) - set(tensors)), sorted(set(tensors) - set(mine))
         if missing or unexpected:
             raise ValueError(f"LoRA tensors do not match the adapters: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]} (rank / target_modules differ?)")
+                             f"unexpected {unexpected[:4]} (rank / target_modules / adapters differ?)")
         for name, t in tensors.items():
             if t.shape != mine[name].shape:
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != the adapter's {tuple(mine[name].shape)}")
             mine[name].copy_(t)
+
+    def adapter_parameters(self, adapter: int) -> list[nn.Parameter]:
+        return list(self.tensors(adapter).values())
 
     def num_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # ------------------------------------------------------------------ merge
     def delta(self, i: int) -> torch.Tensor:
-        """alpha / rank * B @ A of adapter i, [out, in], in fp32."""
-        return (self.lora_B[i].float() @ self.lora_A[i].float()) * self.scaling
+        """alpha / rank * B @ A of projection i (one adapter), [out, in], in fp32."""
+        a, b = self._pair(0, i)
+        return (b.float() @ a.float()) * self.scaling
 
     @contextlib.contextmanager
     def merged(self):
         """Inside: the base weights hold W + delta (in their dtype) and the hooks add nothing; after,
-        the original weight tensors are put back (no subtraction, so nothing drifts)."""
+        the original weight tensors are put back (no subtraction, so nothing drifts). One adapter only:
+        several share the base, which cannot hold them all."""
+        if self.num_adapters > 1:
+            raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
         originals = [linear.weight.data for linear in self._linears]
         with torch.no_grad():
             for i, linear in enumerate(self._linears):

@@ -2,6 +2,7 @@
 
     save_peft(lora, model.config, "out/adapter")            # loadable by peft.PeftModel.from_pretrained
     load_peft(lora, model.config, "out/adapter")            # back into a LoRA of the same rank / targets
+    save_peft(lora, model.config, "out/adapter/mul", adapter=1)   # several adapters: one directory each
     write_peft(synced, rank, alpha, arch, "dir")            # the same from a weight sync's tensors (an engine's side)
 
 The tensors are named as PEFT names them on the transformers model, `base_model.model.<HF module>.
@@ -37,9 +38,9 @@ def _hf_names(names, arch) -> dict[str, str]:
     return {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in names}
 
 
-def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | None = None) -> None:
-    """The adapters (in their own dtype) and PEFT's config for them, into the directory `path`."""
-    write_peft(lora.tensors(), lora.rank, lora.alpha, arch, path, dropout, base_model)
+def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | None = None, adapter: int = 0) -> None:
+    """Adapter number `adapter` (in its own dtype) and PEFT's config for it, into the directory `path`."""
+    write_peft(lora.tensors(adapter), lora.rank, lora.alpha, arch, path, dropout, base_model)
 
 
 def write_peft(tensors: dict[str, torch.Tensor], rank: int, alpha: float, arch, path, dropout: float = 0.0,
@@ -74,9 +75,9 @@ def write_peft(tensors: dict[str, torch.Tensor], rank: int, alpha: float, arch, 
     return keys
 
 
-def load_peft(lora: LoRA, arch, path) -> None:
-    """What `save_peft` wrote (or PEFT saved for the same modules) into `lora`, in place; a different
-    rank, alpha or set of modules raises ValueError."""
+def load_peft(lora: LoRA, arch, path, adapter: int = 0) -> None:
+    """What `save_peft` wrote (or PEFT saved for the same modules) into adapter number `adapter` of
+    `lora`, in place; a different rank, alpha or set of modules raises ValueError."""
     src = Path(path)
     config = json.loads((src / CONFIG_FILE).read_text())
     if config.get("r") != lora.rank or float(config.get("lora_alpha")) != float(lora.alpha):
@@ -91,4 +92,4 @@ def load_peft(lora: LoRA, arch, path) -> None:
             raise ValueError(f"{src}: the adapter has {module}, which this run does not adapt "
                              "(trainer.lora.target_modules differ)")
         tensors[f"{native[module]}.lora_{leaf}"] = t
-    lora.load(tensors)
+    lora.load(tensors, adapter)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from miles.algo.advantages import overlong_penalty
+from miles.data.adapter_routing import AdapterRouting
 from miles.data.example import Example
 from miles.data.prompt_format import PromptFormat
 from miles.data.rewards import RewardScorer
@@ -64,6 +65,7 @@ class LoopContext:
     # rollout.asynchronous: the data position a checkpoint records (before the first untrained batch)
     source_state: Callable[[], dict] | None = None
     draft_sync: bool = False  # rollout.speculative.kind=draft_model trained online: sync the draft too
+    adapters: AdapterRouting | None = None  # trainer.lora.adapters: each prompt's LoRA adapter
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward_fn, RewardScorer):  # failures score 0 and are counted
@@ -90,8 +92,10 @@ def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: flo
     if any(e.images for e in examples):  # a VLM: token ids with the image placeholders, and the pixels
         encoded = [ctx.fmt.encode(e) for e in examples]
         vision = {"prompt_ids": [ids for ids, _ in encoded], "images": [images for _, images in encoded]}
+    # Several LoRA adapters: the engine samples each prompt with its own (Sample.adapter says which).
+    routed = {"adapters": [ctx.adapters.of(e) for e in examples]} if ctx.adapters is not None else {}
     samples = ctx.engine.call("generate", [ctx.fmt(e) for e in examples], [e.label for e in examples], n,
-                              temperature, max_new_tokens, **seeds, **vision)
+                              temperature, max_new_tokens, **seeds, **vision, **routed)
     for s in samples:
         s.info = examples[s.group].fields
         if vision:  # the trainer's forward takes them with the sample
@@ -125,7 +129,23 @@ def evaluate(ctx: LoopContext, step: int) -> dict[str, float]:
     metrics = {f"eval/{ctx.task_name}/accuracy": accuracy}
     if tool_metrics:
         metrics[f"eval/{ctx.task_name}/tool_call_rate"] = tool_metrics["rollout/tool_call_rate"]
+    if ctx.adapters is not None:
+        metrics.update(per_adapter(samples, ctx.adapters.names, f"eval/{ctx.task_name}/accuracy"))
     return metrics
+
+
+def per_adapter(samples: list[Sample], names: tuple[str, ...], metric: str, counts: str | None = None
+                ) -> dict[str, float]:
+    """Several LoRA adapters: `<metric>/<adapter>`, the mean reward of each adapter's samples (and
+    `<counts>/<adapter>`, how many, when named); an adapter without samples here logs nothing."""
+    out = {}
+    for k, name in enumerate(names):
+        rewards = [s.reward for s in samples if s.adapter == k]
+        if rewards:
+            out[f"{metric}/{name}"] = sum(rewards) / len(rewards)
+            if counts is not None:
+                out[f"{counts}/{name}"] = float(len(rewards))
+    return out
 
 
 def _generate_scored(ctx: LoopContext, cfg, num_prompts: int) -> tuple[list[list[Sample]], int, dict]:
@@ -234,6 +254,8 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
                     "perf/train_time_s": t2 - t1,
                 }
             )
+            if ctx.adapters is not None:
+                metrics.update(per_adapter(samples, ctx.adapters.names, "rollout/reward_mean", "rollout/samples"))
             if step % cfg.eval.interval == 0 or step == cfg.steps:
                 with ahead.engine_idle() if ahead is not None else contextlib.nullcontext():
                     last = evaluate(ctx, step)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from miles.config.schema import RunCfg
+from miles.data.adapter_routing import AdapterRouting
 from miles.data.chat_template import TemplateError
 from miles.data.prompt_format import PromptFormat
 from miles.data.source import PromptSource
@@ -46,3 +47,20 @@ def prompt_setup(cfg: RunCfg, checkpoint_dir: Path, source: PromptSource) -> tup
     except (ValueError, TemplateError) as error:
         raise ConfigError([str(error)]) from None
     return fmt, multi
+
+
+def adapter_routing(cfg: RunCfg, source: PromptSource) -> AdapterRouting | None:
+    """Each prompt's LoRA adapter (trainer.lora.adapters; None without named adapters), every record
+    of the prompt files checked to name one before anything starts: a ConfigError lists those that
+    do not (never skipped: a prompt without its adapter would train another's)."""
+    from miles.config.errors import ConfigError
+
+    lo = cfg.trainer.lora
+    if lo.rank <= 0 or not lo.adapters:
+        return None
+    routing = AdapterRouting(tuple(lo.adapters), lo.adapter_key)
+    problems = routing.problems(source.train, cfg.task.train_file or "task.train_file")
+    problems += routing.problems(source.eval, cfg.task.eval_file or "task.eval_file")
+    if problems:
+        raise ConfigError(problems)
+    return routing

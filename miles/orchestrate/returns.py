@@ -5,7 +5,8 @@ advantage per response. Token-level ones (GAE, in TOKEN_ADVANTAGES) put the rewa
 last token and need the critic's values; their advantages are whitened over the batch and their
 returns become the critic's targets. With `algo.kl_in_reward` the trainer's per-token KL to the
 reference is charged to the reward instead of the loss: per token for GAE, summed over the response
-for sequence estimators (as REINFORCE-style methods do).
+for sequence estimators (as REINFORCE-style methods do). Several LoRA adapters: a sequence estimator
+runs on each adapter's samples alone, so no batch statistic (REINFORCE++'s whitening) mixes them.
 """
 
 from __future__ import annotations
@@ -46,5 +47,12 @@ def make_train_batch(ctx, cfg, samples: list[Sample]) -> tuple[TrainBatch, dict[
     if kl is not None:
         rewards = rewards - a.kl_coef * kl.sum(-1)
     groups = torch.tensor([s.group for s in samples])
-    advantages = get(ADVANTAGES, "advantage estimator", a.advantage)(rewards, groups, norm_by_std=a.norm_adv_by_std)
+    estimator = get(ADVANTAGES, "advantage estimator", a.advantage)
+    if len(batch.adapter_ids):  # each adapter's samples are a batch of their own
+        advantages = torch.zeros(len(samples))
+        for adapter in batch.adapter_ids.unique().tolist():
+            rows = (batch.adapter_ids == adapter).nonzero().squeeze(1)
+            advantages[rows] = estimator(rewards[rows], groups[rows], norm_by_std=a.norm_adv_by_std)
+    else:
+        advantages = estimator(rewards, groups, norm_by_std=a.norm_adv_by_std)
     return replace(batch, advantages=advantages.unsqueeze(1) * mask), metrics

@@ -23,7 +23,7 @@ from miles.orchestrate.checkpoints import copy_tokenizer, draft_checkpoint, init
 from miles.orchestrate.debug import check_sync_tensors, rollout_hook
 from miles.orchestrate.handles import spawn, start_ray
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
-from miles.orchestrate.prompting import prompt_setup
+from miles.orchestrate.prompting import adapter_routing, prompt_setup
 from miles.orchestrate.resume import CheckpointStore
 from miles.orchestrate.supervise import Stopped, supervise
 from miles.tracking.console import batch_table, console, step_line
@@ -57,6 +57,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
     console.print(batch_table(cfg))
     record, git = write_run_record(run_dir, resolved_yaml, overrides, cfg.seed, cfg.deterministic)
     source = PromptSource(cfg.task, cfg.seed)
+    adapters = adapter_routing(cfg, source)  # several LoRA adapters: every record names one (before the warm start)
     init_dir = initial_checkpoint(cfg, source, run_dir, log=console.print)
     tokenizer = TokenizerInfo.load(init_dir)
     prompt_format, multi_turn = prompt_setup(cfg, init_dir, source)  # before anything starts: the user's errors
@@ -97,6 +98,7 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
             reward_fn=build_scorer(cfg.task), log=log,
             on_samples=_samples_logger(tracker, cfg.tracking.log_samples),
             task_name=cfg.task.name, eval_max_new_tokens=cfg.eval.max_new_tokens, collect=collect,
+            adapters=adapters,
         )
         if cfg.debug.compare_weights_tensorwise:
             ctx.after_sync = check_sync_tensors

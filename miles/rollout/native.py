@@ -49,6 +49,13 @@ axes. The slot decoder does not take images (a VLM decodes on the padded path; d
 
     samples = engine.generate(prompts, labels, n=4, prompt_ids=ids, images=pixels)
 
+Several LoRA adapters (`lora` with `adapters`, trainer.lora.adapters): `adapters=[one id per prompt]`
+routes each prompt's rows through its adapter, every adapter in the same batch (miles/models/lora.py
+masks the others' outputs): the padded path routes its prefill per prompt and each decode step per
+live row; the slot decoder keeps each slot's adapter in a buffer its graphs read.
+
+    samples = engine.generate(["12+30=", "7*6="], ["42", "42"], n=4, adapters=[0, 1])
+
 True on-policy (`true_on_policy=<the trainer's compute dtype>`): the trainer's fp32 weights, its
 autocast and batch-invariant kernels (miles/models/invariant.py) in prefill, decode and sampling,
 so the log-probs it returns equal the trainer's bit for bit. On CUDA it decodes in the slot layout,
@@ -230,7 +237,12 @@ class NativeEngine:
         graphs = cfg.cuda_graphs and self.model.config.moe is None
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
-                           routing=routing)
+                           routing=routing, route=self.lora.route if self._routes_adapters else None)
+
+    @property
+    def _routes_adapters(self) -> bool:
+        """Whether this engine holds named LoRA adapters, so every generate names each prompt's."""
+        return self.lora is not None and bool(self.lora.adapter_names)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.tokenizer.decode(ids, skip_special_tokens=True)
@@ -246,11 +258,13 @@ class NativeEngine:
         prompt_ids: list[list[int]] | None = None,
         seeds: list[int] | None = None,
         images: list[dict | None] | None = None,
+        adapters: list[int] | None = None,
     ) -> list[Sample]:
         """n samples for each prompt, grouped: samples[i*n:(i+1)*n] answer prompts[i]. `prompt_ids`:
         the prompts already as token ids (a multi-turn context), used instead of encoding `prompts`.
         `seeds`: one per prompt; its group's sampling noise comes from a generator seeded by it.
-        `images`: one per prompt, its {"pixel_values", "image_grid_thw"} or None (a VLM; see above)."""
+        `images`: one per prompt, its {"pixel_values", "image_grid_thw"} or None (a VLM; see above).
+        `adapters`: one LoRA adapter id per prompt (an engine of several adapters; see above)."""
         self._check_resident("generate")
         cfg = self.cfg
         temperature = cfg.temperature if temperature is None else temperature
@@ -266,6 +280,7 @@ class NativeEngine:
             )
         generators = self._group_generators(seeds, len(distinct))
         vision = self._vision_inputs(images, len(distinct))
+        self._check_adapters(adapters, len(distinct))
         with self._numerics():
             if self.spec is not None:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
@@ -273,13 +288,14 @@ class NativeEngine:
                            in self.spec.generate(distinct, n, sampling, self.generator, generators)]
             elif self.slots is not None and width + max_new <= self.slots.max_len:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
-                decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator, generators)
+                decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator, generators,
+                                              adapters)
             else:
                 if self.true_on_policy and self.device.type == "cuda":
                     raise ValueError("true_on_policy=true on CUDA decodes in the slot layout (keys at their "
                                      "positions, as the trainer lays them out); this batch does not fit its "
                                      "cache: raise rollout.max_prompt_len")
-                decoded = self._generate_padded(distinct, n, temperature, max_new, generators, vision)
+                decoded = self._generate_padded(distinct, n, temperature, max_new, generators, vision, adapters)
         samples = []
         for i, (ids, (resp, logprobs, stopped, routing, *rest)) in enumerate(zip(prompt_ids, decoded)):
             samples.append(
@@ -295,6 +311,7 @@ class NativeEngine:
                     routed_experts=routing,
                     selected_keys=rest[0] if rest else None,  # the padded path's DSA record
                     draft_stats=rest[1] if len(rest) > 1 else None,
+                    adapter=None if adapters is None else adapters[i // n],
                 )
             )
         return samples
@@ -312,6 +329,22 @@ class NativeEngine:
         if not present:
             return {}
         return {key: torch.cat([im[key] for im in present]).to(self.device) for key in ("pixel_values", "image_grid_thw")}
+
+    def _check_adapters(self, adapters: list[int] | None, prompts: int) -> None:
+        """An engine of named adapters needs every prompt's; one without takes none."""
+        if not self._routes_adapters:
+            if adapters is not None:
+                raise ValueError("generate: adapters given to an engine without named LoRA adapters "
+                                 "(trainer.lora.adapters)")
+            return
+        if adapters is None or len(adapters) != prompts:
+            got = "none" if adapters is None else len(adapters)
+            raise ValueError(f"generate: one LoRA adapter id per prompt (trainer.lora.adapters="
+                             f"{self.lora.adapter_names}), got {got} for {prompts} prompts")
+        if bad := sorted({a for a in adapters if not 0 <= a < self.lora.num_adapters}):
+            raise ValueError(f"generate: adapter ids {bad} out of range for {self.lora.num_adapters} adapters")
+        if self.spec is not None:
+            raise ValueError("generate: the speculative decoders do not route rows to LoRA adapters")
 
     def _group_generators(self, seeds: list[int] | None, groups: int) -> list[torch.Generator] | None:
         """One generator per prompt group, seeded by its seed (None without seeds: the engine's own)."""
@@ -334,10 +367,12 @@ class NativeEngine:
 
     def _generate_padded(self, distinct: list[list[int]], n: int, temperature: float, max_new: int,
                          generators: list[torch.Generator] | None = None, vision: dict | None = None,
+                         adapters: list[int] | None = None,
                          ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None, DSA selected keys
         or None) per sample: left-padded batch decode. `generators`: one per prompt group (seeds).
-        `vision` (a VLM; None otherwise): the prompts' pixel_values / image_grid_thw, {} without images."""
+        `vision` (a VLM; None otherwise): the prompts' pixel_values / image_grid_thw, {} without images.
+        `adapters`: each prompt's LoRA adapter id (several adapters), its rows' route."""
         cfg = self.cfg
         batch, width = len(distinct) * n, max(len(p) for p in distinct)
         # Prefill each distinct prompt once (P rows), then expand everything that is per row to
@@ -352,6 +387,11 @@ class NativeEngine:
 
         cache = self.model.new_cache(len(distinct), width + max_new, dtype=self.dtype, device=self.device)
         record = None if self.routing_layers is None else {}
+        sample_adapters = None
+        if adapters is not None:  # the prefill routes per prompt, each decode step per live row
+            prompt_adapters = torch.tensor(adapters, dtype=torch.long, device=self.device)
+            self.lora.route(prompt_adapters[:, None])
+            sample_adapters = prompt_adapters.repeat_interleave(n)
         if vision is not None:  # the tower runs here, once per distinct prompt; positions are mRoPE's
             vision = {**vision, "mrope_position_ids": mrope_positions(tokens, vision.get("image_grid_thw"),
                                                                       self.model.config, mask)}
@@ -402,6 +442,8 @@ class NativeEngine:
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=self.device)], dim=1)
             position = position + 1
             mrope = {} if vision is None else {"mrope_position_ids": position[None].expand(3, -1, -1)}
+            if sample_adapters is not None:
+                self.lora.route(sample_adapters[rows, None])
             logits = self.model(next_tok[:, None], attention_mask=mask, position_ids=position, cache=cache,
                                 routing_record=record, **mrope)[:, -1]
             if record is not None:  # the input was response token t of each batch row's sample

@@ -66,11 +66,13 @@ class EngineFleet:
 
     def generate(self, prompts: list[str], labels: list[str], n: int = 1, temperature: float | None = None,
                  max_new_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
-                 seeds: list[int] | None = None) -> list[Sample]:
+                 seeds: list[int] | None = None, adapters: list[int] | None = None) -> list[Sample]:
         """NativeEngine.generate over the fleet: samples[i*n:(i+1)*n] answer prompts[i]. Without
-        `seeds` each engine samples from its own generator, so the samples depend on the dispatch."""
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(prompts)} prompts")
+        `seeds` each engine samples from its own generator, so the samples depend on the dispatch.
+        `adapters`: each prompt's LoRA adapter id (several adapters), travelling with its prompt."""
+        for name, values in (("seeds", seeds), ("adapters", adapters)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(f"{name}: one per prompt, got {len(values)} for {len(prompts)} prompts")
         groups = len(prompts)
         size = self.chunk_groups or max(1, groups if len(self.engines) == 1 else
                                         math.ceil(groups / (CHUNKS_PER_ENGINE * len(self.engines))))
@@ -78,9 +80,9 @@ class EngineFleet:
 
         def args(chunk: range) -> tuple[tuple, dict]:
             part = slice(chunk.start, chunk.stop)
+            per_prompt = {"prompt_ids": prompt_ids, "seeds": seeds, "adapters": adapters}
             return (prompts[part], labels[part], n, temperature, max_new_tokens), {
-                "prompt_ids": None if prompt_ids is None else prompt_ids[part],
-                "seeds": None if seeds is None else seeds[part]}
+                name: values[part] for name, values in per_prompt.items() if values is not None}
 
         done: dict[int, list[Sample]] = {}
         for chunk, samples in self._run(queue, "generate", args):

@@ -40,10 +40,18 @@ def sglang_lora_problems(cfg: RunCfg) -> list[str]:
     with the config's rules): SGLang serves the adapters through its own LoRA support on the dense
     families whose projections it wraps as the project's adapters do, the list vLLM's serve too."""
     lora_on_sglang = cfg.trainer.lora.rank > 0 and cfg.rollout.engine == EngineName.sglang
-    if not lora_on_sglang or cfg.model.family in VLLM_LORA_FAMILIES:
+    if not lora_on_sglang:
         return []
-    return [f"trainer.lora with rollout=sglang serves adapters on the families {', '.join(VLLM_LORA_FAMILIES)} "
-            f"(model family {cfg.model.family} is not one): use rollout=native or trainer.lora.rank=0"]
+    problems = []
+    if cfg.model.family not in VLLM_LORA_FAMILIES:
+        problems.append(f"trainer.lora with rollout=sglang serves adapters on the families "
+                        f"{', '.join(VLLM_LORA_FAMILIES)} (model family {cfg.model.family} is not one): use "
+                        "rollout=native or trainer.lora.rank=0")
+    if cfg.trainer.lora.adapters:
+        problems.append(f"trainer.lora.adapters={list(cfg.trainer.lora.adapters)} with rollout=sglang: this engine "
+                        "serves the run's one adapter (one lora_path for every row), not several routed per "
+                        "prompt yet: use rollout=native or trainer.lora.adapters=[]")
+    return problems
 
 
 def server_lora_args(cfg: LoRACfg, shapes: dict) -> dict:

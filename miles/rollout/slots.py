@@ -22,6 +22,10 @@ noise from its own generator at admission and at every step while any of its slo
 t-th draw of a group always feeds token t of its samples, whichever slots, bucket or neighbours they
 have. The draws per step are one small kernel per group held, planned at each host check.
 
+Several LoRA adapters (`route`: the engine's `LoRA.route`): each slot's adapter lives in a persistent
+buffer (`adapters`, set at admission, moved with the slot by compaction) that the decode forward
+routes by, so a captured graph reads the slots' current adapters at every replay.
+
 Routing record (R3, `routing` given; MoE models, which never capture graphs): the prefill's experts
 of each prompt's real tokens, and per slot a [max_new, L, k] buffer where each step writes the
 experts of its input token (response token steps - 1) at column steps - 1. Finished rows keep
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,8 +80,11 @@ class DecodeGraphs:
     and return logits [b, V]. Captured once (largest first, one shared memory pool); replays read
     the same buffers, so weights updated in place and new slot contents need no recapture."""
 
-    def __init__(self, model, cache: SlotCache, tokens: torch.Tensor, buckets: list[int], capture: bool):
+    def __init__(self, model, cache: SlotCache, tokens: torch.Tensor, buckets: list[int], capture: bool,
+                 adapters: torch.Tensor | None = None, route: Callable[[torch.Tensor], None] | None = None):
+        """adapters / route: several LoRA adapters, each slot's adapter id and the call that routes by it."""
         self.model, self.cache, self.tokens, self.buckets = model, cache, tokens, buckets
+        self.adapters, self.route = adapters, route
         self.views = {b: cache.first_rows(b) for b in buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -84,6 +92,8 @@ class DecodeGraphs:
             self._capture()
 
     def _forward(self, b: int, routing_record: dict | None = None) -> torch.Tensor:
+        if self.route is not None:  # a view of the persistent buffer: what a captured graph reads
+            self.route(self.adapters[:b, None])
         return self.model(self.tokens[:b, None], cache=self.views[b], routing_record=routing_record)[:, 0]
 
     @torch.no_grad()
@@ -147,10 +157,12 @@ class GroupNoise:
 class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None,
-                 routing: tuple[list[int], torch.dtype] | None = None):
-        """routing: (MoE layers, id dtype) to record each sample's routed experts (no graph capture)."""
+                 routing: tuple[list[int], torch.dtype] | None = None,
+                 route: Callable[[torch.Tensor], None] | None = None):
+        """routing: (MoE layers, id dtype) to record each sample's routed experts (no graph capture).
+        route: several LoRA adapters, the engine's `LoRA.route` (generate's `adapters` then required)."""
         self.model, self.slots, self.max_len, self.device = model, slots, max_len, device
-        self.routing = routing
+        self.routing, self.route = routing, route
         if routing is not None:
             cuda_graphs = False
         self.pad_id, self.sync_every = pad_id, sync_every
@@ -165,6 +177,8 @@ class SlotDecoder:
         """One small prefill at start, so the first generate call finds its kernels chosen and the
         fused ops compiled for multi-token shapes (the decode warm-up only saw one token per row)."""
         tokens = torch.full((2, 16), self.pad_id, dtype=torch.long, device=self.device)
+        if self.route is not None:
+            self.route(torch.zeros(2, 1, dtype=torch.long, device=self.device))
         hidden = self.model(tokens, cache=self.model.new_cache(2, 16, dtype=dtype, device=self.device),
                             return_hidden=True)
         self.model.logits_from_hidden(hidden[:, -1])
@@ -180,22 +194,25 @@ class SlotDecoder:
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)  # ended on a stop token
         self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
+        self.adapters = torch.zeros(slots, dtype=torch.long, device=device)  # LoRA adapter per slot (route)
         self.out_tok = self.out_lp = self.out_routing = None  # per call (generate)
-        self.graphs = DecodeGraphs(self.model, self.cache, self.tokens, self.buckets,
-                                   capture=capture and self.cuda_graphs)
+        self.graphs = self._graphs(capture=capture and self.cuda_graphs)
+
+    def _graphs(self, capture: bool) -> DecodeGraphs:
+        return DecodeGraphs(self.model, self.cache, self.tokens, self.buckets, capture, self.adapters, self.route)
 
     def release(self) -> None:
         """Drop the slot cache, the per-slot state, the last call's outputs and the captured graphs
         (their memory pool with them); `allocate()` builds them again. Idempotent."""
         self.drop_graphs()
-        self.cache = self.tokens = self.live = self.stopped = self.steps = self.graphs = None
+        self.cache = self.tokens = self.live = self.stopped = self.steps = self.adapters = self.graphs = None
         self.out_tok = self.out_lp = self.out_routing = None
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs (they hold the addresses of the weights and of the cache):
         eager steps until `capture()`."""
         if self.graphs is not None and self.graphs.graphs:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.tokens, self.buckets, capture=False)
+            self.graphs = self._graphs(capture=False)
 
     def capture(self) -> None:
         """Capture the decode graphs if they are on and not captured (after `allocate(capture=False)`
@@ -219,12 +236,15 @@ class SlotDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling, stop_ids: torch.Tensor,
-                 generator: torch.Generator, generators: list[torch.Generator] | None = None
-                 ) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
+                 generator: torch.Generator, generators: list[torch.Generator] | None = None,
+                 adapters: list[int] | None = None) -> list[tuple[list[int], list[float], bool, torch.Tensor | None]]:
         """(response ids, log-probs, ended on a stop token, routed experts or None) per sample, row
-        i*n+j answering prompts[i]. `generators`: one per prompt, its group's noise (else `generator`)."""
+        i*n+j answering prompts[i]. `generators`: one per prompt, its group's noise (else `generator`).
+        `adapters`: one LoRA adapter id per prompt (with `route`)."""
         if self.cache is None:
             raise RuntimeError("the slot cache is released: allocate() it first (NativeEngine.resume_memory)")
+        if (adapters is None) != (self.route is None):
+            raise ValueError("adapters: one LoRA adapter id per prompt exactly when the decoder routes by them")
         if n > self.slots:
             raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
         cap = sampling.max_new
@@ -256,7 +276,8 @@ class SlotDecoder:
                 noise = None if generators is None else \
                     GroupNoise(generators, n, [g * n + j for g in admit for j in range(n)], sampling.temperature,
                                self.device)
-                routing = self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator, noise)
+                routing = self._admit([prompts[g] for g in admit], n, dst, sampling, stop_ids, generator, noise,
+                                      None if adapters is None else [adapters[g] for g in admit])
                 self.prompt_routing.update(zip(admit, routing))
             if not waiting:
                 self._compact(owner)
@@ -273,9 +294,10 @@ class SlotDecoder:
 
     def _admit(self, groups: list[list[int]], n: int, dst: list[int], sampling: Sampling,
                stop_ids: torch.Tensor, generator: torch.Generator,
-               noise: GroupNoise | None = None) -> list[torch.Tensor | None]:
+               noise: GroupNoise | None = None, adapters: list[int] | None = None) -> list[torch.Tensor | None]:
         """Prefill each prompt once, copy its KV to its n slots, sample every slot's first token.
-        Returns each prompt's routed experts [len, L, k] (None each without recording)."""
+        Returns each prompt's routed experts [len, L, k] (None each without recording).
+        `adapters`: each prompt's LoRA adapter id (several adapters), its slots' from now on."""
         width = max(map(len, groups))
         if width + sampling.max_new > self.max_len:
             raise ValueError(f"prompt ({width} tokens) + max_new_tokens ({sampling.max_new}) exceeds the "
@@ -288,11 +310,15 @@ class SlotDecoder:
         prefill = self.model.new_cache(len(groups), width, dtype=self.cache.layers[0].keys.dtype, device=self.device)
         # Right padding: every real token precedes the pads, so plain causal attention is exact.
         record = None if self.routing is None else {}
+        src = torch.arange(len(groups), device=self.device).repeat_interleave(n)
+        slots = torch.tensor(dst, device=self.device)
+        if adapters is not None:
+            prompt_adapters = torch.tensor(adapters, dtype=torch.long, device=self.device)
+            self.route(prompt_adapters[:, None])
+            self.adapters[slots] = prompt_adapters[src]
         hidden = self.model(tokens, cache=prefill, return_hidden=True, routing_record=record)
         last = hidden[torch.arange(len(groups), device=self.device), lengths - 1]  # [P, hidden]
         logits = self.model.logits_from_hidden(last)
-        src = torch.arange(len(groups), device=self.device).repeat_interleave(n)
-        slots = torch.tensor(dst, device=self.device)
         self.cache.load_prefill(slots, prefill, src, width)
         self.cache.lengths[slots] = lengths[src]
         token, logp = sample_next(logits[src], sampling.temperature, sampling.top_p, sampling.top_k, generator,
@@ -359,7 +385,8 @@ class SlotDecoder:
         low = [s for s in range(target) if owner[s] < 0][: len(high)]
         dst, src = torch.tensor(low, device=self.device), torch.tensor(high, device=self.device)
         self.cache.move_rows(dst, src)
-        for state in (self.tokens, self.live, self.stopped, self.steps, self.out_tok, self.out_lp, self.out_routing):
+        for state in (self.tokens, self.live, self.stopped, self.steps, self.adapters, self.out_tok, self.out_lp,
+                      self.out_routing):
             if state is not None:
                 state[dst] = state[src]
         self.live[src] = False

@@ -62,7 +62,12 @@ def vllm_lora_problems(cfg: RunCfg) -> list[str]:
     with the config's rules; the engine checks the same when it is built)."""
     if cfg.trainer.lora.rank <= 0 or cfg.rollout.engine != EngineName.vllm:
         return []
-    return lora_unsupported(cfg.trainer.lora, cfg.model.family, cfg.rollout.num_gpus_per_engine or 1)
+    problems = lora_unsupported(cfg.trainer.lora, cfg.model.family, cfg.rollout.num_gpus_per_engine or 1)
+    if cfg.trainer.lora.adapters:
+        problems.append(f"trainer.lora.adapters={list(cfg.trainer.lora.adapters)} with rollout=vllm: this engine "
+                        "serves the run's one adapter (one LoRARequest per sync), not several routed per prompt "
+                        "yet: use rollout=native or trainer.lora.adapters=[]")
+    return problems
 
 
 def llm_lora_args(cfg: LoRACfg) -> dict:

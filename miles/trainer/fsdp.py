@@ -144,7 +144,8 @@ class FSDPSharding:
         """A forward / backward of one token and no loss position: this rank's part of the collectives."""
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         return MicroBatch(index=empty, input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                          src=empty, dst=empty, targets=empty, width=width)
+                          src=empty, dst=empty, targets=empty, width=width,
+                          adapter_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))  # any adapter: no loss
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         out = t.clone()

@@ -2,16 +2,21 @@
 
     lora = attach(model, cfg.lora, precision, seed)   # base frozen (and in bf16 under a bf16 recipe)
     weights, digest = adapter_weights(lora, "fp32")   # what weight sync carries: the adapters only
-    save_adapter(lora, model, path)                   # PEFT format (+ the merged HF model: export_merged)
+    save_adapter(lora, model, path)                   # PEFT format (+ the merged HF model: export_model)
 
 The optimizer and the gradient clipping see only the adapters, so the frozen base has no gradient
 and no AdamW state; under a bf16 recipe it is held in bf16 (no fp32 master copy: it never changes,
 and the engine holds the same bf16 values). The adapters stay fp32 masters.
+
+Several adapters (trainer.lora.adapters): each is saved in a PEFT directory of its own
+(`adapter/<name>/`), clipped on its own (`clip_each_adapter`) and, in a step without samples of
+it, left out of the optimizer step: each is trained as if it were the only one, on its own samples.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,7 +33,8 @@ def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: 
     model.requires_grad_(False)
     if precision.train_dtype == DType.bf16:
         model.to(torch.bfloat16)
-    return LoRA(model, cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules, dtype=torch.float32, seed=seed)
+    return LoRA(model, cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules, dtype=torch.float32, seed=seed,
+                adapters=cfg.adapters)
 
 
 def adapter_weights(lora: LoRA, rollout_dtype: str, device: torch.device | None = None):
@@ -39,34 +45,68 @@ def adapter_weights(lora: LoRA, rollout_dtype: str, device: torch.device | None 
     return weights, checksum(weights)
 
 
+def adapter_dirs(lora: LoRA, path) -> list[tuple[int, Path]]:
+    """(adapter number, its PEFT directory) under `path`: `adapter/` for the one adapter of a run,
+    `adapter/<name>/` for each of several."""
+    root = Path(path) / ADAPTER_DIR
+    if not lora.adapter_names:
+        return [(0, root)]
+    return [(k, root / name) for k, name in enumerate(lora.adapter_names)]
+
+
 def save_adapter(lora: LoRA, model, path, dropout: float = 0.0) -> None:
-    save_peft(lora, model.config, Path(path) / ADAPTER_DIR, dropout=dropout)
+    for k, where in adapter_dirs(lora, path):
+        save_peft(lora, model.config, where, dropout=dropout, adapter=k)
 
 
 def load_adapter(lora: LoRA, model, path) -> None:
-    load_peft(lora, model.config, Path(path) / ADAPTER_DIR)
+    for k, where in adapter_dirs(lora, path):
+        load_peft(lora, model.config, where, adapter=k)
 
 
-def export_merged_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
-                        dtype: torch.dtype = torch.float32) -> None:
-    """export_merged from the model's whole state dict (FSDP: gathered on rank 0, where the sharded
+def clip_each_adapter(lora: LoRA, clip: Callable[[list, float], torch.Tensor], max_norm: float,
+                      present: set[int]) -> dict[str, torch.Tensor]:
+    """Named adapters: each adapter's gradients clipped to `max_norm` on their own (`clip`: the
+    trainer's clip over its ranks), so no adapter's step depends on another's gradient; an adapter
+    with no sample in the step (not in `present`) then loses its (zero) gradient, so the optimizer
+    skips it: no moment decay, no weight decay. Returns the norms before clipping, `grad_norm` (all
+    adapters') and `grad_norm/<name>`."""
+    norms = {}
+    for k, name in enumerate(lora.adapter_names):
+        params = lora.adapter_parameters(k)
+        norms[f"grad_norm/{name}"] = clip(params, max_norm)  # every rank clips every adapter: a collective
+        if k not in present:
+            for p in params:
+                p.grad = None
+    return {"grad_norm": torch.stack(list(norms.values())).square().sum().sqrt(), **norms}
+
+
+def export_model_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
+                       dtype: torch.dtype = torch.float32) -> None:
+    """export_model from the model's whole state dict (FSDP: gathered on rank 0, where the sharded
     model's own weights are DTensors that `lora.merged` cannot swap)."""
     from miles.models import CausalLM
 
     merged = dict(state)
-    for i, name in enumerate(lora.names):
-        w = merged[f"{name}.weight"]
-        merged[f"{name}.weight"] = (w.float() + lora.delta(i).detach().to(w.device)).to(w.dtype)
+    if lora.num_adapters == 1:
+        for i, name in enumerate(lora.names):
+            w = merged[f"{name}.weight"]
+            merged[f"{name}.weight"] = (w.float() + lora.delta(i).detach().to(w.device)).to(w.dtype)
     with torch.device("meta"):  # the structure only; the merged tensors become its weights
         whole = CausalLM(config)
     whole.load_state_dict(merged, assign=True)
     save_pretrained(whole, path, dtype=dtype)
-    save_peft(lora, config, Path(path) / ADAPTER_DIR)
+    save_adapter(lora, whole, path)
 
 
-def export_merged(lora: LoRA, model, path, dtype: torch.dtype = torch.float32) -> None:
-    """The merged HF checkpoint (W + alpha / rank * B A, in `dtype`) at `path`, the adapter in
-    `path/adapter` (PEFT format); the model's own weights are left as they were."""
-    with lora.merged():
+def export_model(lora: LoRA, model, path, dtype: torch.dtype = torch.float32) -> None:
+    """One adapter: the merged HF checkpoint (W + alpha / rank * B A, in `dtype`) at `path`.
+    Several: the frozen base there (no set of weights holds them all). Either way each adapter in
+    PEFT's format beside it (`path/adapter`, `path/adapter/<name>`); the model's own weights are
+    left as they were."""
+    if lora.num_adapters == 1:
+        with lora.merged():
+            save_pretrained(model, path, dtype=dtype)
+    else:
         save_pretrained(model, path, dtype=dtype)
-    save_peft(lora, model.config, Path(path) / ADAPTER_DIR)
+    save_adapter(lora, model, path)

@@ -12,6 +12,9 @@ Both give, for every loss position, `src` (its flat index in the forward's [R * 
 (its flat index in the micro-batch's [n * (T-1)] loss layout) and `targets` (the token it predicts).
 When the batch carries the engine's routed experts (R3), `routing` holds them laid out exactly as
 `input_ids` (gathered with the same index arithmetic; expert 0 on padding), ready to replay.
+Several LoRA adapters: `adapter_ids` gives each row (padded, [R, 1]) or each token (packed, [R, L];
+adapter 0 on a row's tail) its sample's adapter, the route of the forward (miles/models/lora.py);
+prompts are shared only between samples of one adapter.
 A vision-language model's micro-batch carries its mRoPE positions the same way (each sample's own,
 computed on its whole sequence) and the images of the prompts it lays out, in layout order (a
 prompt laid out once for its n samples, shared_prompt_micro_batches, brings its images once), so
@@ -55,6 +58,7 @@ class MicroBatch:
     image_mask: Optional[torch.Tensor] = None  # [R, L] the prompts' image placeholders (not a response's image tokens)
     pixel_values: Optional[torch.Tensor] = None  # the laid-out prompts' images, in layout order
     image_grid_thw: Optional[torch.Tensor] = None  # [images, 3]
+    adapter_ids: Optional[torch.Tensor] = None  # [R, 1] or [R, L] long: several LoRA adapters, each row's / token's
 
     def vision_inputs(self) -> dict:
         """The keyword inputs of a VisionLM forward ({} for a text model)."""
@@ -180,9 +184,10 @@ def _padded(batch: TrainBatch, start: int, end: int) -> MicroBatch:
     src = (mask.reshape(-1) > 0).nonzero().squeeze(1)
     routing = batch.routed_experts[start:end, :-1] if len(batch.routed_experts) else None
     keys = batch.selected_keys[start:end, :-1] if len(batch.selected_keys) else None
+    adapters = batch.adapter_ids[start:end, None] if len(batch.adapter_ids) else None
     return MicroBatch(index=torch.arange(start, end), input_ids=tokens[:, :-1], src=src, dst=src,
                       targets=tokens[:, 1:].reshape(-1)[src], width=mask.shape[1], routing=routing,
-                      selected_keys=keys)
+                      selected_keys=keys, adapter_ids=adapters)
 
 
 def _gather_routing(batch: TrainBatch, shape: tuple[int, int], flat: torch.Tensor, sample: torch.Tensor,
@@ -195,6 +200,16 @@ def _gather_routing(batch: TrainBatch, shape: tuple[int, int], flat: torch.Tenso
     out = experts.new_zeros(shape[0] * shape[1], *experts.shape[2:])
     out[flat] = experts[sample, pos]
     return out.view(*shape, *experts.shape[2:])
+
+
+def _gather_adapters(batch: TrainBatch, shape: tuple[int, int], flat: torch.Tensor,
+                     sample: torch.Tensor) -> Optional[torch.Tensor]:
+    """Each laid-out token's adapter (its sample's) in a packed layout of `shape`; None without adapters."""
+    if not len(batch.adapter_ids):
+        return None
+    out = torch.zeros(shape[0] * shape[1], dtype=torch.long)
+    out[flat] = batch.adapter_ids[sample]
+    return out.view(shape)
 
 
 def packed_micro_batches(batch: TrainBatch, max_tokens: int, row_tokens: int | None = None) -> list[MicroBatch]:
@@ -263,6 +278,7 @@ def _packed(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> Mic
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         cu_seqlens=bounds.to(torch.int32), max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
         routing=_gather_routing(batch, (r, cols), flat, sample, pos), layout=(flat, sample, pos),
+        adapter_ids=_gather_adapters(batch, (r, cols), flat, sample),
     )
 
 
@@ -273,7 +289,7 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
     sample's first response token, so its hidden state serves n loss positions. Groups are samples
     whose tokens before their first loss target are equal (the n samples of a prompt); rows are as
     wide as the longest group, best-fit decreasing, max_tokens // width rows per micro-batch.
-    Image prompts share only with the same images."""
+    Image prompts share only with the same images, and a prompt only with samples of its LoRA adapter."""
     mask = batch.loss_mask > 0
     width = mask.shape[1]
     has_loss = mask.any(-1)
@@ -284,7 +300,8 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
     groups: dict[tuple, list[int]] = {}
     for i in has_loss.nonzero().squeeze(1).tolist():
         prompt = first[i] + 1  # tokens [0, prompt) are shared: the last of them predicts the first target
-        key = (prompt, tuple(batch.tokens[i, :prompt].tolist()), _image_key(batch, i))
+        adapter = int(batch.adapter_ids[i]) if len(batch.adapter_ids) else None  # a prompt computes under one adapter
+        key = (prompt, tuple(batch.tokens[i, :prompt].tolist()), _image_key(batch, i), adapter)
         groups.setdefault(key, []).append(i)
     units = [(key[0], members) for key, members in groups.items()]
     sizes = [prompt + sum(last[i] + 1 - prompt for i in members) for prompt, members in units]
@@ -347,5 +364,5 @@ def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: li
         dst=torch.tensor(dst), targets=torch.tensor(targets), width=width,
         segment_ids=segment_ids.view(r, cols), position_ids=position_ids.view(r, cols),
         branch_ids=branch_ids.view(r, cols), routing=_gather_routing(batch, (r, cols), flat, sample, pos),
-        layout=(flat, sample, pos),
+        layout=(flat, sample, pos), adapter_ids=_gather_adapters(batch, (r, cols), flat, sample),
     )

@@ -229,6 +229,11 @@ class TorchTrainer:
                  record: dict | None = None):
         """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1], 0 off its loss positions.
         replay / record: MoE routing to route by / to fill (layer -> experts in mb's input layout)."""
+        if model is self.model and self.lora is not None and self.lora.adapter_names:
+            if mb.adapter_ids is None:
+                raise ValueError(f"trainer.lora.adapters={self.lora.adapter_names}: the batch does not name each "
+                                 "sample's adapter (TrainBatch.adapter_ids, from Sample.adapter)")
+            self.lora.route(mb.adapter_ids)  # each row's / token's adapter (kept for a recomputing backward)
         with self._autocast(), invariant.kernels(self.true_on_policy and model is self.model):
             return token_logprobs_of(model, self.recipe, mb, self.temperature, with_entropy, self.logits_chunk_tokens,
                                      routing_replay=replay, routing_record=record)
@@ -300,10 +305,11 @@ class TorchTrainer:
         return (kl * batch.loss_mask.to(self.device)).cpu()
 
     # ----------------------------------------------------------------------------- optimizer steps
-    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
+    def _step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
         """One optimizer step, a backward per item (a micro-batch and what its loss needs); returns
         summed metrics and the grad norm, as device tensors. `loss_fn(*item)` divides by the
-        normalizer of the whole step, so the micro-batch losses add up to the loss of the full step."""
+        normalizer of the whole step, so the micro-batch losses add up to the loss of the full step.
+        Named LoRA adapters: each clipped on its own, only those in `adapters` (None: all) stepped."""
         sums: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for item in items:
@@ -312,11 +318,15 @@ class TorchTrainer:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = self._clip_grad_norm(max_norm)  # already over every rank's shards
+        if self.lora is not None and self.lora.adapter_names:
+            present = set(range(self.lora.num_adapters)) if adapters is None else adapters
+            norms = lora_side.clip_each_adapter(self.lora, self.parallel.clip_grad_norm, max_norm, present)
+        else:
+            norms = {"grad_norm": self._clip_grad_norm(max_norm)}  # already over every rank's shards
         self.optimizer.step()
         if sums:  # each rank's micro-batches' shares of the step's metrics, summed over ranks
             sums = dict(zip(sums, self._sum_over_ranks(torch.stack(list(sums.values())))))
-        return {**sums, "grad_norm": grad_norm}
+        return {**sums, **norms}
 
     def _rl_loss(self, samples: TrainBatch, logp, entropy, old_logp, ref_logp, normalizers: dict[str, float]):
         """Policy loss (+ entropy bonus, + KL to the reference) of one micro-batch's samples [n, T-1]."""
@@ -339,10 +349,40 @@ class TorchTrainer:
         metrics["loss"] = loss.detach()
         return loss, metrics
 
+    def _adapters_rl_loss(self, samples: TrainBatch, logp, entropy, old_logp, ref_logp,
+                          normalizers: dict[int, dict[str, float]]):
+        """Named LoRA adapters: each adapter's `_rl_loss` over its own samples with its own step's
+        normalizers (`normalizers[k]`), summed. Adapter k's parameters see only its own term (its rows
+        route through no other adapter), so its gradient is that of a single-adapter step on its samples.
+        Metrics: `<m>/<adapter>`, and `<m>` the adapters' values weighted by their share of the step's
+        loss_agg normalizer (with loss_agg=token_mean the batch's token mean)."""
+        agg = self.algo.loss_agg
+        total = sum(n[agg] for n in normalizers.values())
+        loss, metrics = 0.0, {}
+        for k, norms in normalizers.items():
+            mine = replace(samples, loss_mask=samples.loss_mask * (samples.adapter_ids == k)[:, None])
+            adapter_loss, adapter_metrics = self._rl_loss(mine, logp, entropy, old_logp, ref_logp, norms)
+            loss = loss + adapter_loss
+            for key, v in adapter_metrics.items():
+                metrics[f"{key}/{self.lora.adapter_names[k]}"] = v
+                metrics[key] = metrics.get(key, 0.0) + v * (norms[agg] / total)
+        return loss, metrics
+
     def _normalizers(self, loss_mask: torch.Tensor) -> dict[str, float]:
         """The step's normalizers, from its (host) loss mask."""
         modes = {self.algo.loss_agg, "token_mean"}
         return {m: loss_normalizer([loss_mask], m, self.max_response_len) for m in modes}
+
+    def _adapter_normalizers(self, batch: TrainBatch) -> dict[int, dict[str, float]] | None:
+        """Named LoRA adapters: the normalizers of each adapter's samples in this step (the adapters
+        present only); None without named adapters."""
+        if self.lora is None or not self.lora.adapter_names:
+            return None
+        if len(batch.adapter_ids) != len(batch):
+            raise ValueError(f"trainer.lora.adapters={self.lora.adapter_names}: the batch does not name each "
+                             "sample's adapter (TrainBatch.adapter_ids, from Sample.adapter)")
+        return {k: self._normalizers(batch.loss_mask[batch.adapter_ids == k])
+                for k in sorted(set(batch.adapter_ids.tolist()))}
 
     def _correct(self, batch: TrainBatch, old: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
         """Mismatch corrections against the engine's log-probs: TIS scales advantages, MIS masks tokens.
@@ -430,8 +470,10 @@ class TorchTrainer:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for s, plan in enumerate(plans):
             normalizers = self._normalizers(batch.loss_mask[bounds[s]:bounds[s + 1]])
+            per_adapter = self._adapter_normalizers(batch.slice(bounds[s], bounds[s + 1]))
 
-            def loss_fn(mb: MicroBatch, ref_logp, replay, offset=bounds[s], normalizers=normalizers):
+            def loss_fn(mb: MicroBatch, ref_logp, replay, offset=bounds[s], normalizers=normalizers,
+                        per_adapter=per_adapter):
                 nonlocal mismatch
                 rows = mb.index + offset
                 samples = select(dev, rows)
@@ -442,9 +484,12 @@ class TorchTrainer:
                     fused_old.index_copy_(0, rows, logp.detach())
                 else:
                     old_logp = old[rows]
+                if per_adapter is not None:
+                    return self._adapters_rl_loss(samples, logp, entropy, old_logp, ref_logp, per_adapter)
                 return self._rl_loss(samples, logp, entropy, old_logp, ref_logp, normalizers)
 
-            for k, v in self._step(list(zip(plan, ref[s], replays[s])), loss_fn).items():
+            present = None if per_adapter is None else set(per_adapter)
+            for k, v in self._step(list(zip(plan, ref[s], replays[s])), loss_fn, present).items():
                 totals[k] += v / n_steps
         if one_forward:  # the training forward's log-probs are the old policy's: the ratios cost no forward
             stats = ratio_stats(self._sum_over_ranks(fused_old), rollout, mask)
@@ -526,10 +571,10 @@ class TorchTrainer:
         if self.lora is not None and self.parallel.shards_policy:  # gathered on rank 0, merged there
             state = self.parallel.policy_state(self.model)
             if self.parallel.writes:
-                lora_side.export_merged_state(self.lora, state, self.model.config, path)
+                lora_side.export_model_state(self.lora, state, self.model.config, path)
             return
-        if self.lora is not None:  # the merged model, and the adapter in PEFT's format in path/adapter
-            lora_side.export_merged(self.lora, self.model, path)
+        if self.lora is not None:  # the merged model (several adapters: the base), each adapter in PEFT's format
+            lora_side.export_model(self.lora, self.model, path)
             return
         self.parallel.save_policy(self.model, path)
 

@@ -66,3 +66,18 @@ def test_gae_uses_the_critic_and_whitens():
     whitened = (raw - raw.mean()) / math.sqrt(((raw - raw.mean()) ** 2).sum() / 7)
     torch.testing.assert_close(batch.advantages[:, 1:3], whitened)
     assert (batch.advantages[mask == 0] == 0).all()
+
+
+def test_batch_whitening_stays_within_each_lora_adapter():
+    """Several LoRA adapters: REINFORCE++ whitens each adapter's rewards on their own, so the same
+    rewards give the same advantages whatever the other adapter's samples scored."""
+    routed = samples()
+    for s, adapter in zip(routed, [0, 0, 1, 1]):
+        s.adapter = adapter
+    batch, _ = make_train_batch(ctx(), cfg(advantage="reinforce_pp"), routed)
+    # per adapter: rewards (1, 0) and (5, 0), each whitened: (r - mean) / (std + eps), std of 2 values
+    for pair, (hi, lo) in ((slice(0, 2), (1.0, 0.0)), (slice(2, 4), (5.0, 0.0))):
+        mean, std = (hi + lo) / 2, abs(hi - lo) / math.sqrt(2)
+        want = torch.tensor([(hi - mean) / (std + 1e-6), (lo - mean) / (std + 1e-6)])
+        torch.testing.assert_close(batch.advantages[pair, -1], want)
+    assert torch.equal(batch.adapter_ids, torch.tensor([0, 0, 1, 1]))

@@ -5,6 +5,9 @@ import pytest
 from miles.validate import validate
 
 
+FILE = ["task.kind=file", "task.train_file=prompts.jsonl"]  # records with fields (what routes to adapters)
+
+
 def _lora(problems):
     return [p for p in problems if "lora" in p]
 
@@ -18,6 +21,12 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     # The external engines serve the adapters with their own LoRA support (docs/lora.md).
     assert validate(compose(["trainer.lora.rank=16", "rollout=vllm"])) == []
     assert validate(compose(["trainer.lora.rank=16", "rollout=sglang"])) == []
+    # Several adapters, routed by a prompt record's field; one named adapter needs no field.
+    assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
+                             "trainer.lora.adapter_key=adapter"])) == []
+    assert _lora(validate(compose(["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[add,mul]",
+                                   "trainer.lora.adapter_key=adapter", "trainer=fsdp"]))) == []
+    assert validate(compose(["trainer.lora.rank=16", "trainer.lora.adapters=[only]"])) == []
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -36,6 +45,26 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "precision=fp8"], "QLoRA"),
     (["trainer.lora.rank=8", "true_on_policy=true"], "true_on_policy=false"),
     (["trainer.lora.rank=8", "algo=sft"], "algo=sft"),
+    # Several adapters (trainer.lora.adapters).
+    (["trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=adapter"], "set trainer.lora.rank > 0"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]"], "needs trainer.lora.adapter_key"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,a]", "trainer.lora.adapter_key=k"],
+     "names ['a'] more than once"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,'x/y']", "trainer.lora.adapter_key=k"],
+     "'x/y' is not a valid adapter name"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,'']", "trainer.lora.adapter_key=k"],
+     "'' is not a valid adapter name"),
+    (["trainer.lora.rank=8", "trainer.lora.adapter_key=k"], "trainer.lora.adapters, which is empty"),
+    (["trainer.lora.rank=8", "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k"],
+     "task.kind=arithmetic has no record fields: use a prompt file"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "rollout=vllm"],
+     "with rollout=vllm: this engine serves the run's one adapter"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "rollout=sglang"],
+     "with rollout=sglang: this engine serves the run's one adapter"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k",
+      "rollout.speculative.kind=mtp"], "set rollout.speculative.kind=none"),
+    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "algo=ppo"],
+     "the critic is one model for every adapter"),
 ])
 def test_what_does_not_combine_is_named(compose, overrides, needle):
     problems = _lora(validate(compose(overrides)))

@@ -4,7 +4,10 @@
 - one adapted projection equals W x + alpha / r * B A x computed by hand;
 - the merged weights give the unmerged logits (fp32, 1e-5) and are put back exactly afterwards;
 - an adapter saved in PEFT's format loads with `peft.PeftModel.from_pretrained` on the transformers
-  Qwen3 (a transformers-saved checkpoint) and gives this model's logits (fp32, <= 1e-5), and loads back.
+  Qwen3 (a transformers-saved checkpoint) and gives this model's logits (fp32, <= 1e-5), and loads back;
+- several adapters: rows routed to an adapter holding a single-adapter LoRA's weights are that model's
+  rows bit for bit, rows routed to an all-zero adapter the base model's (per row, per token, and
+  through a projection whose input is flattened); PEFT loads each adapter of a run from its directory.
 """
 
 import pytest
@@ -131,3 +134,77 @@ def test_adapter_bytes_against_the_model(compose, name, rank, bound):
     ratio = lora.num_bytes() / sum(p.numel() * p.element_size() for p in model.parameters())
     assert ratio <= bound
     print(f"{name} rank {rank}: adapters {lora.num_bytes() / 2**20:.2f} MiB, {ratio:.2%} of the model")
+
+
+# ------------------------------------------------------------------ several adapters over one base
+
+def test_two_adapters_route_rows_exactly(hf_dir):
+    """Adapter "a" holds a single-adapter LoRA's weights, "b" is all zero: rows routed to "a" are that
+    model's rows bit for bit, rows routed to "b" the base model's; per-token routes and flattened
+    inputs (an MoE's shared expert) route the same."""
+    ids = _ids()
+    base_model = from_pretrained(hf_dir).eval()
+    single_model = from_pretrained(hf_dir).eval()
+    single = LoRA(single_model, rank=8, alpha=16, seed=0)
+    _trained(single)
+    model = from_pretrained(hf_dir).eval()
+    lora = LoRA(model, rank=8, alpha=16, seed=0, adapters=["a", "b"])
+    assert set(lora.tensors()) == {f"{a}/{k}" for a in "ab" for k in single.tensors()}
+    lora.load(single.tensors(), adapter=0)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(1):
+            p.zero_()
+    with torch.no_grad():
+        base, adapted = base_model(ids), single_model(ids)
+        lora.route(torch.tensor([[0], [1]]))
+        routed = model(ids)
+        lora.route(torch.tensor([[0], [1]]).expand(2, ids.shape[1]))  # the same route, token by token
+        per_token = model(ids)
+    assert torch.equal(routed[0], adapted[0]) and torch.equal(routed[1], base[1])
+    assert not torch.equal(adapted[0], base[0])  # the adapter matters
+    assert torch.equal(per_token, routed)
+    q, single_q = model.layers[0].self_attn.q_proj, single_model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
+    lora.route(torch.tensor([[0], [1]]))
+    with torch.no_grad():  # the same [18, 32] matmuls on both sides: bit for bit
+        flat, alone = q(x.reshape(18, 32)).view(2, 9, -1), single_q(x.reshape(18, 32)).view(2, 9, -1)
+        assert torch.equal(flat[0], alone[0]) and torch.equal(flat[1], (x.reshape(18, 32) @ q.weight.T)[9:])
+
+
+def test_several_adapters_need_a_route_and_do_not_merge(hf_dir):
+    model = from_pretrained(hf_dir).eval()
+    lora = LoRA(model, rank=4, alpha=8, adapters=["a", "b"])
+    with pytest.raises(RuntimeError, match="no route set"):
+        model(_ids())
+    with pytest.raises(ValueError, match="cannot be merged"), lora.merged():
+        pass
+
+
+def test_peft_loads_each_adapter_of_a_run(hf_dir, tmp_path):
+    """Two adapters saved as a run saves them (adapter/<name>/, miles/trainer/lora.py): PEFT loads each
+    on the transformers Qwen3 with the logits of this model routed to it (fp32, <= 1e-5); they load back."""
+    peft = pytest.importorskip("peft")
+    from miles.trainer.lora import load_adapter, save_adapter
+
+    model = from_pretrained(hf_dir).eval()
+    lora = LoRA(model, rank=8, alpha=16, seed=0, adapters=["add", "mul"])
+    _trained(lora)
+    save_adapter(lora, model, tmp_path)
+    ids = _ids()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    logits = []
+    for k, name in enumerate(lora.adapter_names):
+        lora.route(torch.full((ids.shape[0], 1), k))
+        with torch.no_grad():
+            ours = model(ids)
+        peft_model = peft.PeftModel.from_pretrained(hf.eval(), tmp_path / "adapter" / name).eval()
+        with torch.no_grad():
+            theirs = peft_model(input_ids=ids).logits
+        assert (theirs - ours).abs().max().item() <= 1e-5
+        hf = peft_model.unload()  # the bare transformers model again, for the next adapter
+        logits.append(ours)
+    assert (logits[0] - logits[1]).abs().max().item() > 1e-3  # two different adapters
+
+    again = LoRA(from_pretrained(hf_dir), rank=8, alpha=16, seed=1, adapters=["add", "mul"])
+    load_adapter(again, model, tmp_path)
+    assert all(torch.equal(again.tensors()[k], v) for k, v in lora.tensors().items())

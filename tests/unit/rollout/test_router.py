@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from miles.config.schema import DType, ModelCfg, RolloutCfg
+from miles.config.schema import DType, LoRACfg, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.handles import LocalHandle, spawn
@@ -114,6 +114,22 @@ def test_two_in_process_engines_give_the_samples_of_one(ckpt, trainer_weights):
                         exact=False)
 
 
+def test_each_prompt_takes_its_lora_adapter_to_the_engine_that_runs_it(ckpt):
+    """Several LoRA adapters: a prompt's adapter id travels with it in its chunk, so two engines give
+    the samples one engine gives for the mixed batch."""
+    lora = LoRACfg(rank=4, alpha=8.0, adapters=["a", "b"], adapter_key="task")
+    engines = [NativeEngine(ckpt, CFG, lora=lora) for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    adapters = {k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in engines[0].lora.tensors().items()}
+    routes = [i % 2 for i in range(len(PROMPTS))]
+    fleet = EngineFleet([LocalHandle(e) for e in engines[:2]], chunk_groups=2)
+    assert fleet.update_weights(adapters, checksum(adapters)) == [checksum(adapters)] * 2
+    engines[2].update_weights(adapters)
+    got = fleet.call("generate", PROMPTS, LABELS, 2, None, None, seeds=SEEDS, adapters=routes)
+    assert [s.adapter for s in got] == [a for a in routes for _ in range(2)]
+    assert_same_samples(got, engines[2].generate(PROMPTS, LABELS, n=2, seeds=SEEDS, adapters=routes), exact=False)
+
+
 def test_an_in_process_engine_error_reaches_the_caller(ckpt):
     fleet = EngineFleet([LocalHandle(NativeEngine(ckpt, CFG)) for _ in range(2)])
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -144,7 +160,7 @@ def probe_engine_class():
 
 @pytest.fixture(scope="module")
 def ray_fleet(ckpt, ray_connection):
-    """Two engine actors (one CPU each) on the session's Ray (tests/conftest.py)."""
+    """Two engine actors (one CPU each) on the module's Ray (tests/conftest.py)."""
     engines = [spawn(probe_engine_class(), True, ckpt, CFG, DType.fp32, "cpu", 1, 0) for _ in range(2)]
     yield EngineFleet(engines, log=lambda line: None)
 

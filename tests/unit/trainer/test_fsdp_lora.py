@@ -22,7 +22,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def local_ray(ray_connection):
-    """The session's Ray (tests/conftest.py), joined for this module."""
+    """The module's Ray (tests/conftest.py), joined for this module."""
     yield
 
 
@@ -62,3 +62,29 @@ def test_two_ranks_train_the_adapters_of_one_process(ckpt, rollout_batch, local_
     n_next = one.train_rl(rollout_batch)
     assert abs(resumed["train/grad_norm"] - n_next["train/grad_norm"]) <= 1e-5 * n_next["train/grad_norm"]
     assert max(float((r_weights[k] - v).abs().max()) for k, v in one.lora.tensors().items()) <= 1e-6
+
+
+def test_two_ranks_train_two_adapters_as_one_process(ckpt, rollout_batch, local_ray):
+    """Two adapters (trainer.lora.adapters): each clipped on its own over the ranks' summed gradients,
+    one left out of the step where the batch has none of its samples, as the 1-process trainer does."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, lora=replace(CFG.lora, adapters=["add", "mul"], adapter_key="adapter"))
+    mixed = replace(rollout_batch, adapter_ids=(torch.arange(16) // 4) % 2)
+    only_add = replace(rollout_batch, adapter_ids=torch.zeros(16, dtype=torch.long))
+    one = TorchTrainer(ckpt, ALGO, cfg, FP32, threads=1)
+    n_metrics = [one.train_rl(b) for b in (mixed, only_add)]
+    n_weights, _ = one.get_weights()
+    group = FSDPGroup(2, ckpt, ALGO, cfg, FP32, threads=1)
+    try:
+        g_metrics = [group.call("train_rl", b) for b in (mixed, only_add)]
+        g_weights, _ = group.call("get_weights")
+    finally:
+        group.shutdown()
+    for g, n in zip(g_metrics, n_metrics, strict=True):
+        assert set(g) == set(n)
+        for key in ("train/grad_norm", "train/grad_norm/add"):
+            assert abs(g[key] - n[key]) <= 1e-5 * n[key]
+    assert "train/grad_norm/mul" in n_metrics[0] and "train/pg_loss/mul" not in n_metrics[1]
+    assert set(g_weights) == set(n_weights) == set(one.lora.tensors())
+    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= 1e-6
