@@ -27,17 +27,18 @@ run: $(STAMP)
 # The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
 # tests/conftest.py: a fresh local Ray for each test or module that runs Ray actors (never one shared
 # by the session: see there), and OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not spin).
-# TEST_WORKERS pytest-xdist processes, a test file each at a time (--dist loadfile keeps a file's
-# fixtures in one process): one test run keeps ~0.6 of a core busy (it waits on launch.py's imports,
-# Ray, MLflow), so 2 workers overlap the waits on 2 cores. The tests marked serial (they stop every
-# Ray on the machine, or assert wall-clock limits) run alone after.
-TEST_WORKERS ?= 2
+# One pytest process: with 2 pytest-xdist workers (make test-fast's) the Ray tests of both ran two
+# local Rays at once, and ~1 in 10 of them had actors "cancelled before they started" (2026-12-04:
+# 9 of ~100; the same tests pass alone), the failure class of that day's CI run, where a session
+# Ray coexisted with the runs' own. Until that is understood, the whole suite runs one Ray at a time.
 test: $(STAMP) $(VLLM_STAMP) bwrap
-	$(BIN)/python -m pytest -q -m "not learning and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m "serial and not learning" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not learning" $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
-# Unit tests only (seconds): skips the end-to-end tier marked slow.
+# Unit tests only (seconds): skips the end-to-end tier marked slow. TEST_WORKERS pytest-xdist processes,
+# a file each at a time (--dist loadfile keeps a file's fixtures in one process); the tests marked
+# serial (wall-clock limits of the sandbox) run alone after.
+TEST_WORKERS ?= 2
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
