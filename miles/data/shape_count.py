@@ -30,6 +30,10 @@ SHAPES = ("circle", "square", "triangle")
 # (docs/vlm.md, "Why it did not learn").
 BACKGROUND = (123, 117, 104)
 _SPLITS = {"train": 0, "eval": 1}
+# 3 x 3 cells of 28 px: each cell is one 2 x 2 merged Qwen-VL token (14 px patches). The memory
+# planner sizes the vision tower's work from IMAGE_SIDE (miles/hardware/vision_footprint.py).
+GRID, CELL = 3, 28
+IMAGE_SIDE = GRID * CELL
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,8 @@ class ShapeScene:
         return image
 
 
-def scene(seed: int, split: str, index: int, grid: int = 3, cell: int = 28, max_shapes: int = 5) -> ShapeScene:
-    """Example `index` of `split` ("train" / "eval"); 28 px cells are one 2 x 2 merged Qwen-VL token each."""
+def scene(seed: int, split: str, index: int, grid: int = GRID, cell: int = CELL, max_shapes: int = 5) -> ShapeScene:
+    """Example `index` of `split` ("train" / "eval")."""
     rng = np.random.default_rng([seed, _SPLITS[split], index])
     n = int(rng.integers(1, max_shapes + 1))
     cells = rng.choice(grid * grid, size=n, replace=False)

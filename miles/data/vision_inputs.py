@@ -42,17 +42,20 @@ def vision_token_ids(tok: TokenizerInfo) -> dict[str, int]:
     return ids
 
 
-def save_image_processor(vision, out: str | Path) -> None:
-    """A transformers Qwen2VLImageProcessor of the tower's patch / merge sizes into `out`: what a
-    random-init tiny checkpoint ships, as a published one ships its own."""
+def random_init_image_processor(vision):
+    """A transformers Qwen2VLImageProcessor of the tower's patch / merge sizes: what a random-init
+    tiny checkpoint ships (`save_image_processor`), as a published one ships its own."""
     import transformers
 
     unit = vision.patch_size * vision.spatial_merge_size
-    processor = transformers.Qwen2VLImageProcessorPil(
+    return transformers.Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
         merge_size=vision.spatial_merge_size,
         size={"shortest_edge": (2 * unit) ** 2, "longest_edge": (16 * unit) ** 2})
-    processor.save_pretrained(str(out))
+
+
+def save_image_processor(vision, out: str | Path) -> None:
+    random_init_image_processor(vision).save_pretrained(str(out))
 
 
 @dataclass

@@ -19,6 +19,7 @@ from miles.config.schema import DType, PrecisionCfg, Quant
 from miles.models import ArchConfig
 
 DTYPE_BYTES = {DType.fp32: 4, DType.bf16: 2}
+ACT_BYTES_PER_HIDDEN = 34  # activations per token and layer, bf16, sequence parallel, flash attention
 FP8_BLOCK = 128  # 128x128 weight blocks, one fp32 scale each
 KV_BYTES = 2  # rollout KV cache in bf16 (fp32 on the CPU recipe: see kv_bytes_per_token)
 

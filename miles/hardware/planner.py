@@ -9,7 +9,10 @@ sharded by TP x PP, routed experts by EP x TP x PP (expert tensor parallel = TP,
 hidden per token and layer with sequence parallelism and flash attention; only the layer inputs
 are kept with recomputation) plus fp32 logits. A micro-batch has the tokens the trainer puts in
 one (miles/trainer/packing.py), every sample at max_prompt_len + max_new_tokens: packed, up to
-trainer.max_tokens_per_micro_batch; padded, micro_batch_size rows. Rollout: each engine of
+trainer.max_tokens_per_micro_batch; padded, micro_batch_size rows. A vision-language model adds
+its vision tower (miles/hardware/vision_footprint.py): weights on both sides, gradients and optimizer
+state when trained, the ViT's activations over the images of a micro-batch or of a generate call;
+the image tokens themselves sit within max_prompt_len. Rollout: each engine of
 `num_gpus_per_engine` GPUs holds all weights in the recipe's rollout format, a fixed workspace, and
 a KV cache for as many sequences as fit. Colocated, the two phases take turns on the same GPUs as far as
 `rollout.offload` / `trainer.offload` release the idle side's memory: the KV cache gets what the
@@ -28,11 +31,13 @@ from pathlib import Path
 
 from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, Quant, RunCfg, SpeculativeKind,
                                  TrainerBackend)
-from miles.hardware.footprint import (DTYPE_BYTES, ParamGroups, kv_bytes_per_token, param_groups,
-                                      rollout_weight_bytes, state_bytes_per_sequence, train_bytes_per_param)
+from miles.hardware.footprint import (ACT_BYTES_PER_HIDDEN, DTYPE_BYTES, ParamGroups, kv_bytes_per_token,
+                                      param_groups, rollout_weight_bytes, state_bytes_per_sequence,
+                                      train_bytes_per_param)
+from miles.hardware.vision_footprint import (ImageTokens, image_tokens, rollout_vision_bytes,
+                                             train_vision_bytes)
 
 GB = 1e9
-ACT_BYTES_PER_HIDDEN = 34  # per token and layer, bf16, sequence parallel, flash attention
 ROLLOUT_WORKSPACE_GB = {"cuda": 4.0, "cpu": 0.5}  # decode activations, sampling buffers, CUDA graphs
 
 
@@ -75,6 +80,7 @@ class Plan:
     host_needed: float = 0.0  # bytes per node of host memory the plan needs
     host_capacity: float = 0.0
     offload: tuple[bool, bool] = (False, False)  # (rollout.offload, trainer.offload) as the plan decided them
+    images: ImageTokens | None = None  # a vision-language model: one prompt's image tokens, and their source
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
 
@@ -183,12 +189,19 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
         "activations": layers_act * min(pp, micro.per_step),
         "logits": tokens * arch.vocab_size * 4 * 2 / tp,  # fp32 logits and their gradient
     }
-    if cfg.algo.kl_coef > 0:  # frozen reference policy, sharded like the weights
-        usage["reference"] = (embed + dense + routed) * w
+    tower = {}
+    if arch.vision is not None:  # weights (+ gradients, optimizer when trained) and ViT activations
+        tower = train_vision_bytes(cfg, arch, tp, dp_dense, max(1, micro.tokens // _seq_len(cfg)))
+        if layout.offload:
+            tower["optimizer"] = 0.0
+        for item, value in tower.items():
+            usage[item] = usage.get(item, 0.0) + value
+    if cfg.algo.kl_coef > 0:  # frozen reference policy (tower included), sharded like the weights
+        usage["reference"] = (embed + dense + routed) * w + tower.get("weights", 0.0)
     if t.lora.rank > 0:  # LoRA: a frozen base in the training dtype; fp32 adapters with gradients and AdamW
         from miles.hardware.lora_footprint import lora_params
 
-        adapters = lora_params(arch, t.lora.rank, t.lora.target_modules) / (tp * pp)
+        adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
         usage["weights"] += adapters * 4
         usage["gradients"] = adapters * 4
         usage["optimizer"] = 0.0 if layout.offload else adapters * 8
@@ -200,7 +213,7 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
 def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capacity: float
                   ) -> tuple[dict[str, float], int, float]:
     """(bytes per rollout device by item, sequences the KV cache holds, KV bytes per sequence
-    per device). The KV cache gets what weights and workspace leave of `capacity`."""
+    per device). The KV cache gets what weights, workspace (and a vision tower) leave of `capacity`."""
     arch, hw = model_arch(cfg), cfg.hardware
     # True on-policy: the engine holds the trainer's fp32 masters and caches keys in fp32 (run.py).
     precision = replace(cfg.precision, rollout_dtype=DType.fp32) if cfg.true_on_policy else cfg.precision
@@ -208,9 +221,12 @@ def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capaci
     workspace = ROLLOUT_WORKSPACE_GB["cpu" if hw.device == "cpu" else "cuda"] * GB
     kv_dtype = DTYPE_BYTES[precision.rollout_dtype]
     per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
-    free = capacity - weights - workspace
+    usage = {"weights": weights, "workspace": workspace}
+    if arch.vision is not None:
+        usage.update(rollout_vision_bytes(cfg, arch, gpus_per_engine))
+    free = capacity - sum(usage.values())
     kv_sequences = max(0, int(free // per_seq)) if per_seq else 0
-    return {"weights": weights, "workspace": workspace}, kv_sequences, per_seq
+    return usage, kv_sequences, per_seq
 
 
 def _layout_candidates(cfg: RunCfg, gpus: int) -> list[TrainLayout]:
@@ -345,6 +361,12 @@ def _plan(cfg: RunCfg, suggest: bool = True) -> Plan:
     plan = Plan(False, gpus, capacity, train_gpus, rollout_gpus, layout, train, g, rollout, kv_seqs,
                 per_engine, colocated, micro_batch_shape(cfg, model_arch(cfg)), problems=problems,
                 offload=(bool(r.offload), bool(cfg.trainer.offload)))
+    arch = model_arch(cfg)
+    if arch.vision is not None:
+        plan.images = image_tokens(cfg, arch)
+        if plan.images.merged > r.max_prompt_len:  # the KV cache and activations are sized by max_prompt_len
+            problems.append(f"rollout.max_prompt_len={r.max_prompt_len} is shorter than one prompt's "
+                            f"{plan.images.merged} image tokens ({plan.images.source}): raise it")
     if on_cpu and plan.train_total + plan.rollout_total > capacity or not on_cpu and plan.train_total > capacity:
         need = plan.train_total + (plan.rollout_total if on_cpu else 0)
         where = "this machine's RAM" if on_cpu else f"one of {train_gpus} GPUs at the best layout ({layout.describe(train_gpus)})"

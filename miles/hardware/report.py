@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from miles.config.schema import RunCfg
-from miles.hardware.planner import GB, Plan
+from miles.hardware.planner import GB, Plan, model_arch
+from miles.hardware.vision_footprint import tower_params
 
 
 def plan_table(cfg: RunCfg, plan: Plan) -> Table:
@@ -27,6 +28,9 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
            "logits": "fp32 logits and their gradient",
            "reference": "frozen reference policy (algo.kl_coef > 0)",
            "critic": "value model: weights, gradients, optimizer"}
+    if plan.images is not None:
+        vision = _vision_how(cfg, plan)
+        how.update(vision, weights=f"{how['weights']}; {vision['weights']}")
     for item, value in plan.train.items():
         table.add_row("train", item, f"{value / GB:,.2f}", how.get(item, ""))
     table.add_row("train", "[bold]total[/bold]", f"[bold]{plan.train_total / GB:,.2f}[/bold]",
@@ -37,9 +41,14 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     table.add_row("rollout", "weights", f"{plan.rollout['weights'] / GB:,.2f}",
                   f"{fmt}; {engines} engine(s) x {plan.gpus_per_engine} {device}(s)")
     table.add_row("rollout", "workspace", f"{plan.rollout['workspace'] / GB:,.2f}", "decode activations, buffers")
+    for item in ("vision weights", "vision activations"):
+        if item in plan.rollout:
+            table.add_row("rollout", item, f"{plan.rollout[item] / GB:,.2f}", how[f"rollout {item}"])
     kv_note = (f"holds {plan.kv_sequences:,} sequences of "
                f"{cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens} tokens; "
                f"{plan.sequences_per_engine:,} per engine per step")
+    if plan.images is not None and plan.images.merged:
+        kv_note += f"; {plan.images.merged:,} image tokens per prompt among them"
     if 0 < plan.kv_sequences < plan.sequences_per_engine:
         kv_note += " (generated in waves)"
     table.add_row("rollout", "KV cache", "rest", kv_note)
@@ -54,6 +63,18 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     for suggestion in plan.suggestions:
         table.add_row("[yellow]change[/yellow]", "", "", suggestion)
     return table
+
+
+def _vision_how(cfg: RunCfg, plan: Plan) -> dict[str, str]:
+    """The vision tower's share of the items (miles/hardware/vision_footprint.py), and where the
+    image size comes from."""
+    params = tower_params(model_arch(cfg))
+    state = "frozen: weights only" if cfg.trainer.freeze_vision else "trained: gradients and optimizer state too"
+    source = plan.images.source
+    return {"weights": f"the vision tower's {params:,} parameters included ({state})",
+            "vision activations": f"ViT over the micro-batch's images, attention masks (patches^2); {source}",
+            "rollout vision weights": f"the tower's {params:,} parameters in {cfg.precision.rollout_dtype.value}",
+            "rollout vision activations": f"one tower call over a generate call's prompts; {source}"}
 
 
 def _colocation(plan) -> str:

@@ -93,6 +93,11 @@ def test_lora_counts_the_frozen_base_without_optimizer_state(compose):
     assert usage["weights"] == (EMBED / 2 + (TOTAL - EMBED) / 2) * 2 + adapters * 4
     assert usage["gradients"] == adapters * 4
     assert usage["optimizer"] == adapters * 8
+    # Three adapters (trainer.lora.adapters): three times the adapters' weights, gradients and moments.
+    three = compose(TINY + ["trainer.pack_sequences=false", "trainer.lora.rank=8", "trainer.lora.adapters=[a,b,c]"])
+    usage3 = train_usage(three, groups, TrainLayout(tp=2, pp=1, ep=1), gpus=8)
+    assert usage3["weights"] - usage["weights"] == 2 * adapters * 4
+    assert (usage3["gradients"], usage3["optimizer"]) == (3 * adapters * 4, 3 * adapters * 8)
 
 
 def test_lora_fits_where_full_fine_tuning_does_not(compose):
