@@ -2,7 +2,6 @@
 
 import importlib.metadata
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,78 +40,22 @@ def compose():
     return _compose
 
 
-# A local Ray of a test's own (`own_ray`) or of a module's own (`module_ray_cluster`, `ray_connection`), never
-# one shared by the whole session: a session Ray saved ~10 s per start, but jobs that joined it after
-# other jobs had their actors cancelled before they started (an unexplained Ray state; the CI run of
-# 2026-12-04 failed 56 tests that way), so each user starts from a fresh one as before. A helper
-# process starts it with ray.init(address="local") (a new Ray, never one found running on the
-# machine: another test worker's, a `ray start`; unlike `ray start`, it writes no
-# /tmp/ray/ray_current_cluster that a plain ray.init() elsewhere would join) and ends it when asked
-# or when pytest exits (its stdin closes).
-_RAY_HOLDER = r"""
-import logging, select, sys
-import ray
-ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, logging_level=logging.WARNING)
-node = ray._private.worker._global_node
-print(node.gcs_address, flush=True)
-while node.remaining_processes_alive():
-    if select.select([sys.stdin], [], [], 0.5)[0] and not sys.stdin.read(1):
-        break  # stopped, or pytest is gone
-ray.shutdown()
-"""
+# Each Ray test module starts a local Ray in this process (`ray_connection`), and each Ray run through
+# run_with / launch.py starts its own: never one Ray shared by the session or joined from another
+# process. Both of those were tried (2026-12-04) and CI failed 56 Ray tests each time with "the actor
+# never ran - it was cancelled before it started", after the external-cluster tests had run; this
+# arrangement passed every CI run before them. address="local" starts a new Ray even where one runs on
+# the machine (a `ray start` of the external-cluster tests, which `make test` runs in a pass of their own).
 RAY_CPUS = 4  # the most any test asks for at once: 2 FSDP ranks + 2 engines (test_scale_out_runs)
 
 
-class LocalRay:
-    """A local Ray in a helper process: address() for ray.init(address=...) or ray.address=<it>
-    (ray.shutdown() there only disconnects; Ray ends that job's actors), stop() ends it."""
-
-    def __init__(self, cwd: Path):
-        # No token auth on this local test cluster: the drivers that join it start with Ray's defaults.
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _RAY_HOLDER, str(RAY_CPUS)], cwd=cwd, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._address = self.proc.stdout.readline().strip()
-        if not self._address:
-            self.stop()
-            raise RuntimeError("the test's local Ray did not start")
-
-    def address(self) -> str:
-        return self._address
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def own_ray(tmp_path_factory):
-    """A Ray for this test alone (LocalRay): runs join it with ray.address=own_ray.address()."""
-    ray_ = LocalRay(tmp_path_factory.mktemp("ray"))
-    yield ray_
-    ray_.stop()
-
-
 @pytest.fixture(scope="module")
-def module_ray_cluster(tmp_path_factory):
-    """A Ray for this module's tests (LocalRay)."""
-    ray_ = LocalRay(tmp_path_factory.mktemp("ray"))
-    yield ray_
-    ray_.stop()
-
-
-@pytest.fixture(scope="module")
-def ray_connection(module_ray_cluster):
-    """This process connected to the module's Ray for the module's tests."""
+def ray_connection():
+    """A local Ray in this process for the module's tests."""
     import logging
 
     import ray
 
-    ray.init(address=module_ray_cluster.address(), logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level=logging.WARNING)
     yield
     ray.shutdown()

@@ -109,6 +109,9 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     if address:
         kwargs["address"] = address
     else:
+        # "local": a new Ray even where one already runs on the machine (a `ray start` there is joined
+        # only when asked: ray.address=auto); Ray's own default would join it.
+        kwargs["address"] = "local"
         # The one-CPU actors (engine, trainer, PPO's critic) must fit even where Ray counts fewer cores.
         kwargs["num_cpus"] = num_cpus or max(num_actors, os.cpu_count() or 1)
     ray.init(**kwargs)

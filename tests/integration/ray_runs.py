@@ -11,18 +11,15 @@ from runs import run_inprocess
 WITH_AND_WITHOUT_RAY = pytest.mark.parametrize("ray", [False, True], ids=["in_process", "ray"])
 
 
-def run_with(compose, overrides, run_dir, ray: bool, own_ray=None):
-    """A run through miles.orchestrate.run in this process, its components in-process or Ray actors:
-    on the test's Ray (`own_ray`, tests/conftest.py: joined with ray.address, the run's
-    ray.shutdown() disconnects and Ray ends its actors), else on a local Ray started and shut down by
-    the run (~10 s more on 2 cores)."""
+def run_with(compose, overrides, run_dir, ray: bool):
+    """A run through miles.orchestrate.run in this process, its components in-process or Ray actors
+    (a local Ray, started and shut down by the run: ~10 s more on 2 cores)."""
     if not ray:
         return run_inprocess(compose, overrides, run_dir)
     from omegaconf import OmegaConf
 
     from miles.orchestrate.run import run
 
-    address = [f"ray.address={own_ray.address()}"] if own_ray is not None else []
-    cfg = compose(["ray.enabled=true", *address, *overrides])
+    cfg = compose(["ray.enabled=true", *overrides])
     cfg.output_dir = str(run_dir)
     return run(cfg, run_dir, list(overrides), OmegaConf.to_yaml(OmegaConf.structured(cfg)))

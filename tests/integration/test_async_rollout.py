@@ -77,10 +77,9 @@ def test_a_resumed_asynchronous_run_trains_the_prompts_that_were_in_flight(tmp_p
 
 
 @pytest.mark.parametrize("transport", ["object_store", "shared_memory"])
-def test_asynchronous_on_ray(tmp_path, transport, own_ray):
-    run_dir = tmp_path / "run"  # on the test's Ray (tests/conftest.py): a run's own Ray is started elsewhere
+def test_asynchronous_on_ray(tmp_path, transport):
+    run_dir = tmp_path / "run"
     proc = run_launch([*TINY, "steps=3", "eval.interval=3", "rollout.asynchronous=true",
-                       f"ray.address={own_ray.address()}",
                        f"rollout.weight_sync={transport}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
                        f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

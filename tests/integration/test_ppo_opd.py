@@ -60,9 +60,8 @@ def test_opd_reverse_kl_falls(tmp_path, monkeypatch, compose, teacher):
     assert last < 0.75 * first, _series(reverse_kl)
 
 
-def test_ppo_critic_runs_as_a_ray_actor(tmp_path, monkeypatch, compose, own_ray):
-    # The same spawn() as the engine and the trainer, on the test's Ray (a CPU for each of the three).
+def test_ppo_critic_runs_as_a_ray_actor(tmp_path, monkeypatch, compose):
+    # The same spawn() as the engine and the trainer, on the run's local Ray (a CPU for each of the three).
     monkeypatch.chdir(tmp_path)
-    history = _run(compose, tmp_path, ["algo=ppo", "steps=2", "eval.interval=2", "ray.enabled=true",
-                                       f"ray.address={own_ray.address()}"])
+    history = _run(compose, tmp_path, ["algo=ppo", "steps=2", "eval.interval=2", "ray.enabled=true"])
     assert sorted(history("critic/value_loss")) == [1, 2] and sorted(history("train/pg_loss")) == [1, 2]

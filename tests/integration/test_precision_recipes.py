@@ -38,15 +38,14 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
 
 
 @pytest.fixture(scope="module")
-def module_ray(module_ray_cluster):
-    """The module's Ray (tests/conftest.py; a start costs ~10 s here), joined for the module's Ray
-    runs; run() shuts Ray down after each run, so the tests stop it doing so and kill their actors
-    themselves."""
+def module_ray():
+    """One local Ray for the module's Ray runs (a start costs ~10 s here); run() shuts Ray down after
+    each run, so the tests stop it doing so and kill their actors themselves."""
     import ray
 
     from miles.orchestrate.handles import start_ray
 
-    start_ray(module_ray_cluster.address(), None)
+    start_ray(None, None)
     shutdown = ray.shutdown
     yield
     shutdown()

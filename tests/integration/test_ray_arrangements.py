@@ -14,25 +14,25 @@ pytestmark = pytest.mark.slow
 TRAIN_KEYS = ("train/", "mismatch/")
 
 
-def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose, own_ray):
+def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose):
     """The trainer's log-probs equal the engine's bit for bit when the two are separate processes
     (each with its own threads and batch-invariant kernels), not only two objects of one process."""
     monkeypatch.chdir(tmp_path)
     run_with(compose, [*TINY, "eval.interval=100", "model=qwen3_moe_tiny", "true_on_policy=true", "steps=3"],
-             tmp_path / "run", ray=True, own_ray=own_ray)
+             tmp_path / "run", ray=True)
     metrics = journal_metrics(tmp_path / "run")
     assert [metrics[s]["mismatch/logprob_abs_diff"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
 
 
 @WITH_AND_WITHOUT_RAY
-def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, ray, own_ray):
+def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, ray):
     """algo.routing_replay=r3: the engine's routed experts travel with the samples (through Ray's
     object store with Ray on) and the trainer replays them: every step logs the agreement of its own
     router with them (all of it on the first step: same weights, fp32) and a log-prob mismatch at
     fp32 rounding level. (No integration test ran R3 before, in either arrangement.)"""
     monkeypatch.chdir(tmp_path)
     run_with(compose, [*TINY, "eval.interval=100", "model=qwen3_moe_tiny", "algo.routing_replay=r3", "steps=2"],
-             tmp_path / "run", ray, own_ray)
+             tmp_path / "run", ray)
     metrics = journal_metrics(tmp_path / "run")
     for step in (1, 2):
         m = metrics[step]
@@ -40,18 +40,18 @@ def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, r
     assert metrics[1]["mismatch/routing_agreement"] > 0.99
 
 
-def test_debug_modes_with_ray_train_as_in_process(tmp_path, monkeypatch, compose, own_ray):
+def test_debug_modes_with_ray_train_as_in_process(tmp_path, monkeypatch, compose):
     """debug.rollout_only (no trainer actor) saves rollouts; debug.train_only (no engine actor) trains
     on them, with Ray on and in-process alike: the same metrics and the same weights, bit for bit."""
     monkeypatch.chdir(tmp_path)
     rollouts = tmp_path / "rollouts"
     run_with(compose, [*TINY, "steps=2", "debug.rollout_only=true", f"debug.save_rollouts={rollouts}"],
-             tmp_path / "rollout_only", ray=True, own_ray=own_ray)
+             tmp_path / "rollout_only", ray=True)
     assert not (tmp_path / "rollout_only" / "checkpoint").exists()
     assert not any(k.startswith("train/") for k in journal_metrics(tmp_path / "rollout_only")[1])
     for ray in (True, False):
         run_with(compose, [*TINY, "steps=2", "debug.train_only=true", f"debug.load_rollouts={rollouts}"],
-                 tmp_path / f"train_only_{ray}", ray, own_ray)
+                 tmp_path / f"train_only_{ray}", ray)
 
     def train_metrics(run_dir):
         return {s: {k: v for k, v in m.items() if k.startswith(TRAIN_KEYS)}

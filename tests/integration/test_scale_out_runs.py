@@ -25,9 +25,9 @@ def check_steps(metrics: dict[int, dict], steps) -> None:
         assert metrics[step]["train/ppo_kl"] == 0.0
 
 
-def test_fsdp_ranks_with_an_engine_fleet_run_and_resume(tmp_path, own_ray):
+def test_fsdp_ranks_with_an_engine_fleet_run_and_resume(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, *FSDP_FLEET, f"ray.address={own_ray.address()}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+    args = [*SMALL, *FSDP_FLEET, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             f"hydra.run.dir={run_dir}"]
     first = run_launch([*args, "steps=2"], cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -38,10 +38,9 @@ def test_fsdp_ranks_with_an_engine_fleet_run_and_resume(tmp_path, own_ray):
     check_steps(journal_metrics(run_dir), (1, 2, 3))
 
 
-def test_broadcast_weight_sync_to_an_engine_fleet(tmp_path, own_ray):
+def test_broadcast_weight_sync_to_an_engine_fleet(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_launch([*SMALL, "rollout.num_engines=2", "rollout.weight_sync=broadcast", "steps=2",
-                       f"ray.address={own_ray.address()}",
                        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_steps(journal_metrics(run_dir), (1, 2))

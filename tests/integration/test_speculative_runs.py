@@ -34,11 +34,11 @@ def mtp_tensors(run_dir):
 
 
 @WITH_AND_WITHOUT_RAY
-def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose, ray, own_ray):
+def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
     # debug.compare_weights_tensorwise compares every engine tensor with the trainer's after each sync: the MTP too.
     run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "debug.compare_weights_tensorwise=true"],
-             tmp_path / "online", ray, own_ray)
+             tmp_path / "online", ray)
     metrics = journal_metrics(tmp_path / "online")
     for step in range(1, 5):
         m = metrics[step]
@@ -46,7 +46,7 @@ def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, mon
         assert m["spec/accept_len"] == pytest.approx(1 + 3 * m["spec/accept_rate"])
         assert m["spec/draft_loss"] > 0 and 0.0 <= m["spec/draft_accuracy"] <= 1.0
     run_with(compose, [*MTP, "steps=4", "rollout.max_new_tokens=12", "rollout.speculative.train_online=false"],
-             tmp_path / "frozen", ray, own_ray)
+             tmp_path / "frozen", ray)
     frozen = journal_metrics(tmp_path / "frozen")
     assert "spec/draft_loss" not in frozen[1] and "spec/accept_len" in frozen[1]
     online, still = mtp_tensors(tmp_path / "online"), mtp_tensors(tmp_path / "frozen")
@@ -57,14 +57,14 @@ def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, mon
 
 
 @WITH_AND_WITHOUT_RAY
-def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray, own_ray):
+def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
-    run_with(compose, [*DRAFT, "steps=4"], tmp_path / "straight", ray, own_ray)
+    run_with(compose, [*DRAFT, "steps=4"], tmp_path / "straight", ray)
     ckpt = tmp_path / "ckpt"
-    run_with(compose, [*DRAFT, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "first", ray, own_ray)
+    run_with(compose, [*DRAFT, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "first", ray)
     state = torch.load(ckpt / "step_000002" / "trainer.pt", weights_only=True)
     assert state["draft"]["kind"] == "draft_model" and state["draft"]["optimizer"]["state"]
-    run_with(compose, [*DRAFT, "steps=4", f"checkpoint.dir={ckpt}"], tmp_path / "second", ray, own_ray)
+    run_with(compose, [*DRAFT, "steps=4", f"checkpoint.dir={ckpt}"], tmp_path / "second", ray)
     straight = without_timing(journal_metrics(tmp_path / "straight"))
     second = without_timing(journal_metrics(tmp_path / "second"))
     for step in (3, 4):  # the draft's metrics and the samples too
