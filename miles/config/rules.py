@@ -2,16 +2,18 @@
 
 `config_problems(cfg)` returns every problem it finds at once, each naming the key to change. Types
 and unknown keys are the schema's job (miles/config/schema.py). A rule that needs what a component
-knows (the families Megatron maps, the tools that resolve) lives with that component, and
-miles/validate.py runs it after these: the config imports nothing above itself.
+knows (the families Megatron maps, the tools that resolve) lives with that component, and so do a
+backend's own rules (what vLLM, SGLang, FSDP, Megatron combine with: miles/rollout/vllm_rules.py,
+...); miles/validate.py runs them after these: the config imports nothing above itself. What stays
+here reads the shared keys: the native engine's and the torch trainer's rules are the rest of them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg, RunCfg, SpeculativeKind, TaskKind,
-                                 TrainerBackend)
+from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg, RolloutCfg, RunCfg, SpeculativeKind,
+                                 TaskKind, TrainerBackend)
 from miles.config.debug_rules import debug_problems
 from miles.config.lora_rules import lora_problems
 from miles.config.vlm_rules import vlm_problems
@@ -253,35 +255,16 @@ def routing_replay_problems(cfg: RunCfg) -> list[str]:
 
 
 def scale_out_problems(cfg: RunCfg) -> list[str]:
-    """trainer=<backend> / trainer.num_ranks and rollout.weight_sync: what each combination needs
-    (the Enums of miles.config.schema refuse unknown names at composition)."""
+    """trainer.num_ranks and rollout.weight_sync: what each transport needs (the Enums of miles.config.schema
+    refuse unknown names at composition); a trainer backend's own limits are in its rules module."""
     t, r = cfg.trainer, cfg.rollout
     problems = []
     if t.num_ranks < 1:
         problems.append(f"trainer.num_ranks must be >= 1 (got {t.num_ranks})")
-    if t.backend != TrainerBackend.fsdp and t.num_ranks > 1:
-        problems.append(f"trainer.num_ranks > 1 with trainer={t.backend} is not supported: use "
-                        "trainer=fsdp (Megatron-core runs one GPU per run for now)")
-    if t.backend == TrainerBackend.fsdp:
-        gpus = cfg.hardware.gpus_per_node * cfg.hardware.num_nodes
-        if cfg.hardware.device != "cpu" and t.num_ranks > gpus:
-            problems.append(f"trainer.num_ranks={t.num_ranks} FSDP ranks take a GPU each, and hardware={cfg.hardware.name} "
-                            f"has {gpus}: lower trainer.num_ranks")
-        if not cfg.ray.enabled:
-            problems.append("trainer=fsdp runs its ranks as Ray actors: set ray.enabled=true")
-        unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",
-                       f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
-                       "true_on_policy=true": cfg.true_on_policy,
-                       "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout"}
-        problems += [f"trainer=fsdp does not support {what} yet: use trainer=torch"
-                     for what, bad in unsupported.items() if bad]
     if r.weight_sync == TransportName.shared_memory:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=shared_memory maps one buffer into the engines' Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
-        if t.backend == TrainerBackend.fsdp:
-            problems.append("rollout.weight_sync=shared_memory packs from one trainer process, not FSDP ranks: "
-                            "set rollout.weight_sync=object_store")
         if cfg.hardware.device != "cpu" and not r.colocate:
             problems.append("rollout.weight_sync=shared_memory on a GPU shares the trainer's GPU with the engines "
                             "(CUDA IPC); rollout.colocate=false gives them other GPUs: set rollout.weight_sync=broadcast")
@@ -289,9 +272,6 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
         if not cfg.ray.enabled:
             problems.append("rollout.weight_sync=broadcast joins the trainer and the engines as Ray actors: "
                             "set ray.enabled=true (in-process runs copy the weights directly)")
-        if t.backend == TrainerBackend.fsdp:
-            problems.append("rollout.weight_sync=broadcast sends from one trainer process, not FSDP ranks yet: "
-                            "set rollout.weight_sync=object_store")
         if cfg.hardware.device != "cpu":
             problems.append("rollout.weight_sync=broadcast on a GPU uses NCCL, one GPU per member; this run "
                             "shares one: set rollout.weight_sync=object_store")
@@ -300,74 +280,25 @@ def scale_out_problems(cfg: RunCfg) -> list[str]:
     return problems
 
 
+def engine_options(r: RolloutCfg) -> list[str]:
+    """The engines whose options block (`rollout.<engine>`) the composed config holds."""
+    return sorted(name.value for name in EngineName if getattr(r, name.value, None) is not None)
+
+
+def engine_chosen_by_group(r: RolloutCfg) -> bool:
+    """The options present are the chosen engine's and no other's: its group file chose it. Only then
+    do that engine's rules read its block (miles/rollout/<engine>_rules.py)."""
+    return engine_options(r) == ([r.engine.value] if hasattr(r, r.engine.value) else [])
+
+
 def engine_problems(cfg: RunCfg) -> list[str]:
-    """rollout=<engine>: the chosen engine's options are present (its group file adds them, and only
-    its), then the engine's own rules (ENGINE_PROBLEMS)."""
+    """rollout=<engine>: the chosen engine's options are present (its group file adds them), and only its."""
     r = cfg.rollout
-    options = {name: getattr(r, name.value) for name in EngineName if hasattr(r, name.value)}
-    present = sorted(name.value for name, value in options.items() if value is not None)
-    expected = [r.engine.value] if r.engine in options else []
-    if present != expected:
-        # rollout.engine=<name> set by hand (or rollout.<other>.* added): the group file is the one way
-        return [f"rollout.engine={r.engine} with options rollout.{', rollout.'.join(present) or '<none>'}: "
-                f"choose the engine with its group, rollout={r.engine} (conf/rollout/{r.engine}.yaml adds its options)"]
-    return ENGINE_PROBLEMS.get(r.engine, lambda cfg: [])(cfg)
-
-
-def vllm_problems(cfg: RunCfg) -> list[str]:
-    """rollout=vllm (miles/rollout/vllm_engine.py): what vLLM's offline API can do for this run."""
-    r, v = cfg.rollout, cfg.rollout.vllm
-    problems = []
-    if r.top_k > 0 or r.top_p < 1:
-        problems.append("rollout=vllm returns log-probs renormalized after top-k / top-p, the trainer's are "
-                        "before the truncation: set rollout.top_k=0 and rollout.top_p=1.0")
-    if cfg.precision.rollout_quant.value != "none":
-        problems.append(f"rollout=vllm runs plain weights, not precision={cfg.precision.name}'s quantized "
-                        "rollout format: use precision=fp32 or bf16")
-    if cfg.algo.routing_replay == "r3":
-        problems.append("algo.routing_replay=r3 needs routed experts, which vLLM's offline API does not return: "
-                        "use rollout=native or rollout=sglang")
-    if not cfg.ray.enabled and r.num_engines > 1:
-        problems.append("rollout=vllm holds one engine per process (vLLM's parallel state is global): "
-                        "set rollout.num_engines=1 or ray.enabled=true")
-    if v.enable_sleep_mode and cfg.hardware.device == "cpu":
-        problems.append("rollout.vllm.enable_sleep_mode needs CUDA (vLLM has no sleep mode on the CPU): set it false")
-    if r.offload and not v.enable_sleep_mode:
-        problems.append("rollout.offload=true with rollout=vllm frees memory through vLLM's sleep mode: "
-                        "set rollout.vllm.enable_sleep_mode=true")
-    if v.kv_cache_gb <= 0:
-        problems.append(f"rollout.vllm.kv_cache_gb must be > 0 (got {v.kv_cache_gb})")
-    if cfg.debug.compare_weights_tensorwise:
-        problems.append("debug.compare_weights_tensorwise compares the native engine's tensors; rollout=vllm "
-                        "checks its syncs by reading its kernels' weights back (rollout.check_weight_sync): "
-                        "set debug.compare_weights_tensorwise=false")
-    for key, instead in (("max_num_seqs", "rollout.max_running"),
-                         ("tensor_parallel_size", "rollout.num_gpus_per_engine")):
-        if key in v.llm_args:
-            problems.append(f"rollout.vllm.llm_args.{key} is {instead} (one key for both engines): set "
-                            f"{instead}={v.llm_args[key]} and drop it from llm_args")
-    return problems
-
-
-def sglang_problems(cfg: RunCfg) -> list[str]:
-    """rollout=sglang (miles/rollout/sglang_engine.py): the server's options."""
-    r, s = cfg.rollout, cfg.rollout.sglang
-    problems = []
-    if cfg.precision.rollout_quant.value != "none":
-        problems.append(f"rollout=sglang quantizes with SGLang's own kernels, not precision={cfg.precision.name}'s "
-                        "rollout format: use precision=bf16 and rollout.sglang.server_args.quantization")
-    if r.num_engines > 1 and s.url:
-        problems.append("rollout.sglang.url is one server; rollout.num_engines > 1 launches one per engine: "
-                        "set rollout.sglang.url=null or rollout.num_engines=1")
-    if "max_running_requests" in s.server_args:
-        problems.append("rollout.sglang.server_args.max_running_requests is rollout.max_running (one key for every "
-                        f"engine): set rollout.max_running={s.server_args['max_running_requests']} and drop it from "
-                        "server_args")
-    return problems
-
-
-# The native engine's own rules are the rest of config_problems() (it reads the shared rollout keys).
-ENGINE_PROBLEMS = {EngineName.vllm: vllm_problems, EngineName.sglang: sglang_problems}
+    if engine_chosen_by_group(r):
+        return []
+    # rollout.engine=<name> set by hand (or rollout.<other>.* added): the group file is the one way
+    return [f"rollout.engine={r.engine} with options rollout.{', rollout.'.join(engine_options(r)) or '<none>'}: "
+            f"choose the engine with its group, rollout={r.engine} (conf/rollout/{r.engine}.yaml adds its options)"]
 
 
 def speculative_problems(cfg: RunCfg) -> list[str]:
@@ -380,10 +311,6 @@ def speculative_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"rollout.speculative.num_tokens must be >= 1 (got {s.num_tokens})")
     if s.lr is not None and s.lr <= 0:
         problems.append(f"rollout.speculative.lr must be > 0 (got {s.lr})")
-    if r.engine != EngineName.native:
-        problems.append(f"rollout.speculative runs in the native engine; rollout={r.engine} has its own speculative "
-                        f"options (rollout.{r.engine}.{'server_args' if r.engine == 'sglang' else 'llm_args'}): "
-                        "set rollout.speculative.kind=none")
     if s.kind == "mtp" and cfg.model.hf_checkpoint is None and cfg.model.mtp_layers < 1:
         problems.append("rollout.speculative.kind=mtp drafts with the model's MTP modules: set model.mtp_layers=1 "
                         "(families with MTP: deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, qwen3_next)")
@@ -424,9 +351,6 @@ def offload_problems(cfg: RunCfg) -> list[str]:
         if cfg.rollout.asynchronous:
             problems.append(f"{key}=true takes turns on the GPU; rollout.asynchronous=true overlaps the turns: "
                             "set one of them false")
-    if cfg.trainer.offload and cfg.trainer.backend == TrainerBackend.fsdp:
-        problems.append("trainer.offload=true with trainer=fsdp is not supported yet (its checkpoints "
-                        "need the shards on the device): set trainer.offload=false")
     return problems
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from miles.algo.registry import TOKEN_ADVANTAGES
-from miles.config.schema import AlgoName, DType, RunCfg
+from miles.config.schema import AlgoName, DType, RunCfg, SpeculativeKind
 from miles.hardware.planner import resolve_offload
 from miles.data.rewards import build_scorer
 from miles.data.source import PromptSource
@@ -26,9 +26,11 @@ from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
 from miles.orchestrate.prompting import adapter_routing, prompt_setup
 from miles.orchestrate.resume import CheckpointStore
 from miles.orchestrate.supervise import Stopped, supervise
+from miles.rollout.engines import engine_backend
 from miles.tracking.console import batch_table, console, step_line
 from miles.tracking.journal import JournaledTracker
 from miles.tracking.run_record import write_run_record
+from miles.trainer.backends import TrainerStart, start_trainer
 from miles.transport.protocol import TransportOptions, build_transport
 from miles.types import Sample
 
@@ -103,7 +105,8 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
         if cfg.debug.compare_weights_tensorwise:
             ctx.after_sync = check_sync_tensors
         spec = cfg.rollout.speculative
-        ctx.draft_sync = spec.kind == "draft_model" and spec.train_online  # MTP weights travel with the policy's
+        # A draft model's weights sync on their own; MTP weights travel with the policy's.
+        ctx.draft_sync = spec.kind == SpeculativeKind.draft_model and spec.train_online
         if engine is not None and trainer is not None:  # debug.rollout_only / train_only: nothing to sync
             ctx.transport = build_transport(cfg.rollout.weight_sync, ctx,
                                             TransportOptions(bucket_mb=cfg.rollout.weight_sync_bucket_mb))
@@ -152,7 +155,6 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
     or in-process objects; the critic is None when the advantages need none."""
     from miles.rollout.router import EngineFleet
     from miles.trainer.critic import TorchCritic
-    from miles.trainer.fsdp_group import FSDPGroup
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
@@ -185,14 +187,11 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
                     component_threads(cfg), cfg.seed)
     trainer_kwargs = dict(max_response_len=cfg.rollout.max_new_tokens, true_on_policy=cfg.true_on_policy,
                           teacher_dir=str(teacher_dir) if teacher_dir else None)
-    if cfg.rollout.speculative.kind != "none" and cfg.rollout.speculative.train_online:  # validate(): trainer=torch
-        trainer_kwargs.update(speculative=cfg.rollout.speculative, **draft)
-    if cfg.debug.rollout_only:
-        trainer = None
-    elif cfg.trainer.backend == "fsdp":  # its ranks: Ray actors in a placement group of their own
-        trainer = FSDPGroup(cfg.trainer.num_ranks, *trainer_args, **trainer_kwargs)
-    else:
-        trainer = spawn(trainer_class(cfg.trainer.backend), use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
+    if cfg.rollout.speculative.kind != SpeculativeKind.none and cfg.rollout.speculative.train_online:
+        trainer_kwargs.update(speculative=cfg.rollout.speculative, **draft)  # validate(): a trainer that trains it
+    trainer = None if cfg.debug.rollout_only else start_trainer(cfg.trainer.backend, TrainerStart(
+        trainer_args, trainer_kwargs, cfg.trainer.num_ranks,
+        spawn=lambda cls: spawn(cls, use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)))
     if len(fleet) > 1 and trainer is not None:  # an engine the fleet restarts when no sync went through it
         engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
     critic = None
@@ -200,17 +199,6 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
         critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
                        cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
     return engine, trainer, critic
-
-
-def trainer_class(backend: str) -> type:
-    """The one-process trainer of `trainer.backend` (torch or megatron; fsdp runs FSDPGroup)."""
-    if backend == "megatron":
-        from miles.trainer.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer
-    from miles.trainer.torch_trainer import TorchTrainer
-
-    return TorchTrainer
 
 
 def component_threads(cfg: RunCfg) -> int | None:
@@ -222,22 +210,6 @@ def component_threads(cfg: RunCfg) -> int | None:
     if threads and cfg.rollout.asynchronous and cfg.ray.enabled and cfg.hardware.device == "cpu":
         return max(1, min(threads, (os.cpu_count() or 1) // 2))
     return threads
-
-
-def engine_backend(r) -> tuple[type, dict]:
-    """The rollout engine class of `rollout.engine` and its backend options (protocol:
-    miles/rollout/protocol.py); external engines' modules import their package lazily."""
-    if r.engine == "vllm":
-        from miles.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine, asdict(r.vllm)
-    if r.engine == "sglang":
-        from miles.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine, asdict(r.sglang)
-    from miles.rollout.native import NativeEngine
-
-    return NativeEngine, {}
 
 
 def trainer_algo(cfg: RunCfg):
