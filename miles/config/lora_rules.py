@@ -17,9 +17,9 @@ def lora_problems(cfg: RunCfg) -> list[str]:
     if lo.rank < 0:
         return [f"trainer.lora.rank must be >= 0 (got {lo.rank}; 0 turns LoRA off)"]
     if lo.rank == 0:
-        if lo.adapters or lo.adapter_key:
-            return ["trainer.lora.adapters / adapter_key name adapters to train: set trainer.lora.rank > 0 "
-                    "(e.g. trainer.lora.rank=16)"]
+        if lo.adapters or lo.adapter_key or lo.merge_in_engine:
+            return ["trainer.lora.adapters / adapter_key / merge_in_engine are about adapters to train: set "
+                    "trainer.lora.rank > 0 (e.g. trainer.lora.rank=16)"]
         return []
     problems = adapter_problems(cfg)
     if lo.alpha <= 0:
@@ -48,6 +48,22 @@ def lora_problems(cfg: RunCfg) -> list[str]:
                         "updates model weights LoRA keeps frozen: set rollout.speculative.train_online=false")
     if cfg.algo.name == "sft":
         problems.append("trainer.lora applies to RL (algo=sft trains the full model): set trainer.lora.rank=0")
+    return problems + _merge_problems(cfg)
+
+
+def _merge_problems(cfg: RunCfg) -> list[str]:
+    """trainer.lora.merge_in_engine: one adapter in the native engine's own weights."""
+    lo = cfg.trainer.lora
+    if not lo.merge_in_engine:
+        return []
+    problems = []
+    if lo.adapters:
+        problems.append(f"trainer.lora.merge_in_engine=true with trainer.lora.adapters={list(lo.adapters)}: several "
+                        "adapters share one base, which cannot hold them all merged: set trainer.lora.merge_in_engine=false")
+    if cfg.rollout.engine != "native":
+        problems.append(f"trainer.lora.merge_in_engine=true merges in the native engine's weights; "
+                        f"rollout={cfg.rollout.engine.value} applies adapters its own way: set "
+                        "trainer.lora.merge_in_engine=false or rollout=native")
     return problems
 
 

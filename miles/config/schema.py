@@ -351,6 +351,9 @@ class LoRACfg:
     # prompt routed to the one its record's `adapter_key` field names. Empty: the run's one adapter.
     adapters: List[str] = field(default_factory=list)
     adapter_key: str = ""  # the record field that names a prompt's adapter (needed with 2+ adapters)
+    # The native engine adds the adapters into its base weights at each sync (decode without adapter
+    # GEMMs) instead of applying them unmerged; one adapter, rollout=native (docs/lora.md).
+    merge_in_engine: bool = False
 
 
 @dataclass

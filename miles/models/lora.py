@@ -98,6 +98,7 @@ class LoRA(nn.Module):
         self._linears = [m for _, m in targets]  # a plain list: not submodules, the model owns them
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
+        self._base: list[torch.Tensor] | None = None  # keep_base(): the unmerged weights merge_into_base starts from
         self._route: torch.Tensor | None = None  # several adapters: each row's / token's adapter id
         gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
         # Adapter k's pair for projection i at index k * len(names) + i.
@@ -186,6 +187,11 @@ class LoRA(nn.Module):
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != the adapter's {tuple(mine[name].shape)}")
             mine[name].copy_(t)
 
+    @property
+    def merges_into_base(self) -> bool:
+        """Whether keep_base() made this the merged kind (the engine's trainer.lora.merge_in_engine)."""
+        return self._base is not None
+
     def adapter_parameters(self, adapter: int) -> list[nn.Parameter]:
         return list(self.tensors(adapter).values())
 
@@ -197,6 +203,28 @@ class LoRA(nn.Module):
         """alpha / rank * B @ A of projection i (one adapter), [out, in], in fp32."""
         a, b = self._pair(0, i)
         return (b.float() @ a.float()) * self.scaling
+
+    def keep_base(self) -> None:
+        """Copy the adapted projections' weights as they are now (the base model's), for
+        merge_into_base; on the host where they are on CUDA (pinned), so the engine's device memory
+        is not doubled, and outside the weights an engine releases and resumes."""
+        if self.num_adapters > 1:
+            raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
+        self._base = [_host_copy(linear.weight.detach()) for linear in self._linears]
+        self.enabled = False  # the merged weights carry the adapters from here on (zero ones until the first merge)
+
+    @torch.no_grad()
+    def merge_into_base(self) -> None:
+        """Write base + alpha / rank * B @ A (fp32 sum, rounded once to the weight's dtype) into each
+        adapted projection's weight in place: the same storage, so a flat weight buffer's views and
+        captured CUDA graphs stay valid. Each merge starts from keep_base()'s copy, so no rounding
+        accumulates over syncs."""
+        if self._base is None:
+            raise RuntimeError("merge_into_base needs keep_base() first (while the weights are the base model's)")
+        for i, linear in enumerate(self._linears):
+            w = linear.weight
+            base = self._base[i].to(w.device, non_blocking=True).float()
+            w.copy_((base + self.delta(i).to(w.device)).to(w.dtype))
 
     @contextlib.contextmanager
     def merged(self):
@@ -217,3 +245,10 @@ class LoRA(nn.Module):
             self.enabled = True
             for linear, w in zip(self._linears, originals):
                 linear.weight.data = w
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory (pinned where `t` is on CUDA, for fast copies back)."""
+    if t.is_cuda:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.clone()

@@ -7,6 +7,12 @@ else: the base weights, their flat buffer and any captured CUDA graph stay as th
 sync hashes the adapters the engine then holds (the base is the checkpoint both sides loaded).
 Several adapters (trainer.lora.adapters) are all held and synced; each generate routes its prompts'
 rows to theirs (NativeEngine.generate's `adapters`).
+
+Merged (trainer.lora.merge_in_engine=true, one adapter): each sync writes base + alpha / rank * B @ A
+into the adapted projections' weights in place, from a host copy of the base taken at build, and
+decode runs the base model's kernels alone (no adapter GEMMs). The price: one rounding of the sum to
+the engine's dtype, which the trainer's unmerged forward does not have (mismatch), a host copy of
+the adapted weights, and a host-to-device copy of them per sync (benchmarks/lora_speed.py).
 """
 
 from __future__ import annotations
@@ -20,14 +26,23 @@ from miles.transport.checksum import WeightSyncError, checksum
 
 def engine_adapters(model: torch.nn.Module, cfg: LoRACfg, dtype: torch.dtype) -> LoRA:
     """Adapters of the trainer's shape in the engine's dtype, all zero until the first sync (the
-    base model's outputs, as the trainer's fresh adapters give); no dropout at inference."""
-    return LoRA(model, cfg.rank, cfg.alpha, 0.0, cfg.target_modules, dtype=dtype, zero=True,
+    base model's outputs, as the trainer's fresh adapters give); no dropout at inference. Merged
+    (trainer.lora.merge_in_engine): the base weights are copied now, while they are the
+    checkpoint's, and the adapters' forward hooks are off from the start (CUDA graphs captured later
+    never contain them)."""
+    lora = LoRA(model, cfg.rank, cfg.alpha, 0.0, cfg.target_modules, dtype=dtype, zero=True,
                 adapters=cfg.adapters).eval()
+    if cfg.merge_in_engine:
+        lora.keep_base()
+    return lora
 
 
 def load_synced(lora: LoRA, weights: dict[str, torch.Tensor], expected_checksum: str | None) -> str:
-    """Copy the trainer's adapters in; with a checksum, verify the ones now held."""
+    """Copy the trainer's adapters in (merged: and into the base weights); with a checksum, verify
+    the adapters now held."""
     lora.load(weights)
+    if lora.merges_into_base:
+        lora.merge_into_base()
     if expected_checksum is None:
         return ""
     held = checksum(lora.tensors())

@@ -527,7 +527,8 @@ class NativeEngine:
         per-slot state and the captured CUDA graphs (the padded path holds no cache between calls);
         "weights": the weights leave the device, to a host copy (pinned on CUDA) or, with
         `keep_weights=False`, nowhere (zeros after resume until the next update_weights). Then the
-        allocator's cached blocks go back to the driver. A tag already released is skipped."""
+        allocator's cached blocks go back to the driver. A tag already released is skipped. With LoRA
+        the weights are always kept: a sync brings the adapters only, never the frozen base."""
         tags = check_tags(tags, ENGINE_TAGS, "release_memory")
         if KV_CACHE in tags and KV_CACHE not in self.released:
             if self.slots is not None:
@@ -540,7 +541,7 @@ class NativeEngine:
                 self.slots.drop_graphs()  # captured at the weights' addresses
             if isinstance(self.spec, SlotSpeculativeDecoder):
                 self.spec.release()
-            self.weights_memory.release(keep=keep_weights)
+            self.weights_memory.release(keep=keep_weights or self.lora is not None)
             self.released.add(WEIGHTS)
         free_device_memory(self.device)
 
