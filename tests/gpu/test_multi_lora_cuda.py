@@ -91,3 +91,20 @@ def test_a_mixed_step_on_cuda_is_each_adapter_alone(checkpoint, adapters):
         got = {key: v.detach() for key, v in two.lora.tensors(k).items()}
         diff = max(float((got[key] - v.detach()).abs().max()) for key, v in alone.lora.tensors().items())
         assert diff <= 1e-5, (name, diff)
+
+
+def test_merged_adapter_decodes_as_unmerged_from_captured_graphs(checkpoint, adapters):
+    """trainer.lora.merge_in_engine on CUDA: the merge writes into the weights the captured graphs
+    read (in place), so after a second sync the same graphs decode the new adapter; fp32 engines, so
+    the merged and unmerged engines' greedy tokens agree (bf16 would round W + BA once more)."""
+    one = {k.partition("/")[2]: v for k, v in adapters.items() if k.startswith("add/")}
+    other = {k.partition("/")[2]: v for k, v in adapters.items() if k.startswith("mul/")}
+    merged = NativeEngine(checkpoint, ROLLOUT, device="cuda", lora=replace(ONE, merge_in_engine=True))
+    labels = ["0"] * len(PROMPTS)
+    for weights in (one, other):
+        unmerged = NativeEngine(checkpoint, ROLLOUT, device="cuda", lora=ONE)
+        unmerged.update_weights(weights)
+        merged.update_weights(weights)
+        assert merged.slots is not None and merged.slots.captured
+        got = [s.response_ids for s in merged.generate(PROMPTS, labels, n=1)]
+        assert got == [s.response_ids for s in unmerged.generate(PROMPTS, labels, n=1)]
