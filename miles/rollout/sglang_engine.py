@@ -39,9 +39,12 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   (/get_weights_by_name, a read-back by name, answers HTTP 400 in 0.5.23 for every Miles family: only
   llama, granite, exaone4 and opt implement it.)
 - LoRA (`lora` with rank > 0, trainer.lora): SGLang's adapter API (miles/rollout/sglang_lora.py): the
-  launched server gets --enable-lora --max-lora-rank --lora-target-modules; a sync writes the adapters
-  as a PEFT directory, POST /load_lora_adapter under a new name, /unload_lora_adapter of the previous
-  one; every /generate row names the current adapter in `lora_path`. The base weights never move.
+  launched server gets --enable-lora --max-lora-rank --lora-target-modules; a sync writes each adapter
+  as a PEFT directory, POST /load_lora_adapter under a new name, /unload_lora_adapter of its previous
+  version; every /generate row names its adapter in `lora_path` (a list aligned with the rows). Several
+  adapters (trainer.lora.adapters): `generate(..., adapters=[one id per prompt])`, as the native engine
+  takes them, routes each prompt's n rows to its adapter, every adapter in one batch. The base weights
+  never move.
 - Distributed route (request side, for miles/transport/broadcast.py's bucket stream):
   `init_weights_update_group` + `update_weights_from_distributed` / `update_weights_from_bucket`.
 - release_memory / resume_memory: /release_memory_occupation and /resume_memory_occupation with tags
@@ -90,6 +93,7 @@ from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
 from miles.rollout.sglang_lora import SGLangAdapters, server_lora_args, server_problems
+from miles.rollout.vllm_lora import check_adapter_ids
 from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample, moe_layers, routing_dtype
@@ -364,8 +368,9 @@ class SGLangEngine:
 
     def generate(self, prompts: list[str], labels: list[str], n: int = 1, temperature: float | None = None,
                  max_new_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
-                 seeds: list[int] | None = None) -> list[Sample]:
-        """n samples per prompt, grouped as the protocol says (one batched /generate)."""
+                 seeds: list[int] | None = None, adapters: list[int] | None = None) -> list[Sample]:
+        """n samples per prompt, grouped as the protocol says (one batched /generate). `adapters`: each
+        prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it."""
         self._check_resident("generate")
         temperature = self.cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or self.cfg.max_new_tokens
@@ -374,6 +379,11 @@ class SGLangEngine:
             return []
         if seeds is not None and len(seeds) != len(distinct):
             raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(distinct)} prompts")
+        lora_path = None
+        if self.adapters is not None:
+            lora_path = self.adapters.lora_paths(adapters, len(distinct), n)  # checks the ids
+        else:
+            check_adapter_ids([], adapters, len(distinct))
         if seeds is not None and temperature > 0 and not self.seeded:
             raise ValueError(f"generate(seeds=...): the SGLang server at {self.url} ignores sampling_seed (it runs "
                              f"without {SEED_FLAG}), so these groups would not follow their seeds. Restart it "
@@ -394,16 +404,17 @@ class SGLangEngine:
                 "return_logprob": True}
         if self.routing_layers is not None:
             body["return_routed_experts"] = True
-        if self.adapters is not None and self.adapters.name is not None:
-            body["lora_path"] = [self.adapters.name] * len(rows)
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         outputs = self._post("/generate", body)
         if not isinstance(outputs, list) or len(outputs) != len(rows):
             raise SGLangError(f"/generate answered {type(outputs).__name__} "
                               f"{len(outputs) if isinstance(outputs, list) else ''} for {len(rows)} rows")
         return [self._sample(out, prompts[i] if i < len(prompts) else "", labels[i] if i < len(labels) else "",
-                             ids, i) for out, (i, ids) in zip(outputs, rows)]
+                             ids, i, None if adapters is None else adapters[i]) for out, (i, ids) in zip(outputs, rows)]
 
-    def _sample(self, out: dict, prompt: str, label: str, ids: list[int], group: int) -> Sample:
+    def _sample(self, out: dict, prompt: str, label: str, ids: list[int], group: int,
+                adapter: int | None = None) -> Sample:
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs")
         if entries is None:
@@ -427,7 +438,7 @@ class SGLangEngine:
         return Sample(prompt=prompt, label=label, prompt_ids=list(ids), response_ids=response,
                       rollout_logprobs=logprobs, response=self.decode(response),
                       finish_reason=FinishReason.stop if kind == "stop" else FinishReason.length,
-                      group=group, routed_experts=routing)
+                      group=group, routed_experts=routing, adapter=adapter)
 
     def _routed_experts(self, meta: dict, positions: int) -> torch.Tensor:
         """meta_info.routed_experts (base64 int32 [positions, num_hidden_layers, top_k]) -> Sample's
@@ -694,7 +705,8 @@ class SGLangEngine:
         return {"engine": "sglang", "device": str(self.device), "url": self.url,
                 "resident": [t for t in ENGINE_TAGS if t not in self.released],
                 "weight_version": info.get("weight_version"), "model_path": info.get("model_path"),
-                "lora_adapter": self.adapters.name if self.adapters is not None else None,
+                "lora_adapters": [a.name for a in self.adapters.versions.current if a is not None]
+                if self.adapters is not None else None,
                 "seeded_sampling": self.seeded}
 
     def _check_not_released(self) -> None:

@@ -35,8 +35,10 @@ How the protocol maps onto vLLM:
   WeightSyncError. See `read_weights` for how packed CPU kernels are read.
 - LoRA (`lora` with rank > 0, trainer.lora): vLLM serves the trainer's adapters with its own LoRA
   support over the checkpoint's frozen base (miles/rollout/vllm_lora.py): a sync carries the adapters
-  only, as a new PEFT adapter directory and `LoRARequest` each time; every generate names it. The
-  checked sync reads the adapter back from vLLM's LoRA layers.
+  only, as a new PEFT adapter directory and `LoRARequest` per adapter each time; every generate names
+  each prompt's. Several adapters (trainer.lora.adapters): `generate(..., adapters=[one id per
+  prompt])`, as the native engine takes them, becomes vLLM's per-prompt `lora_request` list, one
+  batch for every adapter. The checked sync reads every adapter back from vLLM's LoRA layers.
 - Memory: vLLM's sleep mode (`release_memory` / `resume_memory`) needs CUDA; on the CPU both calls
   keep the protocol's bookkeeping (generate refuses between them, and after `keep_weights=False` until
   the next update_weights) but free nothing, and `health()` says so (`"frees_memory": False`). On CUDA,
@@ -73,7 +75,7 @@ from miles.models.config import from_hf_config
 from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
-from miles.rollout.vllm_lora import VLLMAdapters, llm_lora_args, lora_unsupported
+from miles.rollout.vllm_lora import VLLMAdapters, check_adapter_ids, llm_lora_args, lora_unsupported
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 
@@ -259,8 +261,10 @@ class VLLMEngine:
         max_new_tokens: int | None = None,
         prompt_ids: list[list[int]] | None = None,
         seeds: list[int] | None = None,
+        adapters: list[int] | None = None,
     ) -> list[Sample]:
-        """n samples per prompt, grouped (samples[i*n:(i+1)*n] answer prompts[i]); the protocol's contract."""
+        """n samples per prompt, grouped (samples[i*n:(i+1)*n] answer prompts[i]); the protocol's contract.
+        `adapters`: each prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it."""
         self._check_resident("generate")
         temperature = self.cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or self.cfg.max_new_tokens
@@ -273,6 +277,11 @@ class VLLMEngine:
                              "the tokens")
         if seeds is not None and len(seeds) != len(distinct):
             raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(distinct)} prompts")
+        if self.adapters is not None:
+            lora_request = self.adapters.route(adapters, len(distinct))  # checks the ids
+        else:
+            check_adapter_ids([], adapters, len(distinct))
+            lora_request = None
         greedy = temperature == 0
         per_request = 1 if greedy else n  # vLLM: greedy requests have n=1; n greedy samples are one, n times
 
@@ -285,7 +294,7 @@ class VLLMEngine:
         sampling = [params(request_seed(s)) for s in seeds] if seeds is not None else params(None)
         with self._serving():
             outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in distinct], sampling, use_tqdm=False,
-                                        lora_request=self.adapters.request if self.adapters is not None else None)
+                                        lora_request=lora_request)
         samples = []
         for i, output in enumerate(outputs):
             completions = sorted(output.outputs, key=lambda c: c.index)
@@ -300,7 +309,8 @@ class VLLMEngine:
                 samples.append(Sample(
                     prompt=prompts[i], label=labels[i], prompt_ids=list(distinct[i]), response_ids=response,
                     rollout_logprobs=logprobs, response=self.decode(response),
-                    finish_reason=FinishReason.stop if stopped else FinishReason.length, group=i))
+                    finish_reason=FinishReason.stop if stopped else FinishReason.length, group=i,
+                    adapter=None if adapters is None else adapters[i]))
         return samples
 
     # ----------------------------------------------------------------------------- weights
@@ -412,7 +422,8 @@ class VLLMEngine:
         return {"engine": self.name, "vllm_version": self.vllm_version, "device": str(self.device),
                 "dtype": self.dtype.value, "max_model_len": self.max_model_len,
                 "prefix_caching": self.prefix_caching,
-                "lora_adapter": self.adapters.request.lora_name if self.adapters and self.adapters.request else None,
+                "lora_adapters": [a.name for a in self.adapters.versions.current if a is not None]
+                if self.adapters is not None else None,
                 "resident": [t for t in ENGINE_TAGS if t not in self.released],
                 "frees_memory": self.sleep_mode,
                 "memory_note": "LLM.sleep / wake_up" if self.sleep_mode else

@@ -1,18 +1,24 @@
 """The vLLM engine's side of LoRA (trainer.lora.rank > 0; docs/lora.md): the trainer's adapters served
 through vLLM's own LoRA support, the base weights never touched.
 
-    llm = vllm.LLM(..., **llm_lora_args(cfg.lora))        # enable_lora, max_lora_rank, max_loras=1
-    adapters = VLLMAdapters(llm, cfg.lora, arch)
-    adapters.load(synced, expected_checksum)               # a new adapter version; the previous one dropped
-    llm.generate(..., lora_request=adapters.request)       # None before the first sync: the base model
+    llm = vllm.LLM(..., **llm_lora_args(cfg.lora))        # enable_lora, max_lora_rank, max_loras = N adapters
+    adapters = VLLMAdapters(llm, cfg.lora, arch, dtype)
+    adapters.load(synced, expected_checksum)               # a new version of every adapter; the previous dropped
+    llm.generate(..., lora_request=adapters.route(ids))    # each prompt's adapter (None before the first sync)
 
-Each sync writes a PEFT adapter directory (miles/rollout/adapter_files.py) and hands vLLM a new
-`LoRARequest(name, int_id, path)` through `LLMEngine.add_lora`, which loads it at once (vLLM's
-worker: `LRUCacheWorkerLoRAManager.add_adapter` loads and activates it in a slot), then removes the
-previous id. A new id and path per version, not `load_inplace` on one id: vLLM keys its prefix
-cache by the adapter's name and path, so KV computed under the last version is never reused.
+Each sync writes one PEFT adapter directory per adapter (miles/rollout/adapter_files.py) and hands
+vLLM a new `LoRARequest(name, int_id, path)` for each through `LLMEngine.add_lora`, which loads it at
+once (vLLM's worker: `LRUCacheWorkerLoRAManager.add_adapter` loads and activates it in a slot), then
+removes that adapter's previous id. A new id and path per version, not `load_inplace` on one id:
+vLLM keys its prefix cache by the adapter's name and path, so KV computed under the last version is
+never reused.
 
-The checked sync reads back what vLLM computes with: the slot of the adapter in each LoRA layer
+Several adapters (trainer.lora.adapters, the payload's "<adapter>/<module>..." tensors): vLLM holds
+one slot per adapter (`max_loras` = N), `generate` passes one request per prompt (vLLM's
+`lora_request` list, aligned with the prompts; a prompt's n samples share its request), and vLLM's
+punica kernels apply each row's adapter in one batch.
+
+The checked sync reads back what vLLM computes with: the slot of every adapter in each LoRA layer
 (`lora_a_stacked` [slots, 1, max_rank, in] / `lora_b_stacked` [slots, 1, out, max_rank], split back
 from fused qkv / gate_up layers by the manager's `packed_modules`), against the sent tensors put the
 way vLLM loads them: in its LoRA dtype, B scaled by alpha / rank (`LoRALayerWeights.optimize`), the
@@ -24,10 +30,13 @@ adapters target the same way; tests/vllm/test_vllm_lora.py measures qwen3 agains
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from miles.config.schema import EngineName, LoRACfg, RunCfg
-from miles.rollout.adapter_files import Adapter, AdapterDirs, adapter_shapes, check_payload
+from miles.models.lora import ADAPTER_SEPARATOR
+from miles.rollout.adapter_files import NAME_PREFIX, Adapter, AdapterDirs, adapter_shapes, check_payload
 from miles.transport.checksum import WeightSyncError
 
 # vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks).
@@ -62,17 +71,94 @@ def vllm_lora_problems(cfg: RunCfg) -> list[str]:
     with the config's rules; the engine checks the same when it is built)."""
     if cfg.trainer.lora.rank <= 0 or cfg.rollout.engine != EngineName.vllm:
         return []
-    problems = lora_unsupported(cfg.trainer.lora, cfg.model.family, cfg.rollout.num_gpus_per_engine or 1)
-    if cfg.trainer.lora.adapters:
-        problems.append(f"trainer.lora.adapters={list(cfg.trainer.lora.adapters)} with rollout=vllm: this engine "
-                        "serves the run's one adapter (one LoRARequest per sync), not several routed per prompt "
-                        "yet: use rollout=native or trainer.lora.adapters=[]")
-    return problems
+    return lora_unsupported(cfg.trainer.lora, cfg.model.family, cfg.rollout.num_gpus_per_engine or 1)
 
 
 def llm_lora_args(cfg: LoRACfg) -> dict:
-    """vllm.LLM arguments for one adapter at a time (the run's current version)."""
-    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(cfg.rank), "max_loras": 1}
+    """vllm.LLM arguments: a GPU slot per adapter, and room in vLLM's adapter cache for one more
+    version than that (a sync loads an adapter's new version before it removes the previous one;
+    without the room vLLM's LRU would evict a version on its own)."""
+    slots = len(cfg.adapters) or 1
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(cfg.rank), "max_loras": slots,
+            "max_cpu_loras": slots + 1}
+
+
+def check_adapter_ids(names: list[str], ids: list[int] | None, prompts: int) -> None:
+    """generate's `adapters` (NativeEngine's rule): an engine of named adapters (trainer.lora.adapters)
+    needs one id per prompt, an engine without takes none."""
+    if not names:
+        if ids is not None:
+            raise ValueError("generate: adapters given to an engine without named LoRA adapters "
+                             "(trainer.lora.adapters)")
+        return
+    if ids is None or len(ids) != prompts:
+        got = "none" if ids is None else len(ids)
+        raise ValueError(f"generate: one LoRA adapter id per prompt (trainer.lora.adapters={names}), got {got} "
+                         f"for {prompts} prompts")
+    if bad := sorted({a for a in ids if not 0 <= a < len(names)}):
+        raise ValueError(f"generate: adapter ids {bad} out of range for {len(names)} adapters")
+
+
+class AdapterVersions:
+    """The adapter versions an external engine serves, one per adapter of the run (trainer.lora.adapters'
+    order; the run's one adapter without names): each sync writes every adapter as a PEFT directory
+    of its own, under a name and number no earlier version had. Shared by vLLM and SGLang."""
+
+    def __init__(self, cfg: LoRACfg, arch, root: str | None = None):
+        self.names = list(cfg.adapters)
+        # Each adapter's tensors in the sync's payload: "<adapter>/<module>..." (LoRA.tensors()); unnamed: as is.
+        self.prefixes = [f"{name}{ADAPTER_SEPARATOR}" for name in self.names] or [""]
+        one = adapter_shapes(cfg, arch)
+        self.shapes = {prefix + k: shape for prefix in self.prefixes for k, shape in one.items()}
+        self.dirs = AdapterDirs(cfg, arch, root)
+        self.current: list[Adapter | None] = [None] * len(self.prefixes)  # None: not synced yet (the base model)
+
+    def split(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The payload as one dict per adapter, under the module names its PEFT file maps."""
+        return [{k[len(p):]: t for k, t in tensors.items() if k.startswith(p)} for p in self.prefixes]
+
+    def write(self, tensors: dict[str, torch.Tensor], expected_checksum: str | None) -> list[Adapter]:
+        """Check the payload (miles/rollout/adapter_files.py) and write each adapter's new version."""
+        check_payload(tensors, self.shapes, expected_checksum)
+        written = []
+        try:
+            for k, part in enumerate(self.split(tensors)):
+                adapter = self.dirs.write(part)
+                if self.names:  # the engine's logs and errors say which adapter a version is
+                    adapter = replace(adapter, name=f"{NAME_PREFIX}{self.names[k]}-{adapter.number}")
+                written.append(adapter)
+        except BaseException:
+            self.retire(written)
+            raise
+        return written
+
+    def swap(self, new: list[Adapter], load, unload) -> None:
+        """Serve `new`, adapter by adapter: load(version), then unload(previous) and its
+        directory removed, so no adapter is ever without a version and the engine holds at most one
+        version more than it serves. A failed load raises with `current` saying what is served
+        (the adapters before it swapped) and the versions not loaded removed."""
+        for k, adapter in enumerate(new):
+            try:
+                load(adapter)
+            except BaseException:
+                self.retire(new[k:])
+                raise
+            previous, self.current[k] = self.current[k], adapter
+            if previous is not None:
+                unload(previous)
+                self.dirs.retire(previous)
+
+    def served(self, ids: list[int] | None, prompts: int) -> list[Adapter | None]:
+        """Each prompt's current version (ids: its adapter, check_adapter_ids; None: the run's one)."""
+        check_adapter_ids(self.names, ids, prompts)
+        return [self.current[k] for k in ids] if self.names else [self.current[0]] * prompts
+
+    def retire(self, adapters: list[Adapter]) -> None:
+        for adapter in adapters:
+            self.dirs.retire(adapter)
+
+    def close(self) -> None:
+        self.dirs.close()
 
 
 class VLLMAdapters:
@@ -82,32 +168,47 @@ class VLLMAdapters:
         self._LoRARequest = LoRARequest
         self.llm, self.cfg, self.dtype = llm, cfg, dtype
         self.scaling = cfg.alpha / cfg.rank  # vLLM's PEFTHelper: lora_alpha / r (no rsLoRA)
-        self.shapes = adapter_shapes(cfg, arch)
-        self.dirs = AdapterDirs(cfg, arch)
-        self.current: Adapter | None = None
-        self.request = None  # the LoRARequest of every generate; None: the base model (B = 0 before the first sync)
+        self.versions = AdapterVersions(cfg, arch)
+        self.shapes = self.versions.shapes
+
+    def request(self, adapter: Adapter | None):
+        """vLLM's request for this version (None: the base model, B = 0 before the first sync)."""
+        return None if adapter is None else self._LoRARequest(adapter.name, adapter.number, str(adapter.path))
+
+    def route(self, ids: list[int] | None, prompts: int):
+        """generate's lora_request: one request per prompt (its adapter's current version)."""
+        return [self.request(a) for a in self.versions.served(ids, prompts)]
 
     def load(self, tensors: dict[str, torch.Tensor], expected_checksum: str | None) -> str:
         """Serve these adapters from now on; with a checksum, verify the payload, then what vLLM holds."""
-        check_payload(tensors, self.shapes, expected_checksum)
-        adapter = self.dirs.write(tensors)
-        request = self._LoRARequest(adapter.name, adapter.number, str(adapter.path))
-        try:
-            self.llm.llm_engine.add_lora(request)
-        except BaseException:
-            self.dirs.retire(adapter)
-            raise
-        previous, self.current, self.request = self.current, adapter, request
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.number)
-            self.dirs.retire(previous)
+        new = self.versions.write(tensors, expected_checksum)
+        engine = self.llm.llm_engine
+        self.versions.swap(new, lambda a: engine.add_lora(self.request(a)),
+                           lambda previous: engine.remove_lora(previous.number))
         if expected_checksum is None:
             return ""
-        self.check_held(tensors, adapter)
-        return expected_checksum  # the payload's, and vLLM's slot equal to it tensor by tensor
+        self.check_held(tensors)
+        return expected_checksum  # the payload's, and vLLM's slots equal to it tensor by tensor
 
-    def check_held(self, tensors: dict[str, torch.Tensor], adapter: Adapter) -> None:
-        held = self.llm.collective_rpc(read_lora_slot, args=(adapter.number,))[0]
+    def check_held(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every adapter's slot in vLLM's LoRA layers against its part of the synced payload."""
+        current = self.versions.current
+        held = self.llm.collective_rpc(read_lora_slots, args=([a.number for a in current],))[0]
+        wrong = []
+        for adapter, part, slot in zip(current, self.versions.split(tensors), held):
+            differ, missing = self.compare(part, adapter, slot)
+            if missing or differ:
+                wrong.append(f"{adapter.name}: {len(differ)} tensors differ (e.g. {differ[:3]}), {len(missing)} not "
+                             f"found in its LoRA layers (e.g. {missing[:3]})")
+        if wrong:
+            raise WeightSyncError(f"vLLM's LoRA slots differ from the synced adapters: {'; '.join(wrong)}; set "
+                                  "rollout.check_weight_sync=false to serve unchecked")
+
+    def compare(self, tensors: dict[str, torch.Tensor], adapter: Adapter, held: dict[str, torch.Tensor] | None
+                ) -> tuple[list[str], list[str]]:
+        """(names that differ, names not found) of one adapter's tensors against its slot (None: in no slot)."""
+        if held is None:
+            return [], sorted(tensors)
         differ, missing = [], []
         for name, sent in tensors.items():
             module, _, leaf = adapter.keys[name].removeprefix("base_model.model.").partition(".lora_")
@@ -124,21 +225,23 @@ class VLLMAdapters:
                 got = got[: self.cfg.rank]
             if not torch.equal(got, want):
                 differ.append(name)
-        if missing or differ:
-            raise WeightSyncError(f"vLLM's LoRA slot differs from the synced adapters: {len(differ)} tensors differ "
-                                  f"(e.g. {differ[:3]}), {len(missing)} not found in its LoRA layers "
-                                  f"(e.g. {missing[:3]}); set rollout.check_weight_sync=false to serve unchecked")
+        return differ, missing
 
     def close(self) -> None:
-        self.dirs.close()
+        self.versions.close()
 
 
 @torch.no_grad()
-def read_lora_slot(worker, lora_id: int) -> dict[str, torch.Tensor]:
-    """In vLLM's worker (collective_rpc): the A [max_rank, in] and B [out, max_rank] that adapter
-    `lora_id` occupies in each linear LoRA layer, under the HF sub-module names (qkv_proj -> q, k, v)."""
+def read_lora_slots(worker, lora_ids: list[int]) -> list[dict[str, torch.Tensor] | None]:
+    """In vLLM's worker (collective_rpc): for each adapter id, the A [max_rank, in] and B [out, max_rank]
+    it occupies in each linear LoRA layer, under the HF sub-module names (qkv_proj -> q, k, v); None
+    for an id in no slot."""
     manager = worker.model_runner.lora_manager._adapter_manager
-    slot = manager.lora_index_to_id.index(lora_id)
+    return [_read_slot(manager, manager.lora_index_to_id.index(i)) if i in manager.lora_index_to_id else None
+            for i in lora_ids]
+
+
+def _read_slot(manager, slot: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, module in manager.modules.items():
         subs = manager.packed_modules.get(name) or [name]

@@ -30,10 +30,14 @@ Behaviours taken from 0.5.23's source (a real 0.5.23 server on a CPU showed the 
   {success, error_message, loaded_adapters: {name: path}}, HTTP 400 with success false on an error
   ("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", "LoRA with name ... already
   exists. Loaded LoRAs: ..."); /unload_lora_adapter {lora_name} ("LoRA with name ... does not exist.
-  ..."); /generate's `lora_path` (one name, or one per input row, None = the base model) names loaded
-  adapters ("The following requested LoRA adapters are not loaded: ..."). The adapters run as the
-  native engine's LoRA module (miles/models/lora.py) at max_lora_rank, each adapter zero-padded to it
-  with its alpha / r folded into B: SGLang's LoRA kernels and numerics are not reproduced.
+  ..."); with --max-loaded-loras, a load past that many adapters is refused ("Cannot load LoRA adapter
+  ... Maximum number of loaded LoRA adapters is ..."); /generate's `lora_path` (one name, or one per
+  input row, None = the base model) names loaded adapters ("The following requested LoRA adapters are
+  not loaded: ..."), and each row is computed with the adapter it names (a batch naming several is
+  decoded one adapter's rows at a time: SGLang's one mixed batch is not reproduced, its results are).
+  The adapters run as the native engine's LoRA module (miles/models/lora.py) at max_lora_rank, each
+  adapter zero-padded to it with its alpha / r folded into B: SGLang's LoRA kernels and numerics are
+  not reproduced.
 
 Strict on purpose, so a test catches adapter drift: a body with an unknown field, a missing required
 field or a wrongly typed value gets HTTP 400; a documented field the stand-in does not reproduce is
@@ -715,6 +719,11 @@ class StandInServer:
             return self._lora_reply("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         if name in self.adapters:
             return self._lora_reply(f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}")
+        limit = self.args.get("max_loaded_loras")
+        if limit is not None and len(self.adapters) >= limit:
+            return self._lora_reply(f"Cannot load LoRA adapter {name} at path {path}. Maximum number of loaded "
+                                    f"LoRA adapters is {limit}. Please unload some LoRA adapters before loading "
+                                    "new ones.")
         try:
             tensors = self._read_adapter(path)
         except (OSError, ValueError, KeyError) as error:  # the stand-in's wording: SGLang's loader raises its own
@@ -865,6 +874,8 @@ def main(argv=None) -> None:
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--max-lora-rank", type=int)
     parser.add_argument("--lora-target-modules", nargs="*")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--max-loaded-loras", type=int)
     for flag in ("--skip-tokenizer-init", "--skip-server-warmup", "--enable-return-routed-experts",
                  "--enable-memory-saver", "--enable-weights-cpu-backup", "--enable-deterministic-inference",
                  "--enable-lora"):
@@ -879,7 +890,8 @@ def main(argv=None) -> None:
                            enable_deterministic_inference=args.enable_deterministic_inference,
                            max_running_requests=args.max_running_requests, device=args.device,
                            enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
-                           lora_target_modules=args.lora_target_modules)
+                           lora_target_modules=args.lora_target_modules, max_loras_per_batch=args.max_loras_per_batch,
+                           max_loaded_loras=args.max_loaded_loras)
     server.httpd.serve_forever()
 
 
