@@ -41,7 +41,6 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
         (r.speculative.kind != "none", "rollout.speculative.kind must be none (no draft with images yet)"),
         (cfg.true_on_policy, "true_on_policy=true is not wired for the vision tower yet: set false"),
         (cfg.trainer.backend != "torch", f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
-        (cfg.trainer.lora.rank > 0, "trainer.lora.rank > 0 is not wired for a vision tower yet: set trainer.lora.rank=0"),
         (bool(t.tools), "task.tools (multi-turn) does not carry images yet: set task.tools=[]"),
         (a.advantage == "gae", "algo.advantage=gae: the critic does not take images yet; use e.g. algo=grpo"),
         (a.opd_kl_coef > 0, "on-policy distillation with images is not wired yet: set algo.opd_kl_coef=0"),

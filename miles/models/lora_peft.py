@@ -16,6 +16,7 @@ dependency of a run); tests/unit/models/test_lora_peft.py loads it with peft its
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,7 +36,12 @@ def hf_module_names(lora: LoRA, arch) -> dict[str, str]:
 
 def _hf_names(names, arch) -> dict[str, str]:
     family = get_family(arch.family)
-    return {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in names}
+    hf = {name: family.to_hf_name(name + ".weight").removesuffix(".weight") for name in names}
+    if arch.vision is not None:
+        # PEFT matches the modules of transformers' in-memory model, whose VLM classes hold the decoder
+        # under model.language_model., whatever the checkpoint files say (Qwen2.5-VL's keep model.layers.).
+        hf = {name: re.sub(r"^model\.(?!language_model\.)", "model.language_model.", h) for name, h in hf.items()}
+    return hf
 
 
 def save_peft(lora: LoRA, arch, path, dropout: float = 0.0, base_model: str | None = None, adapter: int = 0) -> None:

@@ -3,6 +3,7 @@
 - 2 GRPO steps of the visual task, in-process and with Ray actors: the trainer recomputes the
   engine's log-probs with the images (mismatch ~1e-7 in fp32), the first step's ppo_kl is 0, and
   the final checkpoint is a Qwen2.5-VL one with its image processor;
+- LoRA with images: the decoder's adapters train and sync, exported for PEFT;
 - image prompt files (task.kind=images): a missing image exits 2 naming the file and the line;
 - combinations not wired for images exit 2 naming the key;
 - the preset learns (learning tier): held-out accuracy +0.15 over the random init within 15 minutes.
@@ -36,6 +37,20 @@ def test_two_steps_with_images(tmp_path, ray):
     final = run_dir / "checkpoint"
     assert json.loads((final / "config.json").read_text())["model_type"] == "qwen2_5_vl"
     assert (final / "preprocessor_config.json").is_file()
+
+
+def test_lora_on_a_vlm_trains_the_decoder_adapters_with_images(tmp_path):
+    """trainer.lora with images (in-process): the engine's adapted log-probs with the images equal the
+    trainer's after each sync, and the run exports the decoder's adapter in PEFT's format under
+    transformers' module names (tests/unit/models/test_vlm_lora.py: PEFT loads it on the model)."""
+    proc = run_launch([*TINY, "ray.enabled=false", "trainer.lora.rank=8", "trainer.lr=3e-3"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    for step in (1, 2):
+        assert metrics[step]["mismatch/logprob_abs_diff"] < 1e-5, metrics[step]
+    config = json.loads((run_dir / "checkpoint" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and all(t.startswith("model.language_model.layers.") for t in config["target_modules"])
 
 
 def test_missing_image_exits_2_with_file_and_line(tmp_path):
