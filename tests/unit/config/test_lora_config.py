@@ -27,6 +27,9 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     assert _lora(validate(compose(["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[add,mul]",
                                    "trainer.lora.adapter_key=adapter", "trainer=fsdp"]))) == []
     assert validate(compose(["trainer.lora.rank=16", "trainer.lora.adapters=[only]"])) == []
+    for engine in ("vllm", "sglang"):  # several adapters in one batch on the external engines too
+        assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
+                                 "trainer.lora.adapter_key=adapter", f"rollout={engine}"])) == []
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -57,10 +60,6 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "trainer.lora.adapter_key=k"], "trainer.lora.adapters, which is empty"),
     (["trainer.lora.rank=8", "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k"],
      "task.kind=arithmetic has no record fields: use a prompt file"),
-    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "rollout=vllm"],
-     "with rollout=vllm: this engine serves the run's one adapter"),
-    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "rollout=sglang"],
-     "with rollout=sglang: this engine serves the run's one adapter"),
     (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k",
       "rollout.speculative.kind=mtp"], "set rollout.speculative.kind=none"),
     (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "algo=ppo"],
