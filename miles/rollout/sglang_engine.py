@@ -93,7 +93,7 @@ from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
 from miles.rollout.sglang_lora import SGLangAdapters, server_lora_args, server_problems
-from miles.rollout.vllm_lora import check_adapter_ids
+from miles.rollout.adapter_files import check_adapter_ids
 from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample, moe_layers, routing_dtype

@@ -39,8 +39,8 @@ from safetensors.torch import load_file
 
 from miles.config.schema import EngineName, LoRACfg, RunCfg
 from miles.models.lora_peft import WEIGHTS_FILE
-from miles.rollout.adapter_files import Adapter, target_leaves
-from miles.rollout.vllm_lora import VLLM_LORA_FAMILIES, AdapterVersions
+from miles.rollout.adapter_files import Adapter, AdapterVersions, target_leaves
+from miles.rollout.vllm_lora import VLLM_LORA_FAMILIES
 from miles.transport.checksum import WeightSyncError, checksum
 
 
@@ -120,7 +120,16 @@ class SGLangAdapters:
 
         def load_one(adapter: Adapter) -> None:
             body = {"lora_name": adapter.name, "lora_path": str(adapter.path)}
-            answers.append((adapter, self.post_ok("/load_lora_adapter", body)))
+            try:
+                answer = self.post_ok("/load_lora_adapter", body)
+            except RuntimeError as e:  # SGLangError
+                if "already exists" not in str(e):
+                    raise
+                # Left on the server by an earlier engine of the run (a restarted engine numbers its
+                # versions from 1 again): ours to replace (docs/lora.md: one run per server).
+                self.post_ok("/unload_lora_adapter", {"lora_name": adapter.name})
+                answer = self.post_ok("/load_lora_adapter", body)
+            answers.append((adapter, answer))
 
         self.versions.swap(new, load_one,
                            lambda previous: self.post_ok("/unload_lora_adapter", {"lora_name": previous.name}))

@@ -75,7 +75,8 @@ from miles.models.config import from_hf_config
 from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
-from miles.rollout.vllm_lora import VLLMAdapters, check_adapter_ids, llm_lora_args, lora_unsupported
+from miles.rollout.adapter_files import check_adapter_ids
+from miles.rollout.vllm_lora import VLLMAdapters, llm_lora_args, lora_unsupported
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 

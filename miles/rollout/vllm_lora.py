@@ -30,13 +30,10 @@ adapters target the same way; tests/vllm/test_vllm_lora.py measures qwen3 agains
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from miles.config.schema import EngineName, LoRACfg, RunCfg
-from miles.models.lora import ADAPTER_SEPARATOR
-from miles.rollout.adapter_files import NAME_PREFIX, Adapter, AdapterDirs, adapter_shapes, check_payload
+from miles.rollout.adapter_files import Adapter, AdapterVersions
 from miles.transport.checksum import WeightSyncError
 
 # vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks).
@@ -81,84 +78,6 @@ def llm_lora_args(cfg: LoRACfg) -> dict:
     slots = len(cfg.adapters) or 1
     return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(cfg.rank), "max_loras": slots,
             "max_cpu_loras": slots + 1}
-
-
-def check_adapter_ids(names: list[str], ids: list[int] | None, prompts: int) -> None:
-    """generate's `adapters` (NativeEngine's rule): an engine of named adapters (trainer.lora.adapters)
-    needs one id per prompt, an engine without takes none."""
-    if not names:
-        if ids is not None:
-            raise ValueError("generate: adapters given to an engine without named LoRA adapters "
-                             "(trainer.lora.adapters)")
-        return
-    if ids is None or len(ids) != prompts:
-        got = "none" if ids is None else len(ids)
-        raise ValueError(f"generate: one LoRA adapter id per prompt (trainer.lora.adapters={names}), got {got} "
-                         f"for {prompts} prompts")
-    if bad := sorted({a for a in ids if not 0 <= a < len(names)}):
-        raise ValueError(f"generate: adapter ids {bad} out of range for {len(names)} adapters")
-
-
-class AdapterVersions:
-    """The adapter versions an external engine serves, one per adapter of the run (trainer.lora.adapters'
-    order; the run's one adapter without names): each sync writes every adapter as a PEFT directory
-    of its own, under a name and number no earlier version had. Shared by vLLM and SGLang."""
-
-    def __init__(self, cfg: LoRACfg, arch, root: str | None = None):
-        self.names = list(cfg.adapters)
-        # Each adapter's tensors in the sync's payload: "<adapter>/<module>..." (LoRA.tensors()); unnamed: as is.
-        self.prefixes = [f"{name}{ADAPTER_SEPARATOR}" for name in self.names] or [""]
-        one = adapter_shapes(cfg, arch)
-        self.shapes = {prefix + k: shape for prefix in self.prefixes for k, shape in one.items()}
-        self.dirs = AdapterDirs(cfg, arch, root)
-        self.current: list[Adapter | None] = [None] * len(self.prefixes)  # None: not synced yet (the base model)
-
-    def split(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The payload as one dict per adapter, under the module names its PEFT file maps."""
-        return [{k[len(p):]: t for k, t in tensors.items() if k.startswith(p)} for p in self.prefixes]
-
-    def write(self, tensors: dict[str, torch.Tensor], expected_checksum: str | None) -> list[Adapter]:
-        """Check the payload (miles/rollout/adapter_files.py) and write each adapter's new version."""
-        check_payload(tensors, self.shapes, expected_checksum)
-        written = []
-        try:
-            for k, part in enumerate(self.split(tensors)):
-                adapter = self.dirs.write(part)
-                if self.names:  # the engine's logs and errors say which adapter a version is
-                    adapter = replace(adapter, name=f"{NAME_PREFIX}{self.names[k]}-{adapter.number}")
-                written.append(adapter)
-        except BaseException:
-            self.retire(written)
-            raise
-        return written
-
-    def swap(self, new: list[Adapter], load, unload) -> None:
-        """Serve `new`, adapter by adapter: load(version), then unload(previous) and its
-        directory removed, so no adapter is ever without a version and the engine holds at most one
-        version more than it serves. A failed load raises with `current` saying what is served
-        (the adapters before it swapped) and the versions not loaded removed."""
-        for k, adapter in enumerate(new):
-            try:
-                load(adapter)
-            except BaseException:
-                self.retire(new[k:])
-                raise
-            previous, self.current[k] = self.current[k], adapter
-            if previous is not None:
-                unload(previous)
-                self.dirs.retire(previous)
-
-    def served(self, ids: list[int] | None, prompts: int) -> list[Adapter | None]:
-        """Each prompt's current version (ids: its adapter, check_adapter_ids; None: the run's one)."""
-        check_adapter_ids(self.names, ids, prompts)
-        return [self.current[k] for k in ids] if self.names else [self.current[0]] * prompts
-
-    def retire(self, adapters: list[Adapter]) -> None:
-        for adapter in adapters:
-            self.dirs.retire(adapter)
-
-    def close(self) -> None:
-        self.dirs.close()
 
 
 class VLLMAdapters:

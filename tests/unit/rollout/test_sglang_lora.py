@@ -231,3 +231,27 @@ def test_launched_server_gets_the_lora_flags(ckpt, lora, routed):
         assert greedy(engine, **routed) == greedy(native, **routed)
     finally:
         engine.shutdown()
+
+
+def test_a_rebuilt_engine_replaces_the_versions_its_predecessor_left(ckpt, serve):
+    """The supervisor rebuilds a failed engine against the same running server: the new engine numbers
+    its versions from 1 again and meets a name the old one left loaded ("already exists"); it unloads
+    that leftover and loads its own, and serves it (stand-in, SGLang mocked)."""
+    server = serve(ckpt, **SERVER_LORA)
+    native = NativeEngine(ckpt, CFG, DType.fp32, seed=0, lora=LORA)
+    old = SGLangEngine(ckpt, CFG, url=server.url, lora=LORA)
+    for seed in (1, 2):
+        synced = random_adapters(native, seed)
+        old.update_weights(synced, checksum(synced))
+    old.shutdown()
+    assert list(server.adapters) == ["miles-lora-2"]  # left on the server by the old engine
+
+    new = SGLangEngine(ckpt, CFG, url=server.url, lora=LORA)
+    for seed in (3, 4):  # versions 1 and 2 again
+        synced = random_adapters(native, seed)
+        assert new.update_weights(synced, checksum(synced)) == checksum(synced)
+    native.update_weights(synced)
+    assert list(server.adapters) == ["miles-lora-2"]
+    assert server.adapters["miles-lora-2"][0] == str(new.adapters.versions.current[0].path)  # (path, tensors)
+    assert greedy(new) == greedy(native)
+    new.shutdown()
