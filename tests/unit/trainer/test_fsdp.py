@@ -49,7 +49,7 @@ def batch(ckpt):
 
 @pytest.fixture(scope="module")
 def local_ray(ray_connection):
-    """The module's Ray (tests/conftest.py), joined for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`)."""
     yield
 
 

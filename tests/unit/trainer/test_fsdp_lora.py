@@ -22,7 +22,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def local_ray(ray_connection):
-    """The module's Ray (tests/conftest.py), joined for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`)."""
     yield
 
 

@@ -125,8 +125,8 @@ def test_the_group_leaves_an_existing_default_group_alone(ckpt, tmp_path):
 # ----------------------------------------------------------------------------- Ray actors
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The module's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
-    for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`, 4 CPUs: one each for the trainer and
+    two engines)."""
     yield
 
 

@@ -22,7 +22,7 @@ PROMPTS, LABELS = ["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"]
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The module's Ray (tests/conftest.py), joined for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`)."""
     yield
 
 

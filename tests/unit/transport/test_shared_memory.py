@@ -155,8 +155,8 @@ def test_engines_off_the_trainers_node_or_gpu_are_refused_with_the_key_to_change
 # ----------------------------------------------------------------------------- Ray actors
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The module's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
-    for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`, 4 CPUs: one each for the trainer and
+    two engines)."""
     yield
 
 

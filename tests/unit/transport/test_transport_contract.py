@@ -45,8 +45,8 @@ def local_contract(name, ckpt) -> Contract:
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_connection):
-    """The module's Ray (tests/conftest.py, 4 CPUs: one each for the trainer and two engines), joined
-    for this module."""
+    """The module's local Ray (tests/conftest.py `ray_connection`, 4 CPUs: one each for the trainer and
+    two engines)."""
     yield
 
 
