@@ -1,14 +1,17 @@
-"""Image prompts: records whose prompt is a messages list with image parts, from .jsonl or .parquet.
+"""Image (and video) prompts: records whose prompt is a messages list with image or video parts,
+from .jsonl or .parquet.
 
     {"prompt": [{"role": "user", "content": [{"type": "image", "image": "shapes/0001.png"},
+                                              {"type": "video", "video": "clips/0001", "fps": 2},
                                               {"type": "text", "text": "How many red shapes?"}]}],
      "label": "3"}
 
 An image part's "image" is a path (relative to the data file's directory), a `data:image/...;base64,`
-URI or bare base64. Every image is opened and decoded on load, so a missing or unreadable image
-fails before any rollout, with the file and the 1-based line (JSONL) or row (Parquet); no record
-is ever skipped. Pixels are prepared by the family's transformers image processor
-(`preprocess`), never by hand: its output is what the model's vision tower was trained on.
+URI or bare base64; a video part's "video" a directory of frames or a list of frame paths, with
+the frames' "fps" (miles/data/videos.py). Every image and frame is opened and decoded on load, so a
+missing or unreadable one fails before any rollout, with the file and the 1-based line (JSONL) or
+row (Parquet); no record is ever skipped. Pixels are prepared by the family's transformers image
+processor (`preprocess`), never by hand: its output is what the model's vision tower was trained on.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from PIL import Image, UnidentifiedImageError
 
 from miles.data.example import Example
 from miles.data.prompts import DataError, jsonl_records
+from miles.data.videos import Video, read_video
 
 
 @dataclass(frozen=True)
 class ImageExample:
-    messages: tuple[dict, ...]  # image parts reduced to {"type": "image"}, in order: the chat template's placeholders
-    images: tuple[Image.Image, ...]  # RGB, in the order their parts appear
+    messages: tuple[dict, ...]  # image / video parts reduced to {"type": ...}: the chat template's placeholders
+    images: tuple[Image.Image | Video, ...]  # the images (RGB) and videos, in the order their parts appear
     label: str
     where: str  # "file, line n" / "file, row n": for errors raised later (e.g. by a reward)
 
@@ -93,10 +97,13 @@ def _example(record: dict, prompt_key: str, label_key: str, base: Path, where: s
             if part.get("type") == "image":
                 images.append(_read_image(part.get("image"), base, where))
                 parts.append({"type": "image"})
+            elif part.get("type") == "video":
+                images.append(read_video(part, base, where))
+                parts.append({"type": "video"})
             elif part.get("type") == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             else:
-                raise DataError(f"{where}: message {i} has a part that is neither image nor text: {part!r}")
+                raise DataError(f"{where}: message {i} has a part that is not an image, video or text: {part!r}")
         out.append({**message, "content": parts})
     label = record[label_key]
     if not isinstance(label, (str, int)) or isinstance(label, bool):

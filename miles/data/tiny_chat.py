@@ -9,7 +9,8 @@ positions on each), every turn closed by the tokenizer's eos, tool calls written
     "arguments": {"expression": "123*456"}}</tool_call><eos><|tool|>56088<eos><|assistant|>56088<eos>
 
 A turn whose content is a list of parts (an image prompt, miles/data/images.py) writes its text
-parts as they are and each image part as Qwen's `<|vision_start|><|image_pad|><|vision_end|>`.
+parts as they are, each image part as Qwen's `<|vision_start|><|image_pad|><|vision_end|>` and
+each video part as `<|vision_start|><|video_pad|><|vision_end|>`.
 
 The tool schemas are not rendered into the prompt (hundreds of characters a tiny model does not
 need); a real model's template does that.
@@ -31,7 +32,8 @@ TINY_CHAT_TEMPLATE = (
     "<|{{ m.role }}|>"
     "{%- if m.content is string -%}{{ m.content }}{%- else -%}"
     "{%- for part in m.content -%}"
-    "{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>{%- else -%}{{ part.text }}{%- endif -%}"
+    "{%- if part.type == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>{%- else -%}{{ part.text }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- for call in m.tool_calls or [] -%}"
     "{%- set f = call.function if call.function is defined else call -%}"

@@ -137,7 +137,11 @@ class VisionConfig:
     video_token_id: int = 151656  # placeholder token of video patches
     vision_start_token_id: int = 151652  # token opening an image span
     vision_end_token_id: int = 151653  # token closing an image span
-    tokens_per_second: int = 2  # video temporal positions per second (kept for config.json)
+    tokens_per_second: int = 2  # Qwen2.5-VL: mRoPE temporal positions per second of video
+    # GLM-4.5V writes a video's frames with the image token between these two (ids from config.json;
+    # None: no video spans, every image token is an image's).
+    video_start_token_id: Optional[int] = None  # token opening a video span (GLM-4.5V)
+    video_end_token_id: Optional[int] = None  # token closing a video span (GLM-4.5V)
     # A learned square grid of position embeddings, resampled to each image's patch grid (Qwen3-VL:
     # bilinear, GLM-4.5V: bicubic); 0: none (Qwen2.5-VL, whose ViT has rotary positions only).
     num_position_embeddings: int = 0  # entries of the learned ViT position grid (a square number)

@@ -4,7 +4,9 @@ tower (miles.models.vision_glm4v); the model class is miles.models.vlm.VisionLM.
 
 config.json and tensor names: the layout of miles.models.families.vlm_io. The image span tokens are
 `image_start_token_id` / `image_end_token_id` (ours: vision_start / vision_end_token_id); the video
-span ids are not kept (no videos here): transformers' defaults, the released values, fill them.
+span tokens `video_start_token_id` / `video_end_token_id` are kept as they are (a video's frames are
+image tokens inside such a span: miles.models.vlm); a config without them leaves them None and
+writes none (transformers then fills in its defaults, the released values).
 `vision_config.image_size` / patch_size is the side of the learned position grid. Experts are
 one tensor per expert on disk (moe_io). The released checkpoint also holds an MTP layer
 (`model.language_model.layers.<num_layers>`) that transformers' Glm4vMoe has no module for; it is
@@ -50,7 +52,9 @@ def _from_hf(d: dict[str, Any]):
     tokens = {ours: d[theirs] for ours, theirs in (("image_token_id", "image_token_id"),
                                                    ("video_token_id", "video_token_id"),
                                                    ("vision_start_token_id", "image_start_token_id"),
-                                                   ("vision_end_token_id", "image_end_token_id")) if theirs in d}
+                                                   ("vision_end_token_id", "image_end_token_id"),
+                                                   ("video_start_token_id", "video_start_token_id"),
+                                                   ("video_end_token_id", "video_end_token_id")) if theirs in d}
     vision = VisionConfig(
         depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
         num_heads=v["num_heads"], out_hidden_size=v["out_hidden_size"], in_channels=v.get("in_channels", 3),
@@ -70,6 +74,8 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
                   temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
                   rms_norm_eps=v.norm_eps, model_type="glm4v_moe_vision",
                   rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    spans = {key: getattr(v, key) for key in ("video_start_token_id", "video_end_token_id")
+             if getattr(v, key) is not None}
     return {
         "architectures": ["Glm4vMoeForConditionalGeneration"],
         "model_type": arch.family,
@@ -79,6 +85,7 @@ def _to_hf(arch, dtype: str) -> dict[str, Any]:
         "video_token_id": v.video_token_id,
         "image_start_token_id": v.vision_start_token_id,
         "image_end_token_id": v.vision_end_token_id,
+        **spans,
         "tie_word_embeddings": arch.tie_word_embeddings,
         "dtype": dtype,
         "torch_dtype": dtype,

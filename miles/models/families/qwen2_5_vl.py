@@ -57,7 +57,7 @@ def _from_hf(d: dict[str, Any]):
         temporal_patch_size=v["temporal_patch_size"], spatial_merge_size=v["spatial_merge_size"],
         window_size=v["window_size"], fullatt_block_indexes=list(v["fullatt_block_indexes"]),
         rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        tokens_per_second=v.get("tokens_per_second", 2), **tokens)
+        tokens_per_second=v.get("tokens_per_second", 4), **tokens)  # 4: transformers' default
     return ArchConfig(**common_arch_kwargs(text), qk_norm=False, attention_bias=True, vision=vision,
                       mrope_section=list(rope["mrope_section"]))
 
