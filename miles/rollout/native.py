@@ -328,7 +328,9 @@ class NativeEngine:
             raise ValueError(f"images: one entry (or None) per prompt, got {len(images)} for {prompts} prompts")
         if not present:
             return {}
-        return {key: torch.cat([im[key] for im in present]).to(self.device) for key in ("pixel_values", "image_grid_thw")}
+        # Images' and videos' inputs (miles.models.vlm.VisionLM), each key over the prompts that have it.
+        keys = sorted({key for im in present for key in im})
+        return {key: torch.cat([im[key] for im in present if key in im]).to(self.device) for key in keys}
 
     def _check_adapters(self, adapters: list[int] | None, prompts: int) -> None:
         """An engine of named adapters needs every prompt's; one without takes none."""
@@ -393,8 +395,9 @@ class NativeEngine:
             self.lora.route(prompt_adapters[:, None])
             sample_adapters = prompt_adapters.repeat_interleave(n)
         if vision is not None:  # the tower runs here, once per distinct prompt; positions are mRoPE's
-            vision = {**vision, "mrope_position_ids": mrope_positions(tokens, vision.get("image_grid_thw"),
-                                                                      self.model.config, mask)}
+            vision = {**vision, "mrope_position_ids": mrope_positions(
+                tokens, vision.get("image_grid_thw"), self.model.config, mask, video_grid_thw=vision.get("video_grid_thw"),
+                second_per_grid_ts=vision.get("second_per_grid_ts"))}
         logits = self.model(tokens, attention_mask=mask, position_ids=positions, cache=cache,
                             routing_record=record, **(vision or {}))[:, -1]
         if vision is not None:  # text after the prompt: from its largest mRoPE position + 1, on every axis

@@ -56,18 +56,17 @@ class MicroBatch:
     selected_keys: Optional[torch.Tensor] = None  # [R, L, index_layers, index_topk] DSA keys kept (R3; padded)
     mrope_position_ids: Optional[torch.Tensor] = None  # [3, R, L] a VLM's positions (miles.models.vlm)
     image_mask: Optional[torch.Tensor] = None  # [R, L] the prompts' image placeholders (not a response's image tokens)
-    pixel_values: Optional[torch.Tensor] = None  # the laid-out prompts' images, in layout order
-    image_grid_thw: Optional[torch.Tensor] = None  # [images, 3]
+    video_mask: Optional[torch.Tensor] = None  # [R, L] the prompts' video placeholders
+    # The laid-out prompts' image and video inputs (miles.models.vlm.VisionLM's keys), in layout order.
+    vision: Optional[dict] = None
     adapter_ids: Optional[torch.Tensor] = None  # [R, 1] or [R, L] long: several LoRA adapters, each row's / token's
 
     def vision_inputs(self) -> dict:
         """The keyword inputs of a VisionLM forward ({} for a text model)."""
         if self.mrope_position_ids is None:
             return {}
-        out = {"mrope_position_ids": self.mrope_position_ids, "image_mask": self.image_mask}
-        if self.pixel_values is not None:
-            out.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
-        return out
+        return {"mrope_position_ids": self.mrope_position_ids, "image_mask": self.image_mask,
+                "video_mask": self.video_mask, **(self.vision or {})}
 
     @property
     def num_samples(self) -> int:
@@ -75,7 +74,9 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         tensors = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: to_device(v, device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+        vision = None if self.vision is None else {k: to_device(v, device) for k, v in self.vision.items()}
+        return replace(self, vision=vision,
+                       **{k: to_device(v, device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Per-loss-position values [M] -> [n, width] (0 elsewhere); differentiable."""
@@ -128,35 +129,43 @@ def plan_micro_batches(batch: TrainBatch, model: CausalLM, cfg: TrainerCfg, devi
         else:
             plan = packed_micro_batches(batch, max_tokens, max_tokens if varlen else None)
     if model.config.vision is not None:
-        image_mask = prompt_image_mask(batch, model.config)
-        mrope = batch_mrope_positions(batch, model.config, image_mask)
-        plan = [with_vision(mb, batch, mrope, image_mask) for mb in plan]
+        masks = prompt_placeholders(batch, model.config)
+        mrope = batch_mrope_positions(batch, model.config, masks)
+        plan = [with_vision(mb, batch, mrope, masks) for mb in plan]
     return [mb.to(device) for mb in plan]
 
 
-def prompt_image_mask(batch: TrainBatch, config) -> torch.Tensor:
-    """[N, T] the image placeholders of each sample's prompt (the tokens before its first loss
-    target): an image token the policy sampled in a response is text."""
+def prompt_placeholders(batch: TrainBatch, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, T] image, [N, T] video) placeholders of each sample's prompt (the tokens before its
+    first loss target): an image or video token the policy sampled in a response is text."""
+    from miles.models.vlm import placeholders
+
     mask = batch.loss_mask > 0
     prompt_len = torch.where(mask.any(-1), mask.int().argmax(-1) + 1, batch.tokens.shape[1])
     in_prompt = torch.arange(batch.tokens.shape[1]) < prompt_len[:, None]
-    return (batch.tokens == config.vision.image_token_id) & in_prompt
+    image, video = placeholders(batch.tokens, config)
+    return image & in_prompt, video & in_prompt
 
 
-def batch_mrope_positions(batch: TrainBatch, config, image_mask: torch.Tensor) -> torch.Tensor:
+def batch_mrope_positions(batch: TrainBatch, config, masks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Each sample's mRoPE positions [N, 3, T] on its own right-padded row (pads after the sample
     change no position of it), as the engine gave its prompt and response."""
     from miles.models.vlm import mrope_positions
 
-    grids = [im["image_grid_thw"] for im in batch.images if im is not None]
-    return mrope_positions(batch.tokens, torch.cat(grids) if grids else None, config,
-                           image_mask=image_mask).transpose(0, 1)
+    def joined(key):
+        parts = [im[key] for im in batch.images if im is not None and key in im]
+        return torch.cat(parts) if parts else None
+
+    return mrope_positions(batch.tokens, joined("image_grid_thw"), config, image_mask=masks[0],
+                           video_grid_thw=joined("video_grid_thw"), second_per_grid_ts=joined("second_per_grid_ts"),
+                           video_mask=masks[1]).transpose(0, 1)
 
 
-def with_vision(mb: MicroBatch, batch: TrainBatch, mrope: torch.Tensor, image_mask: torch.Tensor) -> MicroBatch:
-    """`mb` with its mRoPE positions and image placeholders (each input token's, gathered from
-    `mrope` [N, 3, T] and `image_mask` [N, T] as the tokens were) and the images of the prompts it
-    lays out, in the order their tokens appear."""
+def with_vision(mb: MicroBatch, batch: TrainBatch, mrope: torch.Tensor,
+                masks: tuple[torch.Tensor, torch.Tensor]) -> MicroBatch:
+    """`mb` with its mRoPE positions and image / video placeholders (each input token's, gathered
+    from `mrope` [N, 3, T] and `masks` ([N, T] each) as the tokens were) and the images and videos
+    of the prompts it lays out, in the order their tokens appear."""
     r, cols = mb.input_ids.shape
     if mb.segment_ids is None:  # padded: sample mb.index[k] in row k from column 0
         flat = torch.arange(r * cols)
@@ -165,14 +174,18 @@ def with_vision(mb: MicroBatch, batch: TrainBatch, mrope: torch.Tensor, image_ma
         flat, sample, pos = mb.layout
     positions = torch.zeros(3, r * cols, dtype=torch.long)
     positions[:, flat] = mrope[sample, :, pos].T
-    placeholders = torch.zeros(r * cols, dtype=torch.bool)
-    placeholders[flat] = image_mask[sample, pos]
+    laid_out = []
+    for mask in masks:
+        placeholders = torch.zeros(r * cols, dtype=torch.bool)
+        placeholders[flat] = mask[sample, pos]
+        laid_out.append(placeholders.view(r, cols))
     starts = pos == 0  # where a sample's prompt is laid out
     owners = sample[starts][flat[starts].argsort()].tolist()
-    images = [batch.images[i] for i in owners if batch.images and batch.images[i] is not None]
-    return replace(mb, mrope_position_ids=positions.view(3, r, cols), image_mask=placeholders.view(r, cols),
-                   pixel_values=torch.cat([im["pixel_values"] for im in images]) if images else None,
-                   image_grid_thw=torch.cat([im["image_grid_thw"] for im in images]) if images else None)
+    inputs = [batch.images[i] for i in owners if batch.images and batch.images[i] is not None]
+    keys = sorted({key for im in inputs for key in im})
+    vision = {key: torch.cat([im[key] for im in inputs if key in im]) for key in keys}
+    return replace(mb, mrope_position_ids=positions.view(3, r, cols), image_mask=laid_out[0], video_mask=laid_out[1],
+                   vision=vision or None)
 
 
 def padded_micro_batches(batch: TrainBatch, size: int) -> list[MicroBatch]:
@@ -314,8 +327,8 @@ def shared_prompt_micro_batches(batch: TrainBatch, max_tokens: int) -> list[Micr
 
 def _image_key(batch: TrainBatch, i: int):
     """What tells two prompts of equal tokens apart: their images (placeholders are the same ids)."""
-    image = batch.images[i] if batch.images else None
-    return None if image is None else hash(image["pixel_values"].numpy().tobytes())
+    inputs = batch.images[i] if batch.images else None
+    return None if inputs is None else hash(tuple(inputs[key].numpy().tobytes() for key in sorted(inputs)))
 
 
 def _shared(batch: TrainBatch, rows: list[list[tuple[int, list[int]]]], last: list[int]) -> MicroBatch:

@@ -4,6 +4,7 @@
   engine's log-probs with the images (mismatch ~1e-7 in fp32), the first step's ppo_kl is 0, and
   the final checkpoint is a Qwen2.5-VL one with its image processor;
 - LoRA with images: the decoder's adapters train and sync, exported for PEFT;
+- video records (frame directories) through the same run;
 - image prompt files (task.kind=images): a missing image exits 2 naming the file and the line;
 - combinations not wired for images exit 2 naming the key;
 - the preset learns (learning tier): held-out accuracy +0.15 over the random init within 15 minutes.
@@ -51,6 +52,41 @@ def test_lora_on_a_vlm_trains_the_decoder_adapters_with_images(tmp_path):
         assert metrics[step]["mismatch/logprob_abs_diff"] < 1e-5, metrics[step]
     config = json.loads((run_dir / "checkpoint" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and all(t.startswith("model.language_model.layers.") for t in config["target_modules"])
+
+
+def _video_records(directory) -> str:
+    """8 records, each a 4-frame video (a red square moving left or right) and a question."""
+    from PIL import Image, ImageDraw
+
+    records = []
+    for i in range(8):
+        clip = directory / "clips" / f"{i:02d}"
+        clip.mkdir(parents=True)
+        for f in range(4):
+            frame = Image.new("RGB", (56, 56), "white")
+            x = 8 + 10 * f if i % 2 else 38 - 10 * f
+            ImageDraw.Draw(frame).rectangle([x, 20, x + 12, 32], fill="red")
+            frame.save(clip / f"frame_{f}.png")
+        content = [{"type": "video", "video": f"clips/{i:02d}", "fps": 2}, {"type": "text", "text": "Which way?"}]
+        records.append({"prompt": [{"role": "user", "content": content}], "label": "right" if i % 2 else "left"})
+    path = directory / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_two_steps_with_videos(tmp_path):
+    """Video records (frame directories) through the native engine and the torch trainer, in-process:
+    the trainer recomputes the engine's log-probs with the videos (tests/unit/rollout/
+    test_vlm_video_rollout.py checks both against transformers)."""
+    data = _video_records(tmp_path / "data")
+    proc = run_launch([*TINY, "ray.enabled=false", "task.kind=images", f"task.train_file={data}",
+                       f"task.eval_file={data}"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    for step in (1, 2):
+        assert metrics[step]["mismatch/logprob_abs_diff"] < 1e-5, metrics[step]
+    assert metrics[1]["train/ppo_kl"] == 0.0
 
 
 def test_missing_image_exits_2_with_file_and_line(tmp_path):

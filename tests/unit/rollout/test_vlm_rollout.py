@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
+from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, RolloutCfg, TrainerCfg
 from miles.data import shape_count
 from miles.data.prompt_format import PromptFormat
 from miles.data.tokenizer import TokenizerInfo
@@ -25,9 +25,9 @@ from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import build_train_batch
+from vlm_rollout_checks import FP32, assert_trainer_recomputes_the_engine
 
 CONF = "conf/model/qwen2_5_vl_tiny.yaml"
-FP32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +78,7 @@ def test_engine_logprobs_equal_transformers_and_the_trainer(checkpoint):
         checked += 1
     assert checked >= 8
 
-    trainer = TorchTrainer(str(directory), AlgoCfg(name=AlgoName.grpo), TrainerCfg(global_batch_size=12,
-                           micro_batch_size=12), FP32, temperature=1.0)
-    for i, s in enumerate(samples):
-        s.reward = float(i % 3 == 0)
-    advantages = torch.tensor([s.reward for s in samples]) - 0.3
-    metrics = trainer.train_rl(build_train_batch(samples, advantages, engine.pad_id))
-    assert metrics["mismatch/logprob_abs_diff"] < 1e-6, metrics
-    assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
+    assert_trainer_recomputes_the_engine(str(directory), samples, engine.pad_id)
 
 
 def test_vision_tower_runs_once_per_prompt(checkpoint):

@@ -28,7 +28,7 @@ import transformers
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
+from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, RolloutCfg, TrainerCfg
 from miles.data.images import load_image_file, to_example
 from miles.data.prompt_format import PromptFormat
 from miles.data.tokenizer import TokenizerInfo
@@ -37,11 +37,9 @@ from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import build_train_batch
+from vlm_rollout_checks import FP32, assert_trainer_recomputes_the_engine
 
-pytestmark = pytest.mark.xfail(strict=True, reason="the native engine and the trainer do not pass video inputs "
-                                                  "yet (docs/vlm.md, Videos)")
 ROOT = Path(__file__).resolve().parents[3]
-FP32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
 FAMILIES = {"qwen2_5_vl_tiny": transformers.Qwen2_5_VLForConditionalGeneration,
             "qwen3_vl_tiny": transformers.Qwen3VLForConditionalGeneration}
 
@@ -118,14 +116,7 @@ def test_engine_logprobs_equal_transformers_and_the_trainer(setup):
         checked += 1
     assert checked >= 6
 
-    trainer = TorchTrainer(str(setup[1]), AlgoCfg(name=AlgoName.grpo), TrainerCfg(global_batch_size=12,
-                           micro_batch_size=12), FP32, temperature=1.0)
-    for i, s in enumerate(samples):
-        s.reward = float(i % 3 == 0)
-    advantages = torch.tensor([s.reward for s in samples]) - 0.3
-    metrics = trainer.train_rl(build_train_batch(samples, advantages, engine.pad_id))
-    assert metrics["mismatch/logprob_abs_diff"] < 1e-6, metrics
-    assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
+    assert_trainer_recomputes_the_engine(str(setup[1]), samples, engine.pad_id)
 
 
 def test_vision_tower_runs_once_per_prompt(setup):
