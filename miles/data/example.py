@@ -15,8 +15,9 @@ class Example:
 
     `messages`: the record's conversation (role / content dicts) when its prompt field held one;
     `prompt` is then its last user turn, for logs. `fields`: the record's other fields, handed to
-    the reward function as keyword info. `images`: the PIL images of an image prompt's parts, in
-    order (the `messages` then hold `{"type": "image"}` parts; miles/data/images.py).
+    the reward function as keyword info. `images`: the visual parts of an image / video prompt, in
+    part order: PIL images and `Video`s (frames + fps, miles/data/videos.py); the `messages` then hold
+    `{"type": "image"}` / `{"type": "video"}` parts (miles/data/images.py).
     """
 
     prompt: str
