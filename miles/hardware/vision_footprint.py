@@ -6,8 +6,9 @@ sits in the decoder's sequence (so the decoder's KV cache and activations alread
 rollout.max_prompt_len; the planner adds the tower's own work on the patches). How many depends on
 the image size, which the plan names (`ImageTokens.source`):
   task.kind=shape_count  the task's fixed image size, through the run's image processor;
-  task.kind=images       unknown until the files are read: rollout.max_prompt_len bounds a prompt's
-                         merged tokens, hence its patches (a bound, not a measurement);
+  task.kind=images       the largest prompt of task.train_file, its images and videos through the
+                         run's processor (the file read at plan time, as the run reads it); a file
+                         not readable then: rollout.max_prompt_len bounds a prompt's merged tokens;
   text tasks             no images (the tower's weights still count).
 """
 
@@ -103,11 +104,36 @@ def image_tokens(cfg: RunCfg, arch: ArchConfig) -> ImageTokens:
                            f"one {IMAGE_SIDE} x {IMAGE_SIDE} px image per prompt (shape_count's size): "
                            f"{h} x {w} patches -> {patches // merge} image tokens")
     if kind == TaskKind.images:
+        path = Path(cfg.task.train_file) if cfg.task.train_file else None
+        if path is not None and path.is_file():
+            return file_image_tokens(cfg, arch, path)
         bound = cfg.rollout.max_prompt_len
         return ImageTokens(bound * merge, bound,
                            f"at most rollout.max_prompt_len={bound} image tokens ({bound * merge:,} patches) per "
-                           f"prompt: task.kind=images, image sizes unknown before the files are read")
+                           f"prompt: task.kind=images, {cfg.task.train_file} not readable at plan time")
     return ImageTokens(0, 0, f"no images (task.kind={kind.value})")
+
+
+def file_image_tokens(cfg: RunCfg, arch: ArchConfig, path: Path) -> ImageTokens:
+    """The largest prompt of an image / video prompt file: its images' and videos' patches through the
+    run's processor (a video's frames as images, ceil(frames / temporal_patch_size) temporal patches).
+    The file is read as the run reads it, so a bad record fails here as it would there."""
+    from miles.data.images import load_image_file
+    from miles.data.videos import Video
+
+    merge = arch.vision.spatial_merge_size ** 2
+    temporal = arch.vision.temporal_patch_size
+
+    def patches(part) -> int:
+        frame = part.frames[0] if isinstance(part, Video) else part
+        _, h, w = image_grid(cfg, arch, frame.height, frame.width)
+        return h * w * (-(-len(part.frames) // temporal) if isinstance(part, Video) else 1)
+
+    examples = load_image_file(path, cfg.task.prompt_key, cfg.task.label_key)
+    largest = max((sum(patches(part) for part in ex.images) for ex in examples), default=0)
+    return ImageTokens(largest, largest // merge,
+                       f"the largest of {path.name}'s {len(examples):,} prompts: {largest:,} patches -> "
+                       f"{largest // merge:,} image / video tokens")
 
 
 def image_grid(cfg: RunCfg, arch: ArchConfig, height: int, width: int) -> tuple[int, int, int]:

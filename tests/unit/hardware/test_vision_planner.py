@@ -114,3 +114,29 @@ def test_full_size_tower_by_hand(compose):
                                  "trainer.freeze_vision=false"]))
     shard = FULL_TOWER / plan.layout.tp
     assert trained.train["gradients"] - plan.train["gradients"] == pytest.approx(shard * 4)
+
+
+def test_image_files_are_measured_by_their_largest_prompt(compose, tmp_path):
+    """task.kind=images with a readable file: the largest prompt's patches through the tiny tower's
+    processor (14 px patches, 2 x 2 merge, 2 frames per temporal patch): an 84 x 84 image is 6 x 6 = 36
+    patches; a 56 x 56 image 4 x 4 = 16 and a 4-frame 56 x 56 video 2 x 4 x 4 = 32, 48 in that
+    prompt, the largest: 12 tokens after the merge."""
+    import json
+
+    from PIL import Image
+
+    Image.new("RGB", (84, 84)).save(tmp_path / "big.png")
+    Image.new("RGB", (56, 56)).save(tmp_path / "small.png")
+    (tmp_path / "clip").mkdir()
+    for f in range(4):
+        Image.new("RGB", (56, 56)).save(tmp_path / "clip" / f"{f}.png")
+    user = lambda *parts: [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}]  # noqa: E731
+    records = [{"prompt": user({"type": "image", "image": "big.png"}), "label": "1"},
+               {"prompt": user({"type": "image", "image": "small.png"}, {"type": "video", "video": "clip", "fps": 2}),
+                "label": "2"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = compose(VLM + ["task.kind=images", f"task.train_file={path}"])
+    images = image_tokens(cfg, model_arch(cfg))
+    assert (images.patches, images.merged) == (48, 12)
+    assert "the largest of train.jsonl's 2 prompts" in images.source
