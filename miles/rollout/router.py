@@ -66,11 +66,13 @@ class EngineFleet:
 
     def generate(self, prompts: list[str], labels: list[str], n: int = 1, temperature: float | None = None,
                  max_new_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
-                 seeds: list[int] | None = None, adapters: list[int] | None = None) -> list[Sample]:
+                 seeds: list[int] | None = None, adapters: list[int] | None = None,
+                 images: list[dict | None] | None = None) -> list[Sample]:
         """NativeEngine.generate over the fleet: samples[i*n:(i+1)*n] answer prompts[i]. Without
         `seeds` each engine samples from its own generator, so the samples depend on the dispatch.
-        `adapters`: each prompt's LoRA adapter id (several adapters), travelling with its prompt."""
-        for name, values in (("seeds", seeds), ("adapters", adapters)):
+        `adapters`: each prompt's LoRA adapter id (several adapters), `images`: each prompt's vision
+        inputs (a VLM), travelling with their prompt."""
+        for name, values in (("seeds", seeds), ("adapters", adapters), ("images", images)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{name}: one per prompt, got {len(values)} for {len(prompts)} prompts")
         groups = len(prompts)
@@ -80,7 +82,7 @@ class EngineFleet:
 
         def args(chunk: range) -> tuple[tuple, dict]:
             part = slice(chunk.start, chunk.stop)
-            per_prompt = {"prompt_ids": prompt_ids, "seeds": seeds, "adapters": adapters}
+            per_prompt = {"prompt_ids": prompt_ids, "seeds": seeds, "adapters": adapters, "images": images}
             return (prompts[part], labels[part], n, temperature, max_new_tokens), {
                 name: values[part] for name, values in per_prompt.items() if values is not None}
 

@@ -125,3 +125,24 @@ def test_a_sampled_image_token_is_text(checkpoint):
     trainer = TorchTrainer(str(directory), AlgoCfg(name=AlgoName.grpo), TrainerCfg(), FP32, temperature=1.0)
     batch = build_train_batch(with_token, torch.zeros(len(with_token)), engine.pad_id)
     assert (trainer.logprobs(batch) - batch.rollout_logprobs).abs().max() < 1e-5
+
+
+def test_an_engine_fleet_sends_each_prompt_its_images(checkpoint):
+    """rollout.num_engines > 1 with images: each prompt's vision inputs travel in its chunk, so two
+    in-process engines give, with per-group seeds, the samples one engine gives for the whole batch."""
+    from miles.orchestrate.handles import LocalHandle
+    from miles.rollout.router import EngineFleet
+
+    directory, examples = checkpoint
+    texts, ids, images = _prompts(directory, examples[:4])
+    labels, seeds = [e.label for e in examples[:4]], [11, 12, 13, 14]
+    cfg = RolloutCfg(max_new_tokens=5, temperature=1.0)
+    fleet = EngineFleet([LocalHandle(NativeEngine(str(directory), cfg, DType.fp32)) for _ in range(2)], chunk_groups=1)
+    got = fleet.generate(texts, labels, n=2, prompt_ids=ids, seeds=seeds, images=images)
+    want = NativeEngine(str(directory), cfg, DType.fp32).generate(texts, labels, n=2, prompt_ids=ids, seeds=seeds,
+                                                                   images=images)
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    assert torch.allclose(torch.tensor([lp for s in got for lp in s.rollout_logprobs]),
+                          torch.tensor([lp for s in want for lp in s.rollout_logprobs]), atol=1e-5)
+    swapped = fleet.generate(texts, labels, n=2, prompt_ids=ids, seeds=seeds, images=images[::-1])
+    assert [s.rollout_logprobs for s in swapped] != [s.rollout_logprobs for s in got]  # the images matter
