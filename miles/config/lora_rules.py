@@ -13,7 +13,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def lora_problems(cfg: RunCfg) -> list[str]:
-    lo, t, r, p = cfg.trainer.lora, cfg.trainer, cfg.rollout, cfg.precision
+    lo, t, r = cfg.trainer.lora, cfg.trainer, cfg.rollout
     if lo.rank < 0:
         return [f"trainer.lora.rank must be >= 0 (got {lo.rank}; 0 turns LoRA off)"]
     if lo.rank == 0:
@@ -37,9 +37,7 @@ def lora_problems(cfg: RunCfg) -> list[str]:
     if r.weight_sync != "object_store":
         problems.append(f"trainer.lora.rank={lo.rank}: rollout.weight_sync={r.weight_sync.value} carries the whole "
                         "flat state dict; the adapters travel through rollout.weight_sync=object_store")
-    if p.train_quant.value != "none" or p.rollout_quant.value != "none" or p.forward_weights != "master":
-        problems.append(f"trainer.lora.rank={lo.rank} does not combine with precision={p.name} yet (a frozen base "
-                        "quantized QLoRA-style is not built): use precision=fp32 or bf16")
+    problems += _precision_problems(cfg)
     if cfg.true_on_policy:
         problems.append("trainer.lora.rank > 0 with true_on_policy=true: the adapters' matmuls are not yet checked "
                         "bit for bit between the engine's decode and the trainer: set true_on_policy=false")
@@ -49,6 +47,24 @@ def lora_problems(cfg: RunCfg) -> list[str]:
     if cfg.algo.name == "sft":
         problems.append("trainer.lora applies to RL (algo=sft trains the full model): set trainer.lora.rank=0")
     return problems + _merge_problems(cfg)
+
+
+def _precision_problems(cfg: RunCfg) -> list[str]:
+    """QLoRA (docs/lora.md): under a recipe that quantizes the training forward (fp8, int4_qat) the
+    trainer holds the frozen base in the rollout's format, so the two must be one format. Recipes that
+    quantize the rollout only (bf16_train_*_rollout) train over a bf16 base as without LoRA."""
+    lo, p = cfg.trainer.lora, cfg.precision
+    problems = []
+    if p.train_quant.value != "none" and p.train_quant != p.rollout_quant:
+        problems.append(f"trainer.lora.rank={lo.rank} with precision.train_quant={p.train_quant.value}: the trainer "
+                        "holds the frozen base in the rollout's format, "
+                        f"precision.rollout_quant={p.rollout_quant.value}: set "
+                        f"precision.train_quant={p.rollout_quant.value} (or precision=fp8 / int4_qat)")
+    if p.forward_weights != "master":
+        problems.append(f"trainer.lora.rank={lo.rank} with precision.forward_weights={p.forward_weights.value} is not "
+                        "built yet (LoRA holds the frozen base once, as the default forward reads it): set "
+                        "precision.forward_weights=master")
+    return problems
 
 
 def _merge_problems(cfg: RunCfg) -> list[str]:
@@ -64,6 +80,11 @@ def _merge_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"trainer.lora.merge_in_engine=true merges in the native engine's weights; "
                         f"rollout={cfg.rollout.engine.value} applies adapters its own way: set "
                         "trainer.lora.merge_in_engine=false or rollout=native")
+    if cfg.precision.rollout_quant.value != "none":
+        problems.append(f"trainer.lora.merge_in_engine=true with precision={cfg.precision.name}: the engine holds the "
+                        f"base quantized ({cfg.precision.rollout_quant.value}), which cannot hold W + alpha / rank * "
+                        "B A exactly (each sync would round the sum to the quantized grid): set "
+                        "trainer.lora.merge_in_engine=false (the adapters applied unmerged)")
     return problems
 
 

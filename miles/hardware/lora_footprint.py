@@ -1,14 +1,18 @@
-"""Parameters of the LoRA adapters a run trains (trainer.lora), for the memory planner: counted on
-a meta-device model, so full-size configs cost no memory."""
+"""Parameters of the LoRA adapters a run trains (trainer.lora), and the bytes of a QLoRA run's
+quantized frozen base, for the memory planner: counted on a meta-device model, so full-size configs
+cost no memory."""
 
 from __future__ import annotations
 
 import torch
 
+from miles.config.schema import PrecisionCfg, Quant
 from miles.models.config import ArchConfig
+from miles.precision.fp8 import BLOCK
 
 # Memoized (ArchConfig is not hashable: keyed by its repr): the planner asks for every layout it tries.
 _CACHE: dict[tuple, int] = {}
+_BASE_CACHE: dict[tuple, tuple[int, int]] = {}
 
 
 def lora_params(arch: ArchConfig, rank: int, target_modules, adapters: int = 1) -> int:
@@ -29,3 +33,33 @@ def _one_adapter(arch: ArchConfig, rank: int, target_modules) -> int:
             model = CausalLM(arch)
         _CACHE[key] = sum(rank * (m.in_features + m.out_features) for _, m in find_targets(model, key[2]))
     return _CACHE[key]
+
+
+def quantized_base(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]:
+    """QLoRA (precision.train_quant fp8 / int4): (weights of the projections the trainer holds in the
+    rollout format, their bytes there), layer by layer as miles/precision/qlora.py holds them: FP8
+    one byte per weight + an fp32 scale per 128x128 block, INT4 two weights per byte + an fp32 scale
+    per group of the input dim."""
+    key = (repr(arch), precision.train_quant, precision.int4_group_size, tuple(precision.keep_high_precision),
+           precision.keep_first_layers, precision.keep_last_layers)
+    if key not in _BASE_CACHE:
+        from miles.models import CausalLM
+        from miles.precision.recipe import Recipe
+
+        with torch.device("meta"):
+            model = CausalLM(arch)
+        shapes = [linear.weight.shape for _, _, linear in Recipe.from_cfg(precision, arch.num_layers)
+                  .quantized_linears(model)]
+        _BASE_CACHE[key] = (sum(n * k for n, k in shapes),
+                            sum(_held_bytes(n, k, precision) for n, k in shapes))
+    return _BASE_CACHE[key]
+
+
+def _held_bytes(n: int, k: int, precision: PrecisionCfg) -> int:
+    if precision.train_quant == Quant.fp8:
+        return n * k + 4 * _ceil_div(n, BLOCK) * _ceil_div(k, BLOCK)
+    return n * _ceil_div(k, 2) + 4 * n * _ceil_div(k, precision.int4_group_size)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -199,9 +199,15 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     if cfg.algo.kl_coef > 0:  # frozen reference policy (tower included), sharded like the weights
         usage["reference"] = (embed + dense + routed) * w + tower.get("weights", 0.0)
     if t.lora.rank > 0:  # LoRA: a frozen base in the training dtype; fp32 adapters with gradients and AdamW
-        from miles.hardware.lora_footprint import lora_params
+        from miles.hardware.lora_footprint import lora_params, quantized_base
 
         adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
+        if p.train_quant != Quant.none:  # QLoRA: the projections in the rollout format, the rest fp32 masters
+            q_params, q_bytes = quantized_base(arch, p)
+            base = (embed + dense + routed - q_params / (tp * pp)) * 4 + q_bytes / (tp * pp)
+            usage["weights"] = base + tower.get("weights", 0.0)
+            if "reference" in usage:  # the KL reference is held as the policy's base
+                usage["reference"] = usage["weights"]
         usage["weights"] += adapters * 4
         usage["gradients"] = adapters * 4
         usage["optimizer"] = 0.0 if layout.offload else adapters * 8

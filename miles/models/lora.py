@@ -27,7 +27,10 @@ checksums, FSDP's state gathering, the precision recipes. Here the adapters live
 not change, and the adapters travel, checksum and save as a dict of their own.
 
 Targets: nn.Linear modules of the main decoder (`layers.*`; not the LM head, whose weight the
-trainer's chunked loss reads directly, nor the MTP draft modules). An entry of `target_modules`
+trainer's chunked loss reads directly, nor the MTP draft modules), or their quantized form under an
+FP8 / INT4 recipe (miles.precision's QuantLinear: the engine's layers, and the trainer's frozen base
+under QLoRA, miles/precision/qlora.py), over which the adapters run unmerged: a quantized weight
+cannot hold W + B A, so merging is refused there. An entry of `target_modules`
 matches a module whose name equals it or ends with "." + it (PEFT's rule for a list: "q_proj"),
 or that the entry matches whole as a regular expression ("layers\\.[0-3]\\..*_proj"). Stacked MoE
 experts (one [E, out, in] tensor, not nn.Linear) are not adapted yet.
@@ -43,6 +46,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles.precision.recipe import QuantLinear
 
 # Every projection of a dense Qwen / Llama-style decoder layer (attention and MLP).
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,17 +65,30 @@ def _matches(name: str, entry: str) -> bool:
         return False
 
 
-def find_targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the decoder's nn.Linear modules that `target_modules` selects, in model order."""
+def _projection(name: str, m: nn.Module) -> bool:
+    return isinstance(m, (nn.Linear, QuantLinear)) and name.startswith(DECODER_PREFIX)
+
+
+def find_targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the decoder's projections (nn.Linear or QuantLinear) that `target_modules`
+    selects, in model order."""
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.startswith(DECODER_PREFIX)
-            and any(_matches(name, entry) for entry in target_modules)]
+            if _projection(name, m) and any(_matches(name, entry) for entry in target_modules)]
 
 
 def candidate_names(model: nn.Module) -> list[str]:
     """The distinct last components of the modules LoRA can adapt (for messages)."""
-    return sorted({name.rpartition(".")[2] for name, m in model.named_modules()
-                   if isinstance(m, nn.Linear) and name.startswith(DECODER_PREFIX)})
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if _projection(name, m)})
+
+
+def _placement(linear: nn.Module, dtype: torch.dtype | None) -> dict:
+    """Device and dtype of a projection's adapters: its weight's, or for a quantized projection (whose
+    codes are no adapter dtype) its payload's device and the dtype the caller gives."""
+    if isinstance(linear, nn.Linear):
+        return dict(device=linear.weight.device, dtype=dtype or linear.weight.dtype)
+    if dtype is None:
+        raise ValueError("LoRA over a quantized projection needs the adapters' dtype")
+    return dict(device=next(linear.buffers()).device, dtype=dtype)
 
 
 class LoRA(nn.Module):
@@ -105,11 +123,10 @@ class LoRA(nn.Module):
         self.lora_A, self.lora_B = nn.ParameterList(), nn.ParameterList()
         for _ in range(self.num_adapters):
             for linear in self._linears:
-                weight = linear.weight
                 a = torch.zeros(rank, linear.in_features, dtype=torch.float32)
                 if not zero:  # PEFT's default: kaiming-uniform A (drawn on the CPU: the same on every device)
                     nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-                kind = dict(device=weight.device, dtype=dtype or weight.dtype)
+                kind = _placement(linear, dtype)
                 self.lora_A.append(nn.Parameter(a.to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
         for i, linear in enumerate(self._linears):
@@ -210,8 +227,16 @@ class LoRA(nn.Module):
         is not doubled, and outside the weights an engine releases and resumes."""
         if self.num_adapters > 1:
             raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
+        self._require_dense_base()
         self._base = [_host_copy(linear.weight.detach()) for linear in self._linears]
         self.enabled = False  # the merged weights carry the adapters from here on (zero ones until the first merge)
+
+    def _require_dense_base(self) -> None:
+        quantized = [name for name, linear in zip(self.names, self._linears) if not isinstance(linear, nn.Linear)]
+        if quantized:
+            raise ValueError(f"LoRA merge: {len(quantized)} adapted projections (e.g. {quantized[0]}) hold the base "
+                             "quantized (FP8 / INT4), which cannot hold W + alpha / rank * B A exactly: apply the "
+                             "adapters unmerged (trainer.lora.merge_in_engine=false)")
 
     @torch.no_grad()
     def merge_into_base(self) -> None:
@@ -233,6 +258,7 @@ class LoRA(nn.Module):
         several share the base, which cannot hold them all."""
         if self.num_adapters > 1:
             raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
+        self._require_dense_base()
         originals = [linear.weight.data for linear in self._linears]
         with torch.no_grad():
             for i, linear in enumerate(self._linears):

@@ -7,6 +7,7 @@
 - int4.py         W4A16 symmetric group quantization, nibble packing, int4_linear
 - fake_quant.py   fake quantization with a straight-through estimator for the training forward (QAT)
 - rollout_format.py  what weight sync carries per recipe, its inverse, checksums, layer exceptions
+- qlora.py       a LoRA trainer's frozen base held in the rollout format (QLoRA under fp8 / int4_qat)
 
 Pure tensor functions, bitwise identical on CPU and CUDA, no dependency on miles.models.
 Tests: `pytest tests/unit/precision`; GPU figures: `python benchmarks/precision_gemm.py`.

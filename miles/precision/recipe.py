@@ -15,7 +15,8 @@ training side an FP8 nn.Linear runs that same FP8 GEMM on the same operands (`fp
 the engine's bits for the same input, a bf16 backward), and every other quantized weight (INT4
 QAT, stacked MoE experts, which the engine holds dequantized) is `dequantize(quantize(w))` through
 the very functions the engine rebuilds its weights with. So the two sides multiply the same numbers
-with the same arithmetic.
+with the same arithmetic. Under LoRA (QLoRA, miles/precision/qlora.py) the trainer holds its frozen
+base's quantized layers as the engine does, a QuantLinear subclass with a straight-through backward.
 """
 
 from __future__ import annotations
@@ -170,11 +171,19 @@ class Recipe:
         """Replace each quantized nn.Linear by a QuantLinear (its payload arrives with load_engine)."""
         if self.rollout_quant == NONE:
             return
-        for name, module in list(model.named_modules()):
-            for child_name, child in list(module.named_children()):
+        for parent, child_name, linear in self.quantized_linears(model):
+            setattr(parent, child_name, QuantLinear(linear, self.rollout_quant, self.group, self.fp8_backend))
+
+    def quantized_linears(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+        """(parent, attribute name, layer) of each nn.Linear whose weight the rollout format quantizes
+        (the engine's QuantLinear layers; a QLoRA trainer's FrozenQuantLinear ones)."""
+        found = []
+        for name, module in model.named_modules():
+            for child_name, child in module.named_children():
                 full = f"{name}.{child_name}" if name else child_name
                 if isinstance(child, nn.Linear) and self.quantizes(f"{full}.weight", child.weight):
-                    setattr(module, child_name, QuantLinear(child, self.rollout_quant, self.group, self.fp8_backend))
+                    found.append((module, child_name, child))
+        return found
 
     def load_engine(self, model: nn.Module, payload: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Install a sync payload: QuantLinear layers take their tensors as they are; everything

@@ -12,7 +12,12 @@ Merged (trainer.lora.merge_in_engine=true, one adapter): each sync writes base +
 into the adapted projections' weights in place, from a host copy of the base taken at build, and
 decode runs the base model's kernels alone (no adapter GEMMs). The price: one rounding of the sum to
 the engine's dtype, which the trainer's unmerged forward does not have (mismatch), a host copy of
-the adapted weights, and a host-to-device copy of them per sync (benchmarks/lora_speed.py).
+the adapted weights, and a host-to-device copy of them per sync (benchmarks/lora_speed.py). Not
+over a base the engine holds quantized (precision=fp8, int4_qat, bf16_train_*_rollout): FP8 / INT4
+weights cannot hold W + B A exactly, so LoRA.keep_base refuses (validate() first).
+
+Over a quantized base the adapters hook the engine's QuantLinear layers, unmerged, in the engine's
+dtype; under QLoRA the trainer's frozen base holds the same codes (miles/precision/qlora.py).
 """
 
 from __future__ import annotations

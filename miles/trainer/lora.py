@@ -1,12 +1,14 @@
 """The trainer's side of LoRA (trainer.lora.rank > 0; docs/lora.md): adapters trained, base frozen.
 
-    lora = attach(model, cfg.lora, precision, seed)   # base frozen (and in bf16 under a bf16 recipe)
+    lora = attach(model, cfg.lora, precision, seed, recipe)   # base frozen (bf16 / quantized: see attach)
     weights, digest = adapter_weights(lora, "fp32")   # what weight sync carries: the adapters only
     save_adapter(lora, model, path)                   # PEFT format (+ the merged HF model: export_model)
 
 The optimizer and the gradient clipping see only the adapters, so the frozen base has no gradient
 and no AdamW state; under a bf16 recipe it is held in bf16 (no fp32 master copy: it never changes,
-and the engine holds the same bf16 values). The adapters stay fp32 masters.
+and the engine holds the same bf16 values). Under fp8 / int4_qat (QLoRA, miles/precision/qlora.py)
+its quantized projections are held in the rollout's format, quantized once here: what the engine
+holds, multiplied as the engine multiplies it. The adapters stay fp32 masters.
 
 Several adapters (trainer.lora.adapters): each is saved in a PEFT directory of its own
 (`adapter/<name>/`), clipped on its own (`clip_each_adapter`) and, in a step without samples of
@@ -24,14 +26,21 @@ from miles.config.schema import DType, LoRACfg, PrecisionCfg
 from miles.models import save_pretrained
 from miles.models.lora import LoRA
 from miles.models.lora_peft import load_peft, save_peft
+from miles.precision import qlora
+from miles.precision.recipe import Recipe
 from miles.transport.checksum import checksum, to_dtype
 
 ADAPTER_DIR = "adapter"  # beside the model in resume checkpoints and the final export
 
 
-def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: int) -> LoRA:
+def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: int, recipe: Recipe) -> LoRA:
+    """Freeze the base and hook the adapters onto it. QLoRA (fp8, int4_qat): the quantized projections
+    held in the rollout format, the rest fp32 as the recipe's masters (a fresh adapter then gives the
+    recipe's log-probs exactly); a bf16 recipe: all of it in bf16."""
     model.requires_grad_(False)
-    if precision.train_dtype == DType.bf16:
+    if qlora.holds_quantized_base(recipe):
+        qlora.quantize_frozen_base(model, recipe)
+    elif precision.train_dtype == DType.bf16:
         model.to(torch.bfloat16)
     return LoRA(model, cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules, dtype=torch.float32, seed=seed,
                 adapters=cfg.adapters)
@@ -84,8 +93,9 @@ def clip_each_adapter(lora: LoRA, clip: Callable[[list, float], torch.Tensor], m
 def export_model_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
                        dtype: torch.dtype = torch.float32) -> None:
     """export_model from the model's whole state dict (FSDP: gathered on rank 0, where the sharded
-    model's own weights are DTensors that `lora.merged` cannot swap)."""
-    from miles.models import CausalLM
+    model's own weights are DTensors that `lora.merged` cannot swap; QLoRA: the dequantized base,
+    which the held codes cannot take back)."""
+    from miles.models.hf_io import model_class
 
     merged = dict(state)
     if lora.num_adapters == 1:
@@ -93,17 +103,27 @@ def export_model_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
             w = merged[f"{name}.weight"]
             merged[f"{name}.weight"] = (w.float() + lora.delta(i).detach().to(w.device)).to(w.dtype)
     with torch.device("meta"):  # the structure only; the merged tensors become its weights
-        whole = CausalLM(config)
+        whole = model_class(config)(config)
     whole.load_state_dict(merged, assign=True)
     save_pretrained(whole, path, dtype=dtype)
     save_adapter(lora, whole, path)
+
+
+def hold_reference(ref_model: torch.nn.Module, recipe: Recipe) -> None:
+    """The KL reference (the base model) under QLoRA: quantized as the policy's base, the same
+    numbers as the recipe's forward over its fp32 copy at a fraction of the memory."""
+    if qlora.holds_quantized_base(recipe):
+        qlora.quantize_frozen_base(ref_model, recipe)
 
 
 def export_model(lora: LoRA, model, path, dtype: torch.dtype = torch.float32) -> None:
     """One adapter: the merged HF checkpoint (W + alpha / rank * B A, in `dtype`) at `path`.
     Several: the frozen base there (no set of weights holds them all). Either way each adapter in
     PEFT's format beside it (`path/adapter`, `path/adapter/<name>`); the model's own weights are
-    left as they were."""
+    left as they were. QLoRA: W is the dequantized base the run trained over (its state dict)."""
+    if qlora.frozen_quant_linears(model):
+        export_model_state(lora, model.state_dict(), model.config, path, dtype)
+        return
     if lora.num_adapters == 1:
         with lora.merged():
             save_pretrained(model, path, dtype=dtype)
