@@ -37,6 +37,25 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
     assert len(mismatch) == 2 and all(v >= 0 for v in mismatch)
 
 
+@pytest.mark.parametrize("model, recipe", [("+experiment=shape_count_vlm", "fp8"),
+                                           ("+experiment=shape_count_vlm", "int4_qat"),
+                                           ("model=deepseek_v3_2_tiny", "int4_qat")])
+def test_recipes_keep_the_vision_tower_and_the_indexer_head_in_high_precision(tmp_path, monkeypatch, compose,
+                                                                             model, recipe):
+    """A VLM's tower (`visual.`) and DSA's indexer head (`weights_proj`, which the indexer reads as a
+    plain weight) are in the recipes' keep list: both runs failed before (float8 through the tower's
+    RMSNorm; an INT4 weights_proj without `.weight`); the checked sync covers what the engines hold."""
+    monkeypatch.chdir(tmp_path)
+    cfg = compose([model, f"precision={recipe}", "ray.enabled=false", "steps=2", "eval.interval=2",
+                   "task.eval_size=8", "warm_start.enabled=false", "rollout.batch_size=2",
+                   "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+                   "tracking.log_samples=0", "rollout.check_weight_sync=true", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert validate(cfg) == []
+    run(cfg, tmp_path / "run", [model, f"precision={recipe}"], "")
+    metrics = journal_metrics(tmp_path / "run")
+    assert metrics[1]["train/ppo_kl"] == 0.0 and all(metrics[s]["mismatch/logprob_abs_diff"] < 0.05 for s in (1, 2))
+
+
 @pytest.fixture(scope="module")
 def module_ray():
     """One local Ray for the module's Ray runs (a start costs ~10 s here); run() shuts Ray down after
