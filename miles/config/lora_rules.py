@@ -46,6 +46,10 @@ def lora_problems(cfg: RunCfg) -> list[str]:
                         "updates model weights LoRA keeps frozen: set rollout.speculative.train_online=false")
     if cfg.algo.name == "sft":
         problems.append("trainer.lora applies to RL (algo=sft trains the full model): set trainer.lora.rank=0")
+    if cfg.debug.compare_weights_tensorwise:
+        problems.append("debug.compare_weights_tensorwise=true compares the engine's model weights with what the "
+                        "trainer syncs, which under trainer.lora are the adapters only (the checked sync hashes "
+                        "them): set debug.compare_weights_tensorwise=false")
     return problems + _merge_problems(cfg)
 
 

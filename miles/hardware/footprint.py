@@ -82,7 +82,7 @@ def rollout_weight_bytes(groups: ParamGroups, precision: PrecisionCfg) -> float:
     if precision.rollout_quant == Quant.fp8:
         return kept + q * (1 + 4 / FP8_BLOCK**2)  # e4m3 byte + an fp32 scale per block
     if precision.rollout_quant == Quant.int4:
-        return kept + q * (0.5 + 2 / precision.int4_group_size)  # a nibble + a bf16 scale per group
+        return kept + q * (0.5 + 4 / precision.int4_group_size)  # a nibble + an fp32 scale per group (miles.precision.int4)
     return kept + q * DTYPE_BYTES[precision.rollout_dtype]
 
 

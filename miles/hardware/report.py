@@ -21,7 +21,10 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     table.add_column(f"GB per {device}", justify="right")
     table.add_column("how")
     layout = plan.layout.describe(plan.train_gpus) if hw.device != "cpu" else "single process"
-    how = {"weights": f"{cfg.precision.train_dtype.value} compute copy; {layout}",
+    qlora = cfg.trainer.lora.rank > 0 and cfg.precision.train_quant.value != "none"
+    held = f"frozen base in {cfg.precision.train_quant.value} (QLoRA), adapters fp32" if qlora else \
+        f"{cfg.precision.train_dtype.value} compute copy"
+    how = {"weights": f"{held}; {layout}",
            "gradients": "fp32 accumulation",
            "optimizer": "AdamW moments (+ fp32 master), sharded over data parallel",
            "activations": plan.micro_batch.how + (", recomputed" if cfg.trainer.recompute else ""),

@@ -49,7 +49,7 @@ def test_int4_and_fp8_rollout_weights(compose):
     cfg = compose(TINY + ["precision.rollout_quant=int4", "precision.int4_group_size=32"])
     groups = param_groups(cfg.model.arch(100), cfg.precision)
     usage, _, _ = rollout_usage(cfg, groups, 1, 10e9)
-    assert usage["weights"] == pytest.approx(groups.kept * 2 + groups.quantizable * (0.5 + 2 / 32))
+    assert usage["weights"] == pytest.approx(groups.kept * 2 + groups.quantizable * (0.5 + 4 / 32))
     cfg = compose(TINY + ["precision.rollout_quant=fp8"])
     usage, _, _ = rollout_usage(cfg, groups, 1, 10e9)
     assert usage["weights"] == pytest.approx(groups.kept * 2 + groups.quantizable * (1 + 4 / 128**2))

@@ -68,3 +68,17 @@ def test_qlora_fits_where_lora_over_a_bf16_base_does_not(compose):
     fp8 = make_plan(compose(pinned + ["precision=fp8"]), suggest=False)
     assert not bf16.fits and fp8.fits, fp8.problems
     assert fp8.train["weights"] < 0.6 * bf16.train["weights"]
+
+
+def test_the_plan_table_says_the_base_is_held_quantized(compose):
+    import io
+
+    from rich.console import Console
+
+    from miles.hardware.planner import make_plan
+    from miles.hardware.report import plan_table
+
+    cfg = compose(["precision=fp8", "trainer.lora.rank=16"])
+    out = io.StringIO()
+    Console(file=out, width=250).print(plan_table(cfg, make_plan(cfg)))
+    assert "frozen base in fp8 (QLoRA), adapters fp32" in out.getvalue()
