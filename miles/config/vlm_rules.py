@@ -1,6 +1,8 @@
 """What a vision-language model (a vision block: model=qwen2_5_vl_*, qwen3_vl_*, glm4_5v,
 glm4v_moe_tiny) and the image tasks combine with, checked before anything starts (docs/vlm.md).
-What is refused here is not wired for images yet; each message names the key to change."""
+What is refused here is not wired for images yet; each message names the key to change. Rollout
+engines with images: native (every family), sglang and vllm (Qwen2.5-VL; vLLM where torchvision
+imports: miles/rollout/vllm_rules.py; docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,26 @@ from miles.config.schema import RunCfg, TaskKind
 IMAGE_TASKS = (TaskKind.images, TaskKind.shape_count)
 
 
+# Vision-language families rollout=sglang serves: Qwen2.5-VL, whose tower's layout in SGLang 0.5.23
+# (qwen2_5_vl.py) the checked sync predicts (miles/rollout/sglang_engine.py sglang_vision_layout).
+SGLANG_FAMILIES = ("qwen2_5_vl",)
+
+
+def _checkpoint_config(cfg: RunCfg) -> dict | None:
+    path = Path(cfg.model.hf_checkpoint or "") / "config.json"
+    return json.loads(path.read_text()) if cfg.model.hf_checkpoint is not None and path.is_file() else None
+
+
 def is_vlm(cfg: RunCfg) -> bool:
     """Whether the run's model has a vision tower (its config.json when model.hf_checkpoint is set)."""
-    path = Path(cfg.model.hf_checkpoint or "") / "config.json"
-    if cfg.model.hf_checkpoint is not None and path.is_file():
-        return "vision_config" in json.loads(path.read_text())
-    return cfg.model.vision is not None
+    config = _checkpoint_config(cfg)
+    return "vision_config" in config if config is not None else cfg.model.vision is not None
+
+
+def family(cfg: RunCfg) -> str:
+    """The model's family: its checkpoint's model_type, else the config's."""
+    config = _checkpoint_config(cfg)
+    return config.get("model_type", cfg.model.family) if config is not None else cfg.model.family
 
 
 def vlm_problems(cfg: RunCfg) -> list[str]:
@@ -35,7 +51,9 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
     if not vlm:
         return problems
     refused = [  # (refused, what to change)
-        (r.engine != "native", f"rollout={r.engine.value} does not take images yet: set rollout=native"),
+        (r.engine == "sglang" and family(cfg) not in SGLANG_FAMILIES,
+         f"rollout=sglang takes images for {', '.join(SGLANG_FAMILIES)} only (its tower's layout in SGLang is "
+         f"what the checked sync predicts; {family(cfg)}'s is not): set rollout=native"),
         (r.num_engines > 1, "rollout.num_engines > 1 does not route images yet: set 1"),
         (r.slot_decode is True, "rollout.slot_decode=true: a VLM decodes on the padded path; set rollout.slot_decode=null"),
         (r.speculative.kind != "none", "rollout.speculative.kind must be none (no draft with images yet)"),
@@ -47,4 +65,9 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
         (cfg.debug.save_rollouts is not None or cfg.debug.load_rollouts is not None,
          "debug.save_rollouts / load_rollouts do not store images yet: set them to null"),
     ]
+    if r.engine == "vllm":
+        # imported here: vllm_rules imports miles.config.rules, which imports this module
+        from miles.rollout.vllm_rules import vllm_vision_problems
+
+        refused += [(True, message) for message in vllm_vision_problems(cfg, family(cfg))]
     return problems + [f"{cfg.model.name} is a vision-language model: {message}" for bad, message in refused if bad]

@@ -22,6 +22,15 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   SGLang uses sampling_seed only when the server runs with `--enable-deterministic-inference`
   (/server_info `enable_deterministic_inference`, read at start; the launcher passes the flag on CUDA):
   without it the adapter warns at start and refuses `seeds` at temperature > 0 (a fleet needs them).
+  Images (a vision-language checkpoint: `generate(..., images=[{"pixel_values", "image_grid_thw"} or None
+  per prompt])`, as the native engine takes them): each prompt's images go in `image_data` (a list aligned
+  with the rows, one list of images per row: SGLang's documented form), each as a lossless PNG data URI,
+  and its `input_ids` carry one image placeholder per image, as the chat template writes it: SGLang's
+  Qwen-VL processor widens each to the image's grid (srt/multimodal/processors/qwen_vl.py
+  build_input_ids), as Miles' processor did. The PNGs are the images Miles' processor resized, rebuilt
+  from its pixel_values (`rebuild_images`): the server's processor then neither resizes nor crops them,
+  so its pixels are the trainer's (up to the rounding of the normalization). Each answer's
+  `meta_info.prompt_tokens` must equal the widened prompt's length (else the two processors disagree).
   The response tokens and their log-probs are read from `meta_info.output_token_logprobs`
   (`(logprob, token_id, text)` per generated token, log_softmax(logits / temperature)); the launched
   server runs without SGLANG_RETURN_ORIGINAL_LOGPROB, an external one must too.
@@ -35,7 +44,9 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   CPU ones through file-system shared memory, CUDA ones by IPC: the server must be on the same host).
   With a checksum: the payload's own checksum, then what the server holds, through /weights_checker
   (`check_held`): the server's per-tensor hashes under its own fused parameter names, against the sent
-  tensors put in that layout and hashed as the server hashes (miles/rollout/sglang_weights.py).
+  tensors put in that layout and hashed as the server hashes (miles/rollout/sglang_weights.py; a
+  Qwen2.5-VL tower as SGLang 0.5.23's qwen2_5_vl.py loads it: `sglang_vision_layout`). The sync carries
+  the vision tower with the decoder, trained or frozen (the trainer's whole state dict).
   (/get_weights_by_name, a read-back by name, answers HTTP 400 in 0.5.23 for every Miles family: only
   llama, granite, exaone4 and opt implement it.)
 - LoRA (`lora` with rank > 0, trainer.lora): SGLang's adapter API (miles/rollout/sglang_lora.py): the
@@ -69,6 +80,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -87,7 +99,7 @@ import torch
 
 from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models.causal_lm import CausalLM
+from miles.models.hf_io import model_class
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
@@ -208,7 +220,7 @@ class SGLangEngine:
         self.arch = from_hf_config(json.loads((Path(checkpoint_dir) / "config.json").read_text()))
         self.family = get_family(self.arch.family)
         with torch.device("meta"):  # names and shapes, no memory
-            meta = CausalLM(self.arch).state_dict()
+            meta = model_class(self.arch)(self.arch).state_dict()
         self._names = list(meta)
         self._hf_names = {self.family.to_hf_name(n): n for n in self._names}
         self._hf_layout = {k: tuple(v.shape) for k, v in self._to_hf(meta).items()}
@@ -220,6 +232,7 @@ class SGLangEngine:
                 raise ValueError(f"rollout.stop_tokens: {text!r} is not a token of the tokenizer")
             stop.add(token_id)
         self.stop_ids = sorted(stop)
+        self.vision = vision_inputs(self.checkpoint_dir, self.tok) if self.arch.vision is not None else None
         self.routing_layers = None
         if record_routing:
             self.routing_layers = moe_layers(self.arch)
@@ -368,9 +381,12 @@ class SGLangEngine:
 
     def generate(self, prompts: list[str], labels: list[str], n: int = 1, temperature: float | None = None,
                  max_new_tokens: int | None = None, prompt_ids: list[list[int]] | None = None,
-                 seeds: list[int] | None = None, adapters: list[int] | None = None) -> list[Sample]:
+                 seeds: list[int] | None = None, adapters: list[int] | None = None,
+                 images: list[dict | None] | None = None) -> list[Sample]:
         """n samples per prompt, grouped as the protocol says (one batched /generate). `adapters`: each
-        prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it."""
+        prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it. `images`:
+        each prompt's {"pixel_values", "image_grid_thw"} or None (a vision-language checkpoint), as
+        NativeEngine.generate takes them; sent as the module docstring says."""
         self._check_resident("generate")
         temperature = self.cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or self.cfg.max_new_tokens
@@ -393,12 +409,13 @@ class SGLangEngine:
         if width + max_new > limit:
             raise ValueError(f"prompt ({width} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                              f"max_position_embeddings ({limit}); lower rollout.max_new_tokens")
+        sent_ids, image_data = self._image_rows(distinct, images)
         groups = seeds if seeds is not None else [self._rng.getrandbits(63) for _ in distinct]
         base = {"max_new_tokens": int(max_new), "temperature": float(temperature), "top_p": float(self.cfg.top_p),
                 "top_k": self.cfg.top_k if self.cfg.top_k > 0 else -1, "stop_token_ids": self.stop_ids,
                 "no_stop_trim": True}
         rows = [(i, ids) for i, ids in enumerate(distinct) for _ in range(n)]
-        body = {"input_ids": [ids for _, ids in rows],
+        body = {"input_ids": [sent_ids[i] for i, _ in rows],
                 "sampling_params": [dict(base, sampling_seed=sample_seed(groups[i], k % n))
                                     for k, (i, _) in enumerate(rows)],
                 "return_logprob": True}
@@ -406,6 +423,8 @@ class SGLangEngine:
             body["return_routed_experts"] = True
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if image_data is not None:
+            body["image_data"] = [image_data[i] for i, _ in rows]
         outputs = self._post("/generate", body)
         if not isinstance(outputs, list) or len(outputs) != len(rows):
             raise SGLangError(f"/generate answered {type(outputs).__name__} "
@@ -413,9 +432,22 @@ class SGLangEngine:
         return [self._sample(out, prompts[i] if i < len(prompts) else "", labels[i] if i < len(labels) else "",
                              ids, i, None if adapters is None else adapters[i]) for out, (i, ids) in zip(outputs, rows)]
 
+    def _image_rows(self, distinct: list[list[int]], images: list[dict | None] | None):
+        """(each prompt's input_ids as sent, each prompt's image_data entry; None for a batch without
+        images): a prompt with images gets one placeholder per image and its images as PNG data URIs."""
+        prompts = image_prompts(distinct, images, self.vision, self.arch.family, "sglang")
+        if all(pictures is None for _, pictures in prompts):
+            return distinct, None
+        return ([ids for ids, _ in prompts],
+                [None if pictures is None else [png_data_uri(im) for im in pictures] for _, pictures in prompts])
+
     def _sample(self, out: dict, prompt: str, label: str, ids: list[int], group: int,
                 adapter: int | None = None) -> Sample:
         meta = out["meta_info"]
+        if meta.get("prompt_tokens", len(ids)) != len(ids):
+            raise SGLangError(f"/generate: the server's prompt has {meta['prompt_tokens']} tokens, Miles' {len(ids)}: "
+                              "its image processor widened the image placeholders otherwise than the "
+                              "checkpoint's preprocessor_config.json does here")
         entries = meta.get("output_token_logprobs")
         if entries is None:
             raise SGLangError("/generate answered without meta_info.output_token_logprobs (return_logprob)")
@@ -519,6 +551,8 @@ class SGLangEngine:
         held = ranks[0].get("checksums") or {}
         device = str(self.server_info.get("device") or "cuda")
         fused_shared = self.arch.moe is not None and not any(".shared_experts." in name for name in held)
+        if self.arch.vision is not None:
+            hf = sglang_vision_layout(hf)
         layout = sglang_layout(hf, self.arch.tie_word_embeddings, fuse_shared_experts=fused_shared)
         differ, missing, unchecked = compare_checksums(layout, held, device, self.dtype)
         if differ or missing:
@@ -763,6 +797,117 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[str,
     with _SERIALIZE_LOCK, _sharing_strategy("file_system"):
         ForkingPickler(buffer).dump(tensors)
     return base64.b64encode(buffer.getvalue()).decode("ascii"), tensors
+
+
+# ----------------------------------------------------------------------------- images
+def vision_inputs(checkpoint_dir: str, tok: TokenizerInfo):
+    """The checkpoint's image processor and placeholder (miles/data/vision_inputs.py), which the server
+    loads from the same preprocessor_config.json (also vLLM's engine)."""
+    from miles.data.vision_inputs import PROCESSOR_FILE, VisionInputs
+
+    vision = VisionInputs.load(checkpoint_dir, tok)
+    if vision is None:
+        raise ValueError(f"{checkpoint_dir} is a vision-language checkpoint without {PROCESSOR_FILE}: SGLang "
+                         "processes images with it")
+    return vision
+
+
+def image_prompts(distinct: list[list[int]], images: list[dict | None] | None, vision, family: str,
+                  engine: str) -> list[tuple[list[int], list | None]]:
+    """Per prompt, what an external engine is sent: (its ids with one placeholder per image, its images
+    rebuilt as PIL images), or (its ids, None) without images. `images` as NativeEngine.generate takes
+    them; `vision` the checkpoint's VisionInputs (None: a text model)."""
+    if images is None or all(im is None for im in images):
+        return [(ids, None) for ids in distinct]
+    if vision is None:
+        raise ValueError(f"generate: images given to a text model ({family}); use a vision-language checkpoint "
+                         "(e.g. model=qwen2_5_vl_tiny)")
+    if len(images) != len(distinct):
+        raise ValueError(f"images: one entry (or None) per prompt, got {len(images)} for {len(distinct)} prompts")
+    out = []
+    for ids, inputs in zip(distinct, images):
+        if inputs is None:
+            out.append((ids, None))
+            continue
+        if set(inputs) != {"pixel_values", "image_grid_thw"}:
+            raise ValueError(f"images: rollout={engine} sends images only ({sorted(inputs)} given; videos run on "
+                             "rollout=native)")
+        counts = [t * h * w // vision.merge_size ** 2 for t, h, w in inputs["image_grid_thw"].tolist()]
+        out.append((one_placeholder_per_image(ids, vision.image_token_id, counts),
+                    rebuild_images(inputs, vision.processor)))
+    return out
+
+
+def one_placeholder_per_image(ids: list[int], image_token: int, counts: list[int]) -> list[int]:
+    """`ids` with each image's run of `counts[k]` placeholders written once, as the chat template
+    writes it (the server widens it again by the image's grid). ValueError when the runs are not the
+    images' (the prompt was not encoded with these images)."""
+    out, runs, i = [], [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] == image_token:
+            j += 1
+        if j > i:
+            runs.append(j - i)
+            out.append(image_token)
+            i = j
+        else:
+            out.append(ids[i])
+            i += 1
+    if runs != counts:
+        raise ValueError(f"images: the prompt's image placeholder runs {runs} are not its images' token counts "
+                         f"{counts} (image_grid_thw / merge size^2)")
+    return out
+
+
+def rebuild_images(inputs: dict, processor) -> list:
+    """The PIL images whose processing by `processor` (the Qwen2-VL / GLM-4V image processors' layout:
+    [patches, C * temporal_patch * patch^2] rows in 2 x 2-merge order, each frame repeated temporally)
+    gives `inputs["pixel_values"]` back: the resized images, un-normalized and rounded to 8 bits.
+    Exact for images the processor made (8-bit pixels, resize done), and a fixed point of its resize."""
+    from PIL import Image
+
+    ps, tp, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    mean = np.asarray(processor.image_mean, np.float64)[:, None, None]
+    std = np.asarray(processor.image_std, np.float64)[:, None, None]
+    pixels, start, out = inputs["pixel_values"].double().numpy(), 0, []
+    for t, h, w in inputs["image_grid_thw"].tolist():
+        x = pixels[start:start + t * h * w]
+        start += t * h * w
+        channels = x.shape[1] // (tp * ps * ps)
+        # rows (h/m, w/m, m, m), columns (C, tp, p, p): the first frame of the first temporal slice
+        x = x.reshape(t, h // m, w // m, m, m, channels, tp, ps, ps)[0, ..., 0, :, :]
+        x = x.transpose(4, 0, 2, 5, 1, 3, 6).reshape(channels, h * ps, w * ps)
+        x = (x * std + mean) / processor.rescale_factor
+        out.append(Image.fromarray(np.clip(np.rint(x), 0, 255).astype(np.uint8).transpose(1, 2, 0)))
+    return out
+
+
+def png_data_uri(image) -> str:
+    """A lossless data URI, one of the forms SGLang's load_image takes."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+_VISION_GATE_UP_BIAS = re.compile(r"^(visual\..*\.mlp)\.(gate|up)_proj\.bias$")
+
+
+def sglang_vision_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Qwen2.5-VL tower's HF tensors renamed as SGLang 0.5.23's qwen2_5_vl.py load_weights holds them,
+    before sglang_layout fuses the rest: `attn.qkv` -> `attn.qkv_proj` (one tensor, VisionAttention),
+    the MLP's gate / up biases fused like their weights (sglang_layout fuses those) into `gate_up_proj`."""
+    out, biases = {}, {}
+    for name, t in hf.items():
+        if (m := _VISION_GATE_UP_BIAS.match(name)) is not None:
+            biases.setdefault(m.group(1), {})[m.group(2)] = t
+        elif name.startswith("visual.") and ".attn.qkv." in name:
+            out[name.replace(".attn.qkv.", ".attn.qkv_proj.")] = t
+        else:
+            out[name] = t
+    for prefix, parts in biases.items():
+        out[f"{prefix}.gate_up_proj.bias"] = torch.cat([parts["gate"], parts["up"]])
+    return out
 
 
 def _die_with_parent() -> None:

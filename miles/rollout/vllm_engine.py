@@ -14,6 +14,16 @@ How the protocol maps onto vLLM:
   end-of-turn ids and `rollout.stop_tokens`, as for the native engine, and only those (`ignore_eos`
   turns off the eos vLLM takes from the model's config; the stop ids include it); a sampled stop id
   ends the response and is part of it (`Sample.response_ids` includes it).
+- Images (a vision-language checkpoint: `generate(..., images=[{"pixel_values", "image_grid_thw"} or
+  None per prompt])`, as the native engine takes them): vLLM's documented multimodal prompt,
+  `{"prompt_token_ids": ..., "multi_modal_data": {"image": [PIL images]}}`, the token ids with one
+  placeholder per image (vLLM's processor widens each to its image's grid, as Miles' did), the images
+  the ones Miles' processor resized, rebuilt from its pixel_values (sglang_engine.rebuild_images): vLLM's
+  processor then neither resizes nor crops them, so its pixels are the trainer's. vLLM's multimodal
+  processor needs a tokenizer, so a VLM's engine loads the checkpoint's (skip_tokenizer_init=False; the
+  prompts still go in as Miles' ids). vLLM's widened prompt must equal Miles' (else RuntimeError). vLLM
+  0.32's Qwen-VL models import transformers' torchvision image processors: without torchvision the
+  engine refuses a VLM (ValueError), as .venv-vllm here (docs/rollout.md).
 - Sampling parameters one to one: temperature, top_p, top_k, max_tokens, n (one request per
   prompt, n samples: prefill once, prefix caching across requests). temperature 0 is greedy; vLLM
   allows n=1 only there, so a greedy group is one request whose response is repeated n times (what
@@ -30,7 +40,9 @@ How the protocol maps onto vLLM:
 - Weights: `update_weights` takes the trainer's state dict with the project's parameter names (or
   in-process a FlatWeights), renames them to the checkpoint's HF names (`family.to_hf_name`, plus the
   family's layout conversion) and loads them with vLLM's `reload_weights` (collective_rpc, no
-  restart; vLLM then rebuilds its CPU GEMM handles). With a checksum, what vLLM holds is read back
+  restart; vLLM then rebuilds its CPU GEMM handles; a VLM's tower with the decoder, trained or frozen:
+  the trainer sends its whole state dict, and the read-back maps vLLM's module prefixes back through the
+  model's own hf_to_vllm_mapper). With a checksum, what vLLM holds is read back
   from its modules (`read_weights`) and hashed as the trainer hashed what it sent; a difference raises
   WeightSyncError. See `read_weights` for how packed CPU kernels are read.
 - LoRA (`lora` with rank > 0, trainer.lora): vLLM serves the trainer's adapters with its own LoRA
@@ -73,10 +85,13 @@ from miles.config.schema import DType, LoRACfg, PrecisionCfg, Quant, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models.config import from_hf_config
 from miles.models.families import get_family
+from miles.models.hf_io import model_class
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
 from miles.rollout.adapter_files import check_adapter_ids
+from miles.rollout.sglang_engine import image_prompts, vision_inputs
 from miles.rollout.vllm_lora import VLLMAdapters, llm_lora_args, lora_unsupported
+from miles.rollout.vllm_rules import torchvision_problem
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample
 
@@ -179,9 +194,12 @@ class VLLMEngine:
         tensor_parallel = tensor_parallel_size or cfg.num_gpus_per_engine or 1
         if lora is not None:
             problems += lora_unsupported(lora, self.arch.family, tensor_parallel)
+        if self.arch.vision is not None and (reason := torchvision_problem()) is not None:
+            problems.append(f"images: {reason}; use rollout=native")
         if problems:
             raise ValueError("rollout=vllm: " + "; ".join(problems))
         self.tok = TokenizerInfo.load(checkpoint_dir)
+        self.vision = vision_inputs(checkpoint_dir, self.tok) if self.arch.vision is not None else None
         stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)
         for text in cfg.stop_tokens:
             token_id = self.tok.tokenizer.token_to_id(text)
@@ -200,7 +218,8 @@ class VLLMEngine:
         self._SamplingParams = vllm.SamplingParams
         kwargs = dict(
             model=str(path), dtype=VLLM_DTYPES[self.dtype], seed=seed, enforce_eager=enforce_eager,
-            max_model_len=self.max_model_len, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            max_model_len=self.max_model_len, skip_tokenizer_init=self.vision is None,
+            logprobs_mode="processed_logprobs",
             enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel,
             max_num_seqs=max(1, min(max_num_seqs or cfg.max_running, max_slots or cfg.max_running)),
@@ -263,9 +282,11 @@ class VLLMEngine:
         prompt_ids: list[list[int]] | None = None,
         seeds: list[int] | None = None,
         adapters: list[int] | None = None,
+        images: list[dict | None] | None = None,
     ) -> list[Sample]:
         """n samples per prompt, grouped (samples[i*n:(i+1)*n] answer prompts[i]); the protocol's contract.
-        `adapters`: each prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it."""
+        `adapters`: each prompt's LoRA adapter id (trainer.lora.adapters), as NativeEngine.generate takes it.
+        `images`: each prompt's {"pixel_values", "image_grid_thw"} or None (a VLM), as NativeEngine takes them."""
         self._check_resident("generate")
         temperature = self.cfg.temperature if temperature is None else temperature
         max_new = max_new_tokens or self.cfg.max_new_tokens
@@ -294,10 +315,14 @@ class VLLMEngine:
 
         sampling = [params(request_seed(s)) for s in seeds] if seeds is not None else params(None)
         with self._serving():
-            outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in distinct], sampling, use_tqdm=False,
+            outputs = self.llm.generate(self._prompts(distinct, images), sampling, use_tqdm=False,
                                         lora_request=lora_request)
         samples = []
         for i, output in enumerate(outputs):
+            if list(output.prompt_token_ids) != list(distinct[i]):
+                raise RuntimeError(f"vLLM's prompt {i} has {len(output.prompt_token_ids)} tokens, Miles' "
+                                   f"{len(distinct[i])}: its image processor widened the image placeholders "
+                                   "otherwise than the checkpoint's preprocessor_config.json does here")
             completions = sorted(output.outputs, key=lambda c: c.index)
             if greedy:
                 completions = completions * n
@@ -313,6 +338,12 @@ class VLLMEngine:
                     finish_reason=FinishReason.stop if stopped else FinishReason.length, group=i,
                     adapter=None if adapters is None else adapters[i]))
         return samples
+
+    def _prompts(self, distinct: list[list[int]], images: list[dict | None] | None) -> list[dict]:
+        """vLLM's token prompts; a prompt with images: one placeholder per image and its images."""
+        return [{"prompt_token_ids": ids} if pictures is None else
+                {"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}
+                for ids, pictures in image_prompts(distinct, images, self.vision, self.arch.family, "vllm")]
 
     # ----------------------------------------------------------------------------- weights
     def update_weights(self, weights: dict[str, torch.Tensor] | FlatWeights,
@@ -339,8 +370,12 @@ class VLLMEngine:
             if self.arch.tie_word_embeddings and self.device.type == "cpu":
                 self.llm.apply_model(refresh_tied_heads)
             # KV cached under the old weights must not serve a repeated prompt prefix (reload_weights
-            # resets vLLM's encoder and multimodal caches, not this one).
+            # resets vLLM's multimodal caches, not this one).
             self.llm.reset_prefix_cache()
+            if self.vision is not None:
+                # reload_weights empties the worker's encoder cache but not the scheduler's record of it:
+                # the next prompt with a seen image then fails ("Encoder cache miss"). Reset both.
+                self.llm.llm_engine.reset_encoder_cache()
         self.weights_stale = False
         if expected_checksum is None:
             return ""
@@ -361,16 +396,16 @@ class VLLMEngine:
         architecture. Raises WeightSyncError naming the tensors vLLM's modules do not give back."""
         self._check_open("held_weights")
         hf = self.llm.apply_model(read_weights)[0]
+        if self.arch.vision is not None:
+            hf = self._checkpoint_names(hf)
         head = hf.pop("lm_head.weight", None) if self.arch.tie_word_embeddings else None
         if head is not None and not torch.equal(head, hf["model.embed_tokens.weight"]):
             raise WeightSyncError("vLLM's LM head computes with other weights than its tied input embedding "
                                   "(a stale kernel handle after reload_weights)")
         hf = self.family.from_hf_tensors(hf, self.arch)
         if like is None:
-            from miles.models.causal_lm import CausalLM
-
             with torch.device("meta"):
-                like = CausalLM(self.arch).state_dict()
+                like = model_class(self.arch)(self.arch).state_dict()
         out, missing = {}, []
         for name, sent in like.items():
             got = hf.get(self.family.to_hf_name(name))
@@ -384,6 +419,20 @@ class VLLMEngine:
             raise WeightSyncError(f"cannot read back {len(missing)} tensors from vLLM's modules to verify the sync "
                                   f"(e.g. {missing[:3]}): this layout is not supported by read_weights; set "
                                   "rollout.check_weight_sync=false to load without the check")
+        return out
+
+    def _checkpoint_names(self, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A VLM's tensors under vLLM's module names (`language_model.model.`, `visual.`) back under the
+        checkpoint's: each name through the inverse of the model's hf_to_vllm_mapper prefixes, the one
+        that gives a name the checkpoint has (several checkpoint prefixes map to one of vLLM's)."""
+        prefixes = self.llm.apply_model(mapper_prefixes)[0]
+        with torch.device("meta"):
+            names = set(self.family.to_hf_tensors({self.family.to_hf_name(k): v for k, v in
+                                                   model_class(self.arch)(self.arch).state_dict().items()}, self.arch))
+        out = {}
+        for name, t in held.items():
+            candidates = [orig + name[len(new):] for orig, new in prefixes.items() if new and name.startswith(new)]
+            out[next((c for c in candidates if c in names), name)] = t
         return out
 
     def update_draft_weights(self, weights, expected_checksum: str | None = None) -> str:
@@ -478,6 +527,11 @@ def _unsupported(cfg: RolloutCfg, precision: PrecisionCfg | None, record_routing
     if sleep_mode and device.type == "cpu":
         problems.append("enable_sleep_mode: vLLM's sleep mode needs CUDA")
     return problems
+
+
+def mapper_prefixes(model: torch.nn.Module) -> dict[str, str]:
+    """The checkpoint -> vLLM name prefixes of the model's hf_to_vllm_mapper; runs in the worker."""
+    return dict(model.hf_to_vllm_mapper.orig_to_new_prefix)
 
 
 @torch.no_grad()

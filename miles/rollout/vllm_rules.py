@@ -7,6 +7,12 @@ from __future__ import annotations
 from miles.config.rules import engine_chosen_by_group
 from miles.config.schema import EngineName, RunCfg, SpeculativeKind
 
+# Vision-language families rollout=vllm runs with images: those tested against the native engine on
+# vLLM's CPU build (tests/vllm/test_vllm_images.py).
+VISION_FAMILIES = ("qwen2_5_vl",)
+# Head sizes vLLM 0.32's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py); another fails at start.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 
 def vllm_problems(cfg: RunCfg) -> list[str]:
     if cfg.rollout.engine != EngineName.vllm:
@@ -51,4 +57,32 @@ def _offline_api_problems(cfg: RunCfg) -> list[str]:
         if key in v.llm_args:
             problems.append(f"rollout.vllm.llm_args.{key} is {instead} (one key for both engines): set "
                             f"{instead}={v.llm_args[key]} and drop it from llm_args")
+    return problems
+
+
+def torchvision_problem() -> str | None:
+    """Why this environment's vLLM cannot run a vision-language model (vLLM 0.32's Qwen-VL / GLM-4V
+    models import transformers' torchvision image processors), or None. Imports torchvision to know:
+    PyPI's wheel is a CUDA build, whose import fails beside torch's CPU build."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # noqa: BLE001  (ImportError, or the CUDA build's RuntimeError)
+        return (f"vLLM's Qwen-VL models need torchvision, which does not import in this environment "
+                f"({type(error).__name__}: {error}); `make vllm-env` uninstalls PyPI's torchvision, a CUDA build "
+                "that does not import beside torch's CPU build (docs/rollout.md)")
+    return None
+
+
+def vllm_vision_problems(cfg: RunCfg, family: str) -> list[str]:
+    """What keeps rollout=vllm from running this vision-language model with images."""
+    problems = []
+    if family not in VISION_FAMILIES:
+        problems.append(f"rollout=vllm takes images for {', '.join(VISION_FAMILIES)} only ({family} is not tested "
+                        "against the native engine): set rollout=native")
+    if cfg.hardware.device == "cpu" and cfg.model.hf_checkpoint is None and cfg.model.head_dim not in CPU_HEAD_SIZES:
+        problems.append(f"rollout=vllm on the CPU takes model.head_dim in {list(CPU_HEAD_SIZES)} (vLLM's CPU "
+                        f"attention), not {cfg.model.head_dim}: e.g. model.num_heads=2 model.head_dim=32 "
+                        "model.mrope_section=[4,6,6] for qwen2_5_vl_tiny, or rollout=native")
+    if (reason := torchvision_problem()) is not None:
+        problems.append(f"rollout=vllm does not take images yet: set rollout=native ({reason})")
     return problems

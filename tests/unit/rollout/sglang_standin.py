@@ -38,6 +38,17 @@ Behaviours taken from 0.5.23's source (a real 0.5.23 server on a CPU showed the 
   The adapters run as the native engine's LoRA module (miles/models/lora.py) at max_lora_rank, each
   adapter zero-padded to it with its alpha / r folded into B: SGLang's LoRA kernels and numerics are
   not reproduced.
+- Images (`image_data`, io_struct.py GenerateReqInput and its _normalize_image_data; multimodal/
+  processors/base_processor.py, qwen_vl.py, utils/common.py load_image, read in the 0.5.23 wheel): a
+  list aligned with the `input_ids` rows, each None or a list of that row's images as data URIs,
+  bare base64 or file paths (length other than the batch's: 400 "The length of image_data should be
+  equal to the batch size."). Each image is loaded with PIL and processed by the checkpoint's own
+  image processor (preprocessor_config.json, as SGLang's processor wrapper loads it); each image
+  placeholder token of the row's input_ids is widened to its image's grid (qwen_vl.py
+  build_input_ids: one placeholder per image; another count: 400), and the row is computed by the
+  native engine's vision-language path with those pixels. `meta_info.prompt_tokens` is the widened
+  length. /weights_checker holds a Qwen2.5-VL tower as qwen2_5_vl.py loads it (`attn.qkv` ->
+  `attn.qkv_proj`, the MLP's gate / up weights and biases fused into `gate_up_proj`).
 
 Strict on purpose, so a test catches adapter drift: a body with an unknown field, a missing required
 field or a wrongly typed value gets HTTP 400; a documented field the stand-in does not reproduce is
@@ -47,7 +58,8 @@ accepted only at its documented default (400 otherwise, saying so). Every reques
 What it does NOT reproduce: SGLang's kernels and numerics (these are the native engine's), continuous
 batching, the radix cache (cached_tokens is 0), streaming, text prompts / stop strings / regex and other
 constrained decoding, penalties, top_logprobs, LoRA's pinning / eviction / max_loras_per_batch /
-load_lora_adapter_from_tensors / the checks of rank and modules beyond those below, multimodal inputs, speculative decoding, TP / DP
+load_lora_adapter_from_tensors / the checks of rank and modules beyond those below, video / audio data,
+the processor_output / precomputed_embedding image formats, image URLs, speculative decoding, TP / DP
 (tp_size > 1 only checks the per-rank payload count), CUDA IPC and NCCL (tensors cross by CPU shared
 memory, weight update groups are gloo), the exact store layout of SGLang's process-group rendezvous
 (here: a TCPStore client at master_address:master_port and a PrefixStore named group_name), aborting or
@@ -87,6 +99,7 @@ import numpy as np
 import torch
 
 from miles.config.schema import DType, LoRACfg, RolloutCfg
+from miles.data.vision_inputs import VisionInputs
 from miles.models.families import get_family
 from miles.models.hf_io import from_pretrained
 from miles.models.lora import ALL_PROJECTIONS
@@ -129,7 +142,11 @@ def sglang_parameters(hf: dict[str, torch.Tensor], config: dict, dtype: torch.dt
     its slice the way the loaders do it (qwen3.py / qwen3_moe.py stacked_params_mapping and
     QKVParallelLinear / MergedColumnParallelLinear shard offsets, FusedMoE._load_w13 / _load_w2,
     deepseek_weight_loader.py's cached q_a / kv_a fusion and shared-experts fusion,
-    VocabParallelEmbedding.weight_loader's zero-padded rows; a tied head is the embedding's tensor)."""
+    VocabParallelEmbedding.weight_loader's zero-padded rows; a tied head is the embedding's tensor).
+    A vision-language config's decoder sizes are its text_config's; a Qwen2.5-VL tower loads as
+    qwen2_5_vl.py load_weights does (`vision_parameter`)."""
+    vision = config.get("vision_config")
+    config = {**config, **config.get("text_config", {})}
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -155,6 +172,9 @@ def sglang_parameters(hf: dict[str, torch.Tensor], config: dict, dtype: torch.dt
     experts = (routed + any(f".experts.{routed}." in n for n in hf)) if routed else 0  # + a fused shared one
     cached_a = {}
     for name, w in hf.items():
+        if name.startswith("visual.") and vision is not None:
+            vision_parameter(name, w, vision, param)
+            continue
         if (m := re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$", name)):
             e, which = int(m.group(2)), {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}.get(m.group(3), m.group(3))
             if which == "w2":
@@ -199,6 +219,22 @@ def sglang_parameters(hf: dict[str, torch.Tensor], config: dict, dtype: torch.dt
     if unloaded or cached_a:
         raise BadRequest(f"stand-in layout: parameters not fully loaded: {unloaded[:3]} {list(cached_a)[:3]}")
     return params
+
+
+def vision_parameter(name: str, w: torch.Tensor, vision: dict, param) -> None:
+    """One Qwen2.5-VL tower tensor into SGLang's parameters (qwen2_5_vl.py load_weights, TP = 1): the
+    MLP's gate_proj / up_proj (weight and bias: the stacked mapping matches any name holding them) as
+    shards 0 / 1 of `gate_up_proj` (MergedColumnParallelLinear, the tower's intermediate_size each),
+    `attn.qkv` renamed `attn.qkv_proj` (VisionAttention's QKVParallelLinear, loaded whole); the rest as it is."""
+    for shard, shard_id in (("gate_proj", 0), ("up_proj", 1)):
+        prefix, dot, suffix = name.rpartition(f".{shard}.")
+        if dot:
+            size = vision["intermediate_size"]
+            fused = param(f"{prefix}.gate_up_proj.{suffix}", (2 * size, *w.shape[1:]))
+            fused.narrow(0, shard_id * size, size).copy_(w)
+            return
+    name = name.replace("attn.qkv.", "attn.qkv_proj.")
+    param(name, w.shape).copy_(w)
 
 
 def _cpu_tensor_hash(t: torch.Tensor) -> int:
@@ -271,7 +307,8 @@ GENERATE = {
     "return_logprob": (_opt(BOOL), NO), "logprob_start_len": (_opt(INT), None), "top_logprobs_num": (_opt(INT), None),
     "token_ids_logprob": (ANY, None), "return_text_in_logprobs": (BOOL, False),
     "return_routed_experts": (BOOL, NO), "routed_experts_start_len": (INT, NO), "return_hidden_states": (BOOL, False),
-    "lora_path": (lambda v: v is None or STR(v) or _list_of(_opt(STR))(v), NO), "custom_logit_processor": (ANY, None), "image_data": (ANY, None),
+    "lora_path": (lambda v: v is None or STR(v) or _list_of(_opt(STR))(v), NO), "custom_logit_processor": (ANY, None),
+    "image_data": (_opt(_list_of(_opt(_list_of(STR)))), NO),
     "routed_dp_rank": (ANY, None), "priority": (ANY, None), "stream": (BOOL, False),
 }
 SAMPLING = {
@@ -392,6 +429,7 @@ class StandInServer:
                                    record_routing=enable_return_routed_experts)
         self.config = self.engine.model.config
         self.family = get_family(self.config.family)
+        self.vision = VisionInputs.load(model_path, self.engine.tok) if self.config.vision is not None else None
         # enable_lora: one LoRA module at max_lora_rank (scaling 1) over the engine's model; a request's
         # adapter is copied into it, zero-padded, alpha / r folded into B. Loaded adapters by name.
         self.lora, self.adapters = None, {}
@@ -488,8 +526,9 @@ class StandInServer:
             raise BadRequest("sampling_params.n must be one value >= 1 for the whole batch")
         n = ns.pop()
         adapters = self._request_adapters(body.get("lora_path"), len(rows))
+        rows, images = self._request_images(body.get("image_data"), rows)
         rows, params = [r for r in rows for _ in range(n)], [p for p in params for _ in range(n)]
-        adapters = [a for a in adapters for _ in range(n)]
+        adapters, images = [a for a in adapters for _ in range(n)], [im for im in images for _ in range(n)]
         start = int(body.get("routed_experts_start_len", 0))
         with self.resume:
             while self.paused is not None:  # pause_generation: new requests wait for continue_generation
@@ -497,14 +536,40 @@ class StandInServer:
             self.in_flight += 1
         try:
             with self.lock:
-                outputs = self._decode(rows, params, adapters, bool(body.get("return_logprob")),
+                outputs = self._decode(rows, params, adapters, images, bool(body.get("return_logprob")),
                                        bool(body.get("return_routed_experts")), start, body.get("rid"))
         finally:
             with self.resume:
                 self.in_flight -= 1
         return outputs[0] if single and n == 1 else outputs
 
-    def _decode(self, rows, params, adapters, logprob: bool, routed: bool, start: int, rids):
+    def _request_images(self, image_data, rows: list) -> tuple[list, list]:
+        """(the rows with each image placeholder widened to its image's grid, each row's
+        {"pixel_values", "image_grid_thw"} or None), from `image_data` as the module docstring says."""
+        if image_data is None or not any(image_data):
+            return rows, [None] * len(rows)
+        if len(image_data) != len(rows):
+            raise BadRequest("The length of image_data should be equal to the batch size.")
+        if self.vision is None:
+            raise BadRequest(f"image_data: {self.hf_config.get('model_type')} takes no images")
+        widened, inputs = [], []
+        for ids, items in zip(rows, image_data):
+            if not items:
+                widened.append(ids)
+                inputs.append(None)
+                continue
+            pixels = self.vision.pixels([_load_image(item) for item in items])
+            counts = [t * h * w // self.vision.merge_size ** 2 for t, h, w in pixels["image_grid_thw"].tolist()]
+            placeholders = ids.count(self.vision.image_token_id)
+            if placeholders != len(counts):
+                raise BadRequest(f"image_data: {placeholders} image placeholders in input_ids for {len(counts)} images")
+            grid = iter(counts)
+            widened.append([t for token in ids
+                            for t in [token] * (next(grid) if token == self.vision.image_token_id else 1)])
+            inputs.append(pixels)
+        return widened, inputs
+
+    def _decode(self, rows, params, adapters, images, logprob: bool, routed: bool, start: int, rids):
         began = time.perf_counter()
         eos = self.engine.tok.eos_id
         outputs: list = [None] * len(rows)
@@ -526,8 +591,11 @@ class StandInServer:
             seeds = [int(params[i].get("sampling_seed") if params[i].get("sampling_seed") is not None else 42)
                      for i in index] if seeded else None
             try:
+                given = [images[i] for i in index]
+                pixels = {"images": given} if any(im is not None for im in given) else {}
                 samples = self.engine.generate([""] * len(index), [""] * len(index), n=1, temperature=temperature,
-                                               max_new_tokens=max_new, prompt_ids=[rows[i] for i in index], seeds=seeds)
+                                               max_new_tokens=max_new, prompt_ids=[rows[i] for i in index], seeds=seeds,
+                                               **pixels)
             except ValueError as error:  # e.g. longer than the context
                 raise BadRequest(str(error)) from None
             for i, s in zip(index, samples):
@@ -805,6 +873,20 @@ class StandInServer:
             self.paused = None
             self.resume.notify_all()
         return {"status": "ok"}
+
+
+def _load_image(item: str):
+    """utils/common.py load_image for the string forms the stand-in takes: a data URI, a file path
+    (by its image extension), else bare base64; RGB as the processor's loader converts it."""
+    from PIL import Image
+
+    if item.startswith("data:"):
+        raw = base64.b64decode(item.split(",", 1)[1])
+    elif item.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")):
+        raw = Path(item).read_bytes()
+    else:
+        raw = base64.b64decode(item)
+    return Image.open(io.BytesIO(raw)).convert("RGB")
 
 
 def _handler(server: StandInServer):
