@@ -54,7 +54,6 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
         (r.engine == "sglang" and family(cfg) not in SGLANG_FAMILIES,
          f"rollout=sglang takes images for {', '.join(SGLANG_FAMILIES)} only (its tower's layout in SGLang is "
          f"what the checked sync predicts; {family(cfg)}'s is not): set rollout=native"),
-        (r.num_engines > 1, "rollout.num_engines > 1 does not route images yet: set 1"),
         (r.slot_decode is True, "rollout.slot_decode=true: a VLM decodes on the padded path; set rollout.slot_decode=null"),
         (r.speculative.kind != "none", "rollout.speculative.kind must be none (no draft with images yet)"),
         (cfg.true_on_policy, "true_on_policy=true is not wired for the vision tower yet: set false"),

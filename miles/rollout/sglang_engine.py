@@ -28,7 +28,7 @@ How each protocol call maps onto the server (docs/sglang.md has the user's view)
   and its `input_ids` carry one image placeholder per image, as the chat template writes it: SGLang's
   Qwen-VL processor widens each to the image's grid (srt/multimodal/processors/qwen_vl.py
   build_input_ids), as Miles' processor did. The PNGs are the images Miles' processor resized, rebuilt
-  from its pixel_values (`rebuild_images`): the server's processor then neither resizes nor crops them,
+  from its pixel_values (miles/rollout/engine_images.py): the server's processor then neither resizes nor crops them,
   so its pixels are the trainer's (up to the rounding of the normalization). Each answer's
   `meta_info.prompt_tokens` must equal the widened prompt's length (else the two processors disagree).
   The response tokens and their log-probs are read from `meta_info.output_token_logprobs`
@@ -106,6 +106,7 @@ from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, check_tags
 from miles.rollout.sglang_lora import SGLangAdapters, server_lora_args, server_problems
 from miles.rollout.adapter_files import check_adapter_ids
+from miles.rollout.engine_images import image_prompts, png_data_uri, vision_inputs
 from miles.rollout.sglang_weights import compare_checksums, sglang_layout
 from miles.transport.flat import FlatWeights
 from miles.types import FinishReason, Sample, moe_layers, routing_dtype
@@ -797,97 +798,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[str,
     with _SERIALIZE_LOCK, _sharing_strategy("file_system"):
         ForkingPickler(buffer).dump(tensors)
     return base64.b64encode(buffer.getvalue()).decode("ascii"), tensors
-
-
-# ----------------------------------------------------------------------------- images
-def vision_inputs(checkpoint_dir: str, tok: TokenizerInfo):
-    """The checkpoint's image processor and placeholder (miles/data/vision_inputs.py), which the server
-    loads from the same preprocessor_config.json (also vLLM's engine)."""
-    from miles.data.vision_inputs import PROCESSOR_FILE, VisionInputs
-
-    vision = VisionInputs.load(checkpoint_dir, tok)
-    if vision is None:
-        raise ValueError(f"{checkpoint_dir} is a vision-language checkpoint without {PROCESSOR_FILE}: SGLang "
-                         "processes images with it")
-    return vision
-
-
-def image_prompts(distinct: list[list[int]], images: list[dict | None] | None, vision, family: str,
-                  engine: str) -> list[tuple[list[int], list | None]]:
-    """Per prompt, what an external engine is sent: (its ids with one placeholder per image, its images
-    rebuilt as PIL images), or (its ids, None) without images. `images` as NativeEngine.generate takes
-    them; `vision` the checkpoint's VisionInputs (None: a text model)."""
-    if images is None or all(im is None for im in images):
-        return [(ids, None) for ids in distinct]
-    if vision is None:
-        raise ValueError(f"generate: images given to a text model ({family}); use a vision-language checkpoint "
-                         "(e.g. model=qwen2_5_vl_tiny)")
-    if len(images) != len(distinct):
-        raise ValueError(f"images: one entry (or None) per prompt, got {len(images)} for {len(distinct)} prompts")
-    out = []
-    for ids, inputs in zip(distinct, images):
-        if inputs is None:
-            out.append((ids, None))
-            continue
-        if set(inputs) != {"pixel_values", "image_grid_thw"}:
-            raise ValueError(f"images: rollout={engine} sends images only ({sorted(inputs)} given; videos run on "
-                             "rollout=native)")
-        counts = [t * h * w // vision.merge_size ** 2 for t, h, w in inputs["image_grid_thw"].tolist()]
-        out.append((one_placeholder_per_image(ids, vision.image_token_id, counts),
-                    rebuild_images(inputs, vision.processor)))
-    return out
-
-
-def one_placeholder_per_image(ids: list[int], image_token: int, counts: list[int]) -> list[int]:
-    """`ids` with each image's run of `counts[k]` placeholders written once, as the chat template
-    writes it (the server widens it again by the image's grid). ValueError when the runs are not the
-    images' (the prompt was not encoded with these images)."""
-    out, runs, i = [], [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and ids[j] == image_token:
-            j += 1
-        if j > i:
-            runs.append(j - i)
-            out.append(image_token)
-            i = j
-        else:
-            out.append(ids[i])
-            i += 1
-    if runs != counts:
-        raise ValueError(f"images: the prompt's image placeholder runs {runs} are not its images' token counts "
-                         f"{counts} (image_grid_thw / merge size^2)")
-    return out
-
-
-def rebuild_images(inputs: dict, processor) -> list:
-    """The PIL images whose processing by `processor` (the Qwen2-VL / GLM-4V image processors' layout:
-    [patches, C * temporal_patch * patch^2] rows in 2 x 2-merge order, each frame repeated temporally)
-    gives `inputs["pixel_values"]` back: the resized images, un-normalized and rounded to 8 bits.
-    Exact for images the processor made (8-bit pixels, resize done), and a fixed point of its resize."""
-    from PIL import Image
-
-    ps, tp, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
-    mean = np.asarray(processor.image_mean, np.float64)[:, None, None]
-    std = np.asarray(processor.image_std, np.float64)[:, None, None]
-    pixels, start, out = inputs["pixel_values"].double().numpy(), 0, []
-    for t, h, w in inputs["image_grid_thw"].tolist():
-        x = pixels[start:start + t * h * w]
-        start += t * h * w
-        channels = x.shape[1] // (tp * ps * ps)
-        # rows (h/m, w/m, m, m), columns (C, tp, p, p): the first frame of the first temporal slice
-        x = x.reshape(t, h // m, w // m, m, m, channels, tp, ps, ps)[0, ..., 0, :, :]
-        x = x.transpose(4, 0, 2, 5, 1, 3, 6).reshape(channels, h * ps, w * ps)
-        x = (x * std + mean) / processor.rescale_factor
-        out.append(Image.fromarray(np.clip(np.rint(x), 0, 255).astype(np.uint8).transpose(1, 2, 0)))
-    return out
-
-
-def png_data_uri(image) -> str:
-    """A lossless data URI, one of the forms SGLang's load_image takes."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 _VISION_GATE_UP_BIAS = re.compile(r"^(visual\..*\.mlp)\.(gate|up)_proj\.bias$")

@@ -18,7 +18,7 @@ How the protocol maps onto vLLM:
   None per prompt])`, as the native engine takes them): vLLM's documented multimodal prompt,
   `{"prompt_token_ids": ..., "multi_modal_data": {"image": [PIL images]}}`, the token ids with one
   placeholder per image (vLLM's processor widens each to its image's grid, as Miles' did), the images
-  the ones Miles' processor resized, rebuilt from its pixel_values (sglang_engine.rebuild_images): vLLM's
+  the ones Miles' processor resized, rebuilt from its pixel_values (miles/rollout/engine_images.py): vLLM's
   processor then neither resizes nor crops them, so its pixels are the trainer's. vLLM's multimodal
   processor needs a tokenizer, so a VLM's engine loads the checkpoint's (skip_tokenizer_init=False; the
   prompts still go in as Miles' ids). vLLM's widened prompt must equal Miles' (else RuntimeError). vLLM
@@ -89,7 +89,7 @@ from miles.models.hf_io import model_class
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.rollout.memory import ENGINE_TAGS, check_tags
 from miles.rollout.adapter_files import check_adapter_ids
-from miles.rollout.sglang_engine import image_prompts, vision_inputs
+from miles.rollout.engine_images import image_prompts, vision_inputs
 from miles.rollout.vllm_lora import VLLMAdapters, llm_lora_args, lora_unsupported
 from miles.rollout.vllm_rules import torchvision_problem
 from miles.transport.flat import FlatWeights

@@ -54,6 +54,16 @@ def test_lora_on_a_vlm_trains_the_decoder_adapters_with_images(tmp_path):
     assert config["r"] == 8 and all(t.startswith("model.language_model.layers.") for t in config["target_modules"])
 
 
+def test_an_engine_fleet_with_images_on_ray(tmp_path):
+    """rollout.num_engines=2 with images: each prompt's pixels travel with its chunk to the engine actor
+    that runs it (tests/unit/rollout/test_vlm_rollout.py: a fleet's samples are one engine's)."""
+    proc = run_launch([*TINY, "ray.enabled=true", "rollout.num_engines=2"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    assert all(metrics[step]["mismatch/logprob_abs_diff"] < 1e-5 for step in (1, 2))
+
+
 def _video_records(directory) -> str:
     """8 records, each a 4-frame video (a red square moving left or right) and a question."""
     from PIL import Image, ImageDraw

@@ -23,7 +23,8 @@ from miles.data.tokenizer import TokenizerInfo
 from miles.data.vision_inputs import VisionInputs
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
-from miles.rollout.sglang_engine import SGLangEngine, one_placeholder_per_image, rebuild_images
+from miles.rollout.engine_images import one_placeholder_per_image, rebuild_images
+from miles.rollout.sglang_engine import SGLangEngine
 from miles.transport.checksum import WeightSyncError, checksum
 from sglang_fixtures import ckpt, serve  # noqa: F401  (fixtures: the tiny dense checkpoint, stand-in servers)
 
