@@ -64,9 +64,5 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
         (cfg.debug.save_rollouts is not None or cfg.debug.load_rollouts is not None,
          "debug.save_rollouts / load_rollouts do not store images yet: set them to null"),
     ]
-    if r.engine == "vllm":
-        # imported here: vllm_rules imports miles.config.rules, which imports this module
-        from miles.rollout.vllm_rules import vllm_vision_problems
-
-        refused += [(True, message) for message in vllm_vision_problems(cfg, family(cfg))]
+    # rollout=vllm's own limits with images are its rules' (miles/rollout/vllm_rules.py, run by miles/validate.py).
     return problems + [f"{cfg.model.name} is a vision-language model: {message}" for bad, message in refused if bad]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from miles.config.rules import engine_chosen_by_group
 from miles.config.schema import EngineName, RunCfg, SpeculativeKind
+from miles.config.vlm_rules import family, is_vlm
 
 # Vision-language families rollout=vllm runs with images: those tested against the native engine on
 # vLLM's CPU build (tests/vllm/test_vllm_images.py).
@@ -22,6 +23,9 @@ def vllm_problems(cfg: RunCfg) -> list[str]:
     if cfg.rollout.speculative.kind != SpeculativeKind.none:
         problems.append("rollout.speculative runs in the native engine; rollout=vllm has its own speculative "
                         "options (rollout.vllm.llm_args): set rollout.speculative.kind=none")
+    if is_vlm(cfg):
+        problems += [f"{cfg.model.name} is a vision-language model: {message}"
+                     for message in vllm_vision_problems(cfg, family(cfg))]
     return problems
 
 
