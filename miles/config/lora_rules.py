@@ -13,7 +13,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def lora_problems(cfg: RunCfg) -> list[str]:
-    lo, t, r = cfg.trainer.lora, cfg.trainer, cfg.rollout
+    lo, r = cfg.trainer.lora, cfg.rollout
     if lo.rank < 0:
         return [f"trainer.lora.rank must be >= 0 (got {lo.rank}; 0 turns LoRA off)"]
     if lo.rank == 0:
@@ -30,10 +30,6 @@ def lora_problems(cfg: RunCfg) -> list[str]:
         problems.append("trainer.lora.target_modules must name at least one projection (e.g. [q_proj, v_proj])")
     elif not cfg.model.problems():  # the model's module names, from a meta-device build (no memory)
         problems += _target_problems(cfg)
-    if t.backend == "megatron":
-        problems.append(f"trainer.lora.rank={lo.rank} runs on trainer=torch or trainer=fsdp: Megatron-core's LoRA "
-                        "needs its Transformer Engine layers, which this backend does not build; set trainer=torch, "
-                        "trainer=fsdp or trainer.lora.rank=0")
     if r.weight_sync != "object_store":
         problems.append(f"trainer.lora.rank={lo.rank}: rollout.weight_sync={r.weight_sync.value} carries the whole "
                         "flat state dict; the adapters travel through rollout.weight_sync=object_store")

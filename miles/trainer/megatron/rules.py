@@ -29,4 +29,8 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
                    f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
+    if t.lora.rank > 0:
+        problems.append(f"trainer.lora.rank={t.lora.rank} runs on trainer=torch or trainer=fsdp: Megatron-core's LoRA "
+                        "needs its Transformer Engine layers, which this backend does not build; set trainer=torch, "
+                        "trainer=fsdp or trainer.lora.rank=0")
     return problems
