@@ -74,6 +74,7 @@ from miles.models import fused, from_pretrained, invariant
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
+from miles.rollout.adapter_files import check_adapter_ids
 from miles.rollout.lora import engine_adapters, load_synced
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
@@ -334,17 +335,9 @@ class NativeEngine:
 
     def _check_adapters(self, adapters: list[int] | None, prompts: int) -> None:
         """An engine of named adapters needs every prompt's; one without takes none."""
+        check_adapter_ids(self.lora.adapter_names if self._routes_adapters else [], adapters, prompts)
         if not self._routes_adapters:
-            if adapters is not None:
-                raise ValueError("generate: adapters given to an engine without named LoRA adapters "
-                                 "(trainer.lora.adapters)")
             return
-        if adapters is None or len(adapters) != prompts:
-            got = "none" if adapters is None else len(adapters)
-            raise ValueError(f"generate: one LoRA adapter id per prompt (trainer.lora.adapters="
-                             f"{self.lora.adapter_names}), got {got} for {prompts} prompts")
-        if bad := sorted({a for a in adapters if not 0 <= a < self.lora.num_adapters}):
-            raise ValueError(f"generate: adapter ids {bad} out of range for {self.lora.num_adapters} adapters")
         if self.spec is not None:
             raise ValueError("generate: the speculative decoders do not route rows to LoRA adapters")
 

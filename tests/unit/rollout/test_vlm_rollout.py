@@ -25,7 +25,7 @@ from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import build_train_batch
-from vlm_rollout_checks import FP32, assert_trainer_recomputes_the_engine
+from vlm_rollout_checks import FP32, assert_trainer_recomputes_the_engine, layout_logprobs
 
 CONF = "conf/model/qwen2_5_vl_tiny.yaml"
 
@@ -98,12 +98,7 @@ def test_packing_keeps_each_samples_images(checkpoint):
     directory, examples = checkpoint
     _, samples = _rollout(directory, examples, n=2, seed=1)
     batch = build_train_batch(samples, torch.zeros(len(samples)), 0)
-    out = {}
-    for name, cfg in {"padded": TrainerCfg(pack_sequences=False, micro_batch_size=5),
-                      "packed": TrainerCfg(share_prompts=False, max_tokens_per_micro_batch=300),
-                      "shared": TrainerCfg(share_prompts=True, max_tokens_per_micro_batch=300)}.items():
-        trainer = TorchTrainer(str(directory), AlgoCfg(name=AlgoName.grpo), cfg, FP32, temperature=1.0)
-        out[name] = trainer.logprobs(batch)
+    out, trainer = layout_logprobs(directory, batch, padded_rows=5, max_tokens=300)
     assert torch.allclose(out["padded"], out["packed"], atol=1e-5, rtol=0)
     assert torch.allclose(out["padded"], out["shared"], atol=1e-5, rtol=0)
     rollout = batch.rollout_logprobs

@@ -20,3 +20,16 @@ def assert_trainer_recomputes_the_engine(directory, samples, pad_id: int) -> Non
     metrics = trainer.train_rl(build_train_batch(samples, advantages, pad_id))
     assert metrics["mismatch/logprob_abs_diff"] < 1e-6, metrics
     assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
+
+
+def layout_logprobs(directory, batch, padded_rows: int, max_tokens: int) -> tuple[dict[str, torch.Tensor], TorchTrainer]:
+    """The trainer's log-probs of `batch` in the padded, packed and prompt-sharing layouts (they must
+    agree: no sample saw another's images or videos), and the prompt-sharing trainer."""
+    layouts = {"padded": TrainerCfg(pack_sequences=False, micro_batch_size=padded_rows),
+               "packed": TrainerCfg(share_prompts=False, max_tokens_per_micro_batch=max_tokens),
+               "shared": TrainerCfg(share_prompts=True, max_tokens_per_micro_batch=max_tokens)}
+    out = {}
+    for name, cfg in layouts.items():
+        trainer = TorchTrainer(str(directory), AlgoCfg(name=AlgoName.grpo), cfg, FP32, temperature=1.0)
+        out[name] = trainer.logprobs(batch)
+    return out, trainer
