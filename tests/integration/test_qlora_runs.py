@@ -1,4 +1,5 @@
-"""LoRA runs under the quantized precision recipes through miles.orchestrate.run, in-process: QLoRA
+"""LoRA runs under the quantized precision recipes through miles.orchestrate.run, in-process (and the
+fp8 one and the merged engine adapter with Ray actors): QLoRA
 (fp8, int4_qat: the trainer's frozen base quantized as the engine's) and LoRA with a quantized
 rollout only (bf16_train_*_rollout: a bf16 base in the trainer). Two steps each, the checked sync
 on; the engine's log-probs of its samples stay within the recipe's mismatch, and the run ends with
@@ -41,3 +42,19 @@ def test_merging_into_a_quantized_engine_exits_2(tmp_path):
                        "ray.enabled=false"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: ") and "set trainer.lora.merge_in_engine=false" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [["precision=fp8"], ["trainer.lora.merge_in_engine=true"]],
+                         ids=["qlora-fp8", "merged-engine"])
+def test_with_ray_actors(tmp_path, monkeypatch, compose, overrides):
+    """The same through Ray actors (the default arrangement): the FP8-held base and the engine's merged
+    adapter pickle into their actors, and the adapters-only sync reaches them (checked)."""
+    from ray_runs import run_with
+
+    monkeypatch.chdir(tmp_path)
+    run_with(compose, [*TINY, *overrides, "trainer.lora.rank=8", "trainer.lr=3e-3", "steps=2",
+                       "rollout.check_weight_sync=true"], tmp_path / "run", ray=True)
+    metrics = journal_metrics(tmp_path / "run")
+    bound = BOUND["fp8"] if "precision=fp8" in overrides else 1e-5
+    assert metrics[1]["train/ppo_kl"] == 0.0
+    assert all(0.0 < metrics[step]["mismatch/logprob_abs_diff"] < bound for step in (1, 2)), metrics
