@@ -2,6 +2,8 @@
 
     python benchmarks/kernel_sweep.py invariant [--json out.json]   # miles/models/invariant_triton.py
     python benchmarks/kernel_sweep.py int4 [--json out.json]        # miles/precision/int4_triton.py, M > 64
+    python benchmarks/kernel_sweep.py w8a16 [--json out.json]       # miles/precision/fp8_w8a16_triton.py
+    python benchmarks/kernel_sweep.py w4a16 [--json out.json]       # int4_triton.py again, decode rows too
 
 `invariant`: the batch-invariant matmul (true on-policy mode) at the GEMM shapes of the Qwen3-0.6B
 and -4B layers, for every (BLOCK_M, BLOCK_N, warps, stages) candidate and two BLOCK_K values, against
@@ -12,8 +14,13 @@ cuBLAS bf16 (`torch.matmul`). Within one BLOCK_K every config must give the same
 layer shapes, per candidate config (split-K from the kernel's heuristic), against `int4_linear`
 (dequantize + cuBLAS) and bf16 `F.linear`; a config the GPU refuses (shared memory) is listed as such.
 
+`w8a16` / `w4a16`: the weight-only kernels (FP8 or INT4 weights, bf16 activations) from decode
+(M = 1-64) to prefill (M 4096) on the 4B layer shapes, per candidate config, against bf16 `F.linear`
+and the kernel's own reference (dequantize + cuBLAS), all timed as CUDA-graph replays: decode GEMMs
+run in the engine's graphs, where Triton's Python launch is gone. Ratios > 1 are faster than bf16.
+
 Timing: CUDA events, warm-up first, the median of 20 calls (eager: at these sizes the kernels run
-far longer than Triton's launch).
+far longer than Triton's launch); graph timings replay 10 captured calls and divide.
 """
 
 from __future__ import annotations
@@ -102,7 +109,7 @@ def sweep_int4() -> list[dict]:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             for bm, bn, bk, warps, stages in candidates:
                 base = it.pick_config(m, n, k, sms)
-                cfg = it.Int4Config(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages)
+                cfg = it.TileConfig(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages)
                 row = dict(kernel="int4", m=m, n=n, k=k, config=[bm, bn, bk, cfg.split_k, warps, stages],
                            heuristic=[base.block_m, base.block_n, base.block_k, base.split_k, base.num_warps,
                                       base.num_stages], bf16_ms=bf16, int4_linear_ms=dequant)
@@ -121,13 +128,99 @@ def sweep_int4() -> list[dict]:
     return rows
 
 
+def _time_graph(fn, calls: int = 10, iters: int = 20) -> float:
+    """ms per call of `fn` replayed from a CUDA graph of `calls` calls (no launch overhead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _time(graph.replay, iters) / calls
+
+
+WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): decode tiles, then large-M tiles
+    (16, 64, 256, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 3, True), (16, 32, 256, 4, 4, True),
+    (32, 64, 256, 4, 2, True), (64, 64, 256, 4, 2, True), (64, 64, 128, 4, 3, True),
+    (128, 64, 64, 4, 3, True), (64, 128, 64, 4, 3, False), (128, 128, 64, 8, 3, False),
+    (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False)]
+
+
+def sweep_weight_only(fmt: str) -> list[dict]:
+    """Every candidate config of the W8A16 (fmt "w8a16") or W4A16 ("w4a16") kernel, graph-timed."""
+    from miles.precision import fp8_w8a16_triton as w8
+    from miles.precision import int4_triton as it
+    from miles.precision.fp8 import quantize_fp8_weight
+    from miles.precision.int4 import int4_linear, pack_int4, quantize_int4
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for m in (1, 16, 64, 128, 256, 512, 1024, 4096):
+        for n, k in QWEN3_NK["4b"]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda") * 0.02
+            wb = w.bfloat16()
+            if fmt == "w8a16":
+                q, s = quantize_fp8_weight(w)
+                reference = lambda: w8.w8a16_linear(x, q, s)  # noqa: E731
+                fused = lambda cfg: w8.w8a16_linear_fused(x, q, s, config=cfg)  # noqa: E731
+            else:
+                codes, s = quantize_int4(w, 128)
+                packed = pack_int4(codes)
+                reference = lambda: int4_linear(x, packed, s, 128)  # noqa: E731
+                fused = lambda cfg: it.int4_linear_fused(x, packed, s, 128, config=cfg)  # noqa: E731
+            bf16 = _time_graph(lambda: torch.nn.functional.linear(x, wb))
+            ref = reference()
+            ref_ms = _time_graph(reference)
+            base = it.pick_config(m, n, k, sms)
+            configs = [it.TileConfig(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages, swap=swap)
+                       for bm, bn, bk, warps, stages, swap in WEIGHT_ONLY_CONFIGS
+                       if bm <= max(16, 2 * m)]  # tiles of mostly padding rows are skipped
+            for cfg in configs + ([] if base in configs else [base]):
+                bm, bn, bk, warps, stages, swap = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                   cfg.num_stages, cfg.swap)
+                row = dict(kernel=fmt, m=m, n=n, k=k, config=[bm, bn, bk, cfg.split_k, warps, stages, swap],
+                           heuristic=cfg == base, bf16_ms=bf16, reference_ms=ref_ms)
+                try:
+                    out = fused(cfg)
+                    ms = _time_graph(lambda: fused(cfg))
+                except Exception as e:  # noqa: BLE001 - a refused config is a result
+                    row["error"] = type(e).__name__
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row.update(ms=ms, vs_bf16=bf16 / ms, vs_reference=ref_ms / ms, rel_to_reference=rel)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    best = {}
+    for r in rows:
+        key = (r["m"], r["n"], r["k"])
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    print(f"\nbest {fmt} config per shape (graph-timed ms; x = bf16 ms / kernel ms):")
+    for (m, n, k), r in sorted(best.items()):
+        heur = next((h for h in rows if h["m"] == m and h["n"] == n and h["k"] == k and h["heuristic"] and "ms" in h),
+                    None)
+        print(f"M={m:5d} N={n:5d} K={k:5d} best {r['config']} {r['ms']:.4f} ms {r['vs_bf16']:.2f}x bf16"
+              f" | reference {r['bf16_ms'] / r['reference_ms']:.2f}x bf16"
+              + (f" | heuristic {heur['vs_bf16']:.2f}x bf16" if heur else ""))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["invariant", "int4"])
+    parser.add_argument("kernel", choices=["invariant", "int4", "w8a16", "w4a16"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows = sweep_invariant() if args.kernel == "invariant" else sweep_int4()
+    sweeps = {"invariant": sweep_invariant, "int4": sweep_int4, "w8a16": lambda: sweep_weight_only("w8a16"),
+              "w4a16": lambda: sweep_weight_only("w4a16")}
+    rows = sweeps[args.kernel]()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -1,7 +1,7 @@
 """Decode speed per precision recipe on one GPU: the native engine (slot decode, CUDA graphs) holding
 bf16, FP8 or INT4 weights, each against its own memory roofline.
 
-    python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 int4]
+    python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from rollout_gpu import SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
 
-from miles.config.schema import DType, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
+from miles.config.schema import DType, FP8Scheme, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.hardware.footprint import kv_bytes_per_token  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
@@ -43,6 +43,11 @@ MODELS = {
 }
 
 
+RECIPES = {  # what the engine holds: (precision.rollout_quant, precision.fp8_scheme)
+    "bf16": (Quant.none, FP8Scheme.w8a8), "fp8": (Quant.fp8, FP8Scheme.w8a8),
+    "fp8_w8a16": (Quant.fp8, FP8Scheme.w8a16), "int4": (Quant.int4, FP8Scheme.w8a8)}
+
+
 def held_bytes(engine: NativeEngine) -> int:
     """Bytes a decode step reads: every tensor the engine holds, once (a tied embedding is one)."""
     seen, total = set(), 0
@@ -56,7 +61,7 @@ def held_bytes(engine: NativeEngine) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", nargs="+", default=["qwen3_0_6b", "qwen3_4b"], choices=sorted(MODELS))
-    parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -77,8 +82,8 @@ def main() -> None:
                                  n_samples_per_prompt=SAMPLES, temperature=1.0)
                 engines = {}
                 for recipe in args.recipes:
-                    quant = Quant.none if recipe == "bf16" else Quant(recipe)
-                    precision = PrecisionCfg(name=recipe, rollout_quant=quant)
+                    quant, scheme = RECIPES[recipe]
+                    precision = PrecisionCfg(name=recipe, rollout_quant=quant, fp8_scheme=scheme)
                     # The engine quantizes the checkpoint into the recipe's format as it starts.
                     engine = NativeEngine(ckpt, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
                     engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")

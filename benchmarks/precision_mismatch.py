@@ -23,21 +23,26 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ["fp32", "bf16", "fp8", "bf16_train_fp8_rollout", "int4_qat", "bf16_train_int4_rollout"]
+RECIPES = ["fp32", "bf16", "fp8", "fp8,precision.fp8_scheme=w8a16", "bf16_train_fp8_rollout", "int4_qat",
+           "bf16_train_int4_rollout"]
 
 
 def run_recipe(recipe: str, steps: int, seed: int, store: str) -> dict:
+    """`recipe`: a precision config name, optionally with overrides after commas
+    (`fp8,precision.fp8_scheme=w8a16`)."""
     start = time.perf_counter()
+    name, *overrides = recipe.split(",")
+    experiment = recipe.replace(",", "+").replace("=", "-")  # '=' would end Hydra's override value
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), f"precision={recipe}", f"steps={steps}", f"seed={seed}",
-         "ray.enabled=false", f"eval.interval={steps}", f"tracking.uri={store}", f"tracking.experiment={recipe}",
+        [sys.executable, str(ROOT / "launch.py"), f"precision={name}", *overrides, f"steps={steps}", f"seed={seed}",
+         "ray.enabled=false", f"eval.interval={steps}", f"tracking.uri={store}", f"tracking.experiment={experiment}",
          "tracking.log_samples=0"],
         cwd=ROOT, capture_output=True, text=True,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"precision={recipe} failed:\n{proc.stderr[-2000:]}")
     client = MlflowClient(tracking_uri=store)
-    (run,) = client.search_runs([client.get_experiment_by_name(recipe).experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     history = lambda key: [m.value for m in sorted(client.get_metric_history(run.info.run_id, key),
                                                     key=lambda m: m.step)]
     accuracy = history("eval/arithmetic/accuracy")

@@ -459,4 +459,12 @@ def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
     if hw.device == "cpu" and precision.fp8_gemm not in ("auto", "emulated"):
         problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} is a CUDA kernel; the CPU runs the emulated "
                         "GEMM: set precision.fp8_gemm=auto")
+    if precision.fp8_scheme == "w8a16":
+        if "fp8" not in (precision.train_quant.value, precision.rollout_quant.value):
+            problems.append(f"precision.fp8_scheme=w8a16 applies to FP8 recipes, and precision={precision.name} "
+                            "quantizes nothing to FP8: drop precision.fp8_scheme or use precision=fp8")
+        elif precision.fp8_gemm != "auto":
+            problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} picks the FP8 x FP8 kernel of "
+                            "fp8_scheme=w8a8; w8a16 multiplies bf16 activations with its own kernel: set "
+                            "precision.fp8_gemm=auto")
     return problems

@@ -68,6 +68,13 @@ class FP8Gemm(Choice):
     emulated = "emulated"  # dequantize, then F.linear (any device)
 
 
+class FP8Scheme(Choice):
+    """precision.fp8_scheme: what an FP8 recipe quantizes (docs/precision.md)."""
+
+    w8a8 = "w8a8"  # weights in 128x128 blocks and activations in 1x128 tiles: FP8 tensor-core GEMMs
+    w8a16 = "w8a16"  # FP8 weights, bf16 activations: half the weight bytes, bf16's train / rollout mismatch
+
+
 class TrackingBackend(Choice):
     """tracking.backend: where metrics and the run record go."""
 
@@ -191,6 +198,8 @@ class PrecisionCfg:
     forward_weights: ForwardWeights = ForwardWeights.master
     # The FP8 GEMM of the engine and of the fp8 training forward (one choice: both sides run it).
     fp8_gemm: FP8Gemm = FP8Gemm.auto
+    # FP8 weights with FP8 (w8a8) or bf16 (w8a16) activations, on both sides (fp8 recipes only).
+    fp8_scheme: FP8Scheme = FP8Scheme.w8a8
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The training side of an FP8 nn.Linear: the engine's FP8 GEMM forward, a bf16 backward.
 
     cache = FP8WeightCache()
-    y = fp8_train_linear(x, linear.weight, linear.bias, cache)   # x [..., K] -> [..., N]
+    y = fp8_train_linear(x, linear.weight, linear.bias, cache)   # x [..., K] -> [..., N]   (fp8_scheme w8a8)
+    w = straight_through_dequantized(linear.weight, cache, torch.bfloat16)  # F.linear(x, w)   (w8a16)
 
 Forward: the master weight is quantized (128x128 blocks, `quantize_fp8_weight`) once per optimizer
 step (the cache keys on the parameter's storage and version), the input in 1x128 tiles, and the
@@ -26,9 +27,10 @@ from miles.precision.fp8_gemm import FP8Operand, gemm_quantized, prepare_fp8_wei
 
 
 class FP8WeightCache:
-    """Each master weight's FP8 operand and its dequantized copy (for the backward), made once per
-    version of the weight. `clear()` frees them (the trainer does at the end of a train step and
-    before offloading: the copies hold ~3 bytes per parameter on the device)."""
+    """Each master weight's FP8 operand and its dequantized copy (for the backward), or (w8a16) the
+    dequantized copy alone, made once per version of the weight. `clear()` frees them (the trainer
+    does at the end of a train step and before offloading: the copies hold up to ~3 bytes per
+    parameter on the device)."""
 
     def __init__(self, backend: str = "auto"):
         self.backend = backend  # precision.fp8_gemm: the engine's choice, so both sides run one kernel
@@ -46,6 +48,17 @@ class FP8WeightCache:
             entry = (key, prepare_fp8_weight(q, s, self.backend), dequantize_fp8_weight(q, s, dtype))
         self._entries[id(w)] = entry
         return entry[1], entry[2]
+
+    def dequantized(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """dequantize_fp8_weight(quantize_fp8_weight(w), dtype), once per version of w."""
+        key = (w.data_ptr(), w._version, w.device, dtype, "dequantized")
+        hit = self._entries.get(id(w))
+        if hit is not None and hit[0] == key:
+            return hit[2]
+        with torch.no_grad():
+            entry = (key, None, dequantize_fp8_weight(*quantize_fp8_weight(w), dtype))
+        self._entries[id(w)] = entry
+        return entry[2]
 
     def clear(self) -> None:
         self._entries.clear()
@@ -79,6 +92,28 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the cached dequantized weight (a view, no copy). Backward: its gradient to the master
+    weight as it is (straight through the quantizer), in the master's dtype."""
+
+    @staticmethod
+    def forward(ctx, w, w_deq):
+        ctx.w_dtype = w.dtype
+        return w_deq.view_as(w_deq)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.w_dtype), None
+
+
+def straight_through_dequantized(w: torch.Tensor, cache: FP8WeightCache, dtype: torch.dtype) -> torch.Tensor:
+    """The w8a16 training weight: dequantize_fp8_weight(quantize_fp8_weight(w), dtype), made once per
+    optimizer step, with gradients straight through to `w`. F.linear(x, it) in `dtype` is what the
+    engine's W8A16 GEMM computes (the same weight values; fp32 sums in another order), and, unlike
+    `fake_quant_fp8_weight`, no quantizer runs per forward."""
+    return _StraightThrough.apply(w, cache.dequantized(w, dtype))
 
 
 def fp8_train_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cache: FP8WeightCache) -> torch.Tensor:

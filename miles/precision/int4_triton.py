@@ -22,7 +22,7 @@ allocator only, so the call can be captured in a CUDA graph.
 Layout ("swap AB"): the kernel computes out^T tiles, acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, so
 the dequantized weight (made in registers) is the left MMA operand, which Hopper's wgmma may take from
 registers, and the activations are the right one, read from shared memory; a 1-row decode then uses a
-16-wide MMA N dimension instead of padding M to 64. Int4Config.swap / .unpack select alternatives.
+16-wide MMA N dimension instead of padding M to 64. TileConfig.swap / .unpack select alternatives.
 Grid (M tiles, N tiles, split-K slices); block sizes and split from `pick_config` (by M).
 
 Speed: `benchmarks/precision_gemm.py` (its CUDA-graph columns) and `benchmarks/precision_decode.py`
@@ -59,7 +59,7 @@ def triton_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Int4Config:
+class TileConfig:
     """One launch configuration; `split_k` = number of K slices whose partials are reduced afterwards."""
 
     block_m: int
@@ -207,7 +207,7 @@ def _sm_count(device_index: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def pick_config(m: int, n: int, k: int, sms: int = 132) -> Int4Config:
+def pick_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     """Block sizes by M; split-K so that small-M launches still put ~2 programs on every SM.
 
     From sweeps on one H200 (Qwen3-0.6B/4B shapes, group 128): decode (M <= 64, CUDA-graph timings)
@@ -220,7 +220,7 @@ def pick_config(m: int, n: int, k: int, sms: int = 132) -> Int4Config:
         bn, bk, warps, stages = 64, 256, 4, (4 if m <= 16 else 2)
     else:
         bm, bn, bk, warps, stages = 128, 64, 64, 4, 3
-    return Int4Config(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), warps, stages)
+    return TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), warps, stages)
 
 
 def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int = 132) -> int:
@@ -255,7 +255,7 @@ def fused_supported(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int = 128,
-                      bias: torch.Tensor | None = None, *, config: Int4Config | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, *, config: TileConfig | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16) @ dequant(packed [N, ceil(K/2)], scales [N, ceil(K/group)]).T (+ bias).
 
     Same value per weight element as int4_linear; only the fp32 accumulation order differs (module

@@ -13,10 +13,11 @@ routers, biases) and the stacked MoE experts stay as the recipe's training forwa
 (the experts fake-quantized by `Recipe.forward` in every forward, as without LoRA).
 
 Forward: the product the recipe's training forward computes without LoRA, on the same operands:
-FP8, the engine's FP8 GEMM on 1x128-quantized activations (`fp8_linear_with`, what
+FP8 w8a8, the engine's FP8 GEMM on 1x128-quantized activations (`fp8_linear_with`, what
 `fp8_train_linear` runs on the master weight's FP8 operand); INT4, `int4_linear` (dequantize to the
 compute dtype, then F.linear: what `F.linear(x, fake_quant_int4(w))` computes, and the engine's
-INT4 function). So a fresh adapter gives the recipe's own log-probs bit for bit. Backward:
+INT4 function); FP8 w8a16, `w8a16_linear` (F.linear on the dequantized weight, as the trainer's w8a16
+forward). So a fresh adapter gives the recipe's own log-probs bit for bit. Backward:
 grad_x = grad_y @ dequant(W) in the compute dtype, straight through the activation quantizer (as
 `fp8_train_linear`), the dequantized weight rebuilt from the codes and dropped (never kept between
 forward and backward); the base gets no gradient. The adapters' gradients reach earlier layers
@@ -30,8 +31,9 @@ from torch import nn
 
 from miles.precision.fp8 import dequantize_fp8_weight
 from miles.precision.fp8_gemm import fp8_linear_with, prepare_fp8_weight
+from miles.precision.fp8_w8a16_triton import w8a16_linear
 from miles.precision.int4 import dequantize_int4, int4_linear
-from miles.precision.recipe import FP8, NONE, QuantLinear, Recipe
+from miles.precision.recipe import FP8, NONE, W8A16, QuantLinear, Recipe
 from miles.precision.rollout_format import rollout_format
 
 
@@ -76,7 +78,7 @@ class FrozenQuantLinear(QuantLinear):
     checkpoint the same way)."""
 
     def __init__(self, linear: nn.Linear, recipe: Recipe):
-        super().__init__(linear, recipe.rollout_quant, recipe.group, recipe.fp8_backend)
+        super().__init__(linear, recipe.rollout_quant, recipe.group, recipe.fp8_backend, recipe.fp8_scheme)
         self.dense_dtype = linear.weight.dtype  # what a state dict shows: the master weights' dtype
         payload = rollout_format({"weight": linear.weight}, recipe.rollout_quant, lambda _: False, recipe.group)
         for name in self.buffer_names():
@@ -93,6 +95,8 @@ class FrozenQuantLinear(QuantLinear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] and bias in the compute dtype -> [..., N]: the recipe's training-forward product."""
+        if self.quant == FP8 and self.fp8_scheme == W8A16:  # the trainer's w8a16 product, bf16 activations
+            return w8a16_linear(x, self.weight, self.weight_scale_inv, bias)
         if self.quant == FP8:
             # Laid out per call (a view, or a padded copy where N, K are not multiples of 128): nothing
             # to go stale when the codes move to the host and back (trainer.offload).

@@ -31,26 +31,29 @@ from torch import nn
 from miles.precision import invariance
 from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
 from miles.precision.fp8_gemm import FP8Operand, fp8_linear_with, prepare_fp8_weight
-from miles.precision.fp8_train import FP8WeightCache, fp8_train_linear
+from miles.precision.fp8_train import FP8WeightCache, fp8_train_linear, straight_through_dequantized
+from miles.precision.fp8_w8a16_triton import w8a16_linear, w8a16_linear_auto
 from miles.precision.int4 import int4_linear
 from miles.precision.int4_triton import int4_linear_auto
 from miles.precision.rollout_format import (FP8_SCALE_SUFFIX, from_rollout_format, high_precision_predicate,
                                             rollout_checksum, rollout_format)
 
 NONE, FP8, INT4 = "none", "fp8", "int4"
+W8A8, W8A16 = "w8a8", "w8a16"  # precision.fp8_scheme
 
 
 class QuantLinear(nn.Module):
     """The rollout side of a quantized nn.Linear: holds the payload tensors, multiplies through them.
 
     fp8: `weight` (e4m3 [N, K]) and `weight_scale_inv` (fp32 128x128 block scales), activations
-    quantized in 1x128 tiles; int4: `weight_packed` (uint8 [N, K/2]), `weight_scale` (fp32 per group),
-    activations in high precision (W4A16).
+    quantized in 1x128 tiles (fp8_scheme w8a8) or kept in high precision (w8a16); int4: `weight_packed`
+    (uint8 [N, K/2]), `weight_scale` (fp32 per group), activations in high precision (W4A16).
     """
 
-    def __init__(self, linear: nn.Linear, quant: str, group: int, fp8_backend: str = "auto"):
+    def __init__(self, linear: nn.Linear, quant: str, group: int, fp8_backend: str = "auto",
+                 fp8_scheme: str = W8A8):
         super().__init__()
-        self.quant, self.group, self.fp8_backend = quant, group, fp8_backend
+        self.quant, self.group, self.fp8_backend, self.fp8_scheme = quant, group, fp8_backend, fp8_scheme
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # biases travel unquantized (1-D)
         for name in self.buffer_names():
@@ -64,7 +67,7 @@ class QuantLinear(nn.Module):
     def refresh(self) -> None:
         """After the payload changed: lay the FP8 weight out for its GEMM backend, in place where a
         layout exists already (a captured CUDA graph reads these addresses)."""
-        if self.quant != FP8:
+        if self.quant != FP8 or self.fp8_scheme == W8A16:  # w8a16 reads the payload as it is
             return
         new = prepare_fp8_weight(self.weight, self.weight_scale_inv, self.fp8_backend)
         old = self.operand
@@ -83,6 +86,10 @@ class QuantLinear(nn.Module):
             # True on-policy runs the engine under the trainer's autocast: quantize and multiply the
             # activations in the autocast dtype, as the trainer's fp8_train_linear and F.linear do.
             x = x.to(torch.get_autocast_dtype(device))
+        if self.quant == FP8 and self.fp8_scheme == W8A16:
+            if invariance.active():  # F.linear on the dequantized weight: the invariant matmul, as the trainer's
+                return w8a16_linear(x, self.weight, self.weight_scale_inv, self.bias)
+            return w8a16_linear_auto(x, self.weight, self.weight_scale_inv, self.bias)
         if self.quant == FP8:
             if self.operand is None:
                 self.refresh()
@@ -106,6 +113,7 @@ class Recipe:
     # precision.forward_weights=rollout: the dtype the forward casts the master weights to (None: master).
     forward_dtype: torch.dtype | None = None
     fp8_backend: str = "auto"  # precision.fp8_gemm: the FP8 GEMM both sides run
+    fp8_scheme: str = W8A8  # precision.fp8_scheme: w8a8 (FP8 activations too) or w8a16 (weights only)
     # The training forward's FP8 operands, made once per optimizer step (see release_training_cache).
     fp8_cache: FP8WeightCache = field(init=False, repr=False, compare=False)
 
@@ -119,7 +127,7 @@ class Recipe:
         forward_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision.rollout_dtype.value] \
             if precision.forward_weights == "rollout" else None
         return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep,
-                   forward_dtype, precision.fp8_gemm.value)
+                   forward_dtype, precision.fp8_gemm.value, precision.fp8_scheme.value)
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.is_floating_point() and tensor.dim() >= 2 and not self.keep(name)
@@ -127,13 +135,15 @@ class Recipe:
     # ---- training side ----
     def forward(self, model: nn.Module, *args, **kwargs) -> torch.Tensor:
         """model(*args, **kwargs) with the recipe's training-side quantization (gradients pass
-        straight through to the fp32 master weights). fp8: each selected nn.Linear runs the engine's
-        FP8 GEMM (fp8_train_linear); the other selected weights (stacked MoE experts), and all of
-        them with int4, are fake-quantized, as the engine rebuilds them."""
+        straight through to the fp32 master weights). fp8 w8a8: each selected nn.Linear runs the
+        engine's FP8 GEMM (fp8_train_linear); the other selected weights (stacked MoE experts), and
+        all of them with int4, are fake-quantized, as the engine rebuilds them. fp8 w8a16: every
+        selected weight is its dequantized copy, made once per optimizer step (F.linear then
+        multiplies what the engine's W8A16 GEMM multiplies)."""
         if self.train_quant == NONE and self.forward_dtype is None:
             return model(*args, **kwargs)
         fp8_linears = {}
-        if self.train_quant == FP8:
+        if self.train_quant == FP8 and self.fp8_scheme == W8A8:
             fp8_linears = {name: m for name, m in model.named_modules()
                            if isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)}
         weights = {}
@@ -160,6 +170,12 @@ class Recipe:
     def _fake_quant(self, w: torch.Tensor) -> torch.Tensor:
         # From the master weight (as the payload is), rounded once to the forward's dtype.
         dtype = self.forward_dtype or w.dtype
+        if self.train_quant == FP8 and self.fp8_scheme == W8A16:
+            # The compute dtype's copy (autocast would round the fake-quantized fp32 weight to it anyway).
+            device = w.device.type
+            dtype = self.forward_dtype or (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                                           else w.dtype)
+            return straight_through_dequantized(w, self.fp8_cache, dtype)
         return fake_quant_fp8_weight(w, dtype=dtype) if self.train_quant == FP8 else fake_quant_int4(w, self.group, dtype)
 
     def sync_payload(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -172,7 +188,8 @@ class Recipe:
         if self.rollout_quant == NONE:
             return
         for parent, child_name, linear in self.quantized_linears(model):
-            setattr(parent, child_name, QuantLinear(linear, self.rollout_quant, self.group, self.fp8_backend))
+            setattr(parent, child_name, QuantLinear(linear, self.rollout_quant, self.group, self.fp8_backend,
+                                                    self.fp8_scheme))
 
     def quantized_linears(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
         """(parent, attribute name, layer) of each nn.Linear whose weight the rollout format quantizes

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from miles.precision import dequantize_int4, int4_linear, pack_int4, quantize_int4
 from miles.precision import int4_triton
-from miles.precision.int4_triton import Int4Config, int4_linear_auto, int4_linear_fused, pick_config
+from miles.precision.int4_triton import TileConfig, int4_linear_auto, int4_linear_fused, pick_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not int4_triton.triton_available(), reason="needs triton")]
@@ -53,9 +53,9 @@ def test_matches_int4_linear(m, nk, group, weights):
     assert _rel(y, ref) <= 1.25 * _rel(ref4, ref) + 1e-4, (_rel(y, ref), _rel(ref4, ref))
 
 
-ALT_CONFIGS = [None, Int4Config(16, 64, 64, 5, 4, 2), Int4Config(64, 128, 64, 1, 4, 3),
-               Int4Config(16, 64, 256, 3, 4, 2, unpack=1), Int4Config(128, 128, 64, 1, 8, 3, unpack=1, swap=False),
-               Int4Config(32, 64, 128, 2, 4, 2, unpack=0, swap=False)]
+ALT_CONFIGS = [None, TileConfig(16, 64, 64, 5, 4, 2), TileConfig(64, 128, 64, 1, 4, 3),
+               TileConfig(16, 64, 256, 3, 4, 2, unpack=1), TileConfig(128, 128, 64, 1, 8, 3, unpack=1, swap=False),
+               TileConfig(32, 64, 128, 2, 4, 2, unpack=0, swap=False)]
 ALT_IDS = ["heuristic", "split5", "prefill-tiles", "shift-unpack", "shift-noswap", "join-noswap"]
 
 

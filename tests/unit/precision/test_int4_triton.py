@@ -49,8 +49,8 @@ def _rel(a, ref):
 CASES = [(1, 64, 256, 128), (3, 70, 257, 32), (17, 96, 300, 128), (5, 33, 200, 32), (2, 8, 5, 32)]
 # Default (join unpack, swapped dot), forced split-K, shift unpack with one group per tile, and shift
 # unpack with BK > group (scales gathered per element) through the unswapped dot with split-K.
-CONFIGS = [None, it.Int4Config(16, 64, 64, 3, 4, 2), it.Int4Config(16, 32, 32, 1, 4, 2, unpack=1),
-           it.Int4Config(32, 64, 128, 2, 4, 2, unpack=1, swap=False)]
+CONFIGS = [None, it.TileConfig(16, 64, 64, 3, 4, 2), it.TileConfig(16, 32, 32, 1, 4, 2, unpack=1),
+           it.TileConfig(32, 64, 128, 2, 4, 2, unpack=1, swap=False)]
 IDS = ["heuristic", "split3", "shift-unpack", "shift-noswap-split2"]
 
 

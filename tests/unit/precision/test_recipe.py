@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from miles.config.schema import PrecisionCfg, Quant
+from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
 from miles.models import ArchConfig, CausalLM
 from miles.precision.recipe import QuantLinear, Recipe
 
@@ -15,8 +15,9 @@ ARCH = ArchConfig(vocab_size=50, hidden_size=256, intermediate_size=384, num_lay
                   head_dim=64, rope_theta=10000.0)  # K = 256 / 384: two and three 128-wide blocks
 
 
-def recipe(train: str, rollout: str, group: int = 128) -> Recipe:
-    cfg = PrecisionCfg(name="t", train_quant=Quant(train), rollout_quant=Quant(rollout), int4_group_size=group)
+def recipe(train: str, rollout: str, group: int = 128, scheme: str = "w8a8") -> Recipe:
+    cfg = PrecisionCfg(name="t", train_quant=Quant(train), rollout_quant=Quant(rollout), int4_group_size=group,
+                       fp8_scheme=FP8Scheme(scheme))
     return Recipe.from_cfg(cfg, ARCH.num_layers)
 
 
@@ -29,10 +30,11 @@ def engine_of(model: CausalLM, r: Recipe) -> CausalLM:
     return engine
 
 
-@pytest.mark.parametrize("quant,group", [("fp8", 128), ("int4", 128), ("int4", 32)])
-def test_trainer_forward_equals_engine_forward_bitwise(quant, group):
+@pytest.mark.parametrize("quant,group,scheme", [("fp8", 128, "w8a8"), ("fp8", 128, "w8a16"), ("int4", 128, "w8a8"),
+                                                ("int4", 32, "w8a8")])
+def test_trainer_forward_equals_engine_forward_bitwise(quant, group, scheme):
     model = CausalLM(ARCH, seed=0)
-    r = recipe(quant, quant, group)
+    r = recipe(quant, quant, group, scheme)
     engine = engine_of(model, r)
     ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -66,11 +68,43 @@ def test_mismatched_recipe_differs_and_checksum_catches_tampering():
                                                                   engine, torch.float32)
 
 
-def test_straight_through_gradients_reach_the_master_weights():
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a16"])
+def test_straight_through_gradients_reach_the_master_weights(scheme):
     model = CausalLM(ARCH, seed=0)
     ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(2))
-    recipe("fp8", "fp8").forward(model, ids).logsumexp(-1).sum().backward()
+    recipe("fp8", "fp8", scheme=scheme).forward(model, ids).logsumexp(-1).sum().backward()
     assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_w8a16_keeps_activations_and_quantizes_weights_once_per_step():
+    """fp8_scheme=w8a16: the engine multiplies unquantized activations (its logits differ from w8a8's,
+    whose 1x128 activation rounding is gone), the trainer's weight gradient is the straight-through
+    one of F.linear on the dequantized weight, and the dequantized copies are made once per version
+    of the master weights (a second forward quantizes nothing; an optimizer step re-quantizes)."""
+    from miles.precision.fp8 import dequantize_fp8_weight, quantize_fp8_weight
+
+    model = CausalLM(ARCH, seed=0)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+    r16, r8 = recipe("fp8", "fp8", scheme="w8a16"), recipe("fp8", "fp8")
+    with torch.no_grad():
+        assert not torch.equal(engine_of(model, r16)(ids), engine_of(model, r8)(ids))
+    # The gradient equals that of a copy whose q_proj weight is the dequantized weight, made trainable.
+    ref = copy.deepcopy(model)
+    q = ref.layers[0].self_attn.q_proj
+    q.weight.data = dequantize_fp8_weight(*quantize_fp8_weight(q.weight.data))
+    r16.forward(model, ids).logsumexp(-1).sum().backward()
+    recipe("fp8", "fp8", scheme="w8a16").forward(ref, ids).logsumexp(-1).sum().backward()
+    assert torch.equal(model.layers[0].self_attn.q_proj.weight.grad, q.weight.grad)
+    cache = r16.fp8_cache
+    made = len(cache)
+    entry = cache._entries[id(model.layers[0].mlp.up_proj.weight)][2]
+    with torch.no_grad():
+        r16.forward(model, ids)
+    assert len(cache) == made and cache._entries[id(model.layers[0].mlp.up_proj.weight)][2] is entry
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight.add_(1e-2)  # an optimizer step: a new version
+        r16.forward(model, ids)
+    assert cache._entries[id(model.layers[0].mlp.up_proj.weight)][2] is not entry
 
 
 def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
@@ -100,8 +134,8 @@ def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
         engine.update_weights(payload, digest)
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8", "int4"])
-def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant):
+@pytest.mark.parametrize("quant,scheme", [("none", "w8a8"), ("fp8", "w8a8"), ("fp8", "w8a16"), ("int4", "w8a8")])
+def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant, scheme):
     """precision.forward_weights=rollout: the training forward multiplies the master weights cast to
     the engine's dtype (bf16 here), so its residual stream is the engine's too: the logits equal the
     engine's full forward bit for bit (with the fp32 masters under autocast they do not), and the
@@ -110,7 +144,7 @@ def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant):
 
     model = CausalLM(ARCH, seed=0)
     cfg = PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant), train_dtype=DType.bf16,
-                       rollout_dtype=DType.bf16, forward_weights="rollout")
+                       rollout_dtype=DType.bf16, forward_weights="rollout", fp8_scheme=FP8Scheme(scheme))
     r = Recipe.from_cfg(cfg, ARCH.num_layers)
     engine = copy.deepcopy(model).requires_grad_(False).to(torch.bfloat16)
     if quant != "none":
@@ -120,8 +154,8 @@ def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant):
     with torch.no_grad():
         assert torch.equal(r.forward(model, ids), engine(ids))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            master = Recipe.from_cfg(PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant)),
-                                     ARCH.num_layers).forward(model, ids)
+            master = Recipe.from_cfg(PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant),
+                                                  fp8_scheme=FP8Scheme(scheme)), ARCH.num_layers).forward(model, ids)
         assert not torch.equal(master, engine(ids))
     r.forward(model, ids).float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
