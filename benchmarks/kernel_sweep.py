@@ -150,7 +150,21 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
     (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False)]
 
 
-def sweep_weight_only(fmt: str) -> list[dict]:
+def decode_configs(m: int, n: int, k: int, sms: int) -> list:
+    """`--decode`: a wider grid for M <= 64 (tile widths, K depth, warps, and split-K at 1, 2 and 4
+    times the heuristic's programs per SM)."""
+    from miles.precision import int4_triton as it
+
+    bm = 16 if m <= 16 else 64
+    out = []
+    for bn, bk, warps in itertools.product((32, 64, 128), (256, 512), (4, 8)):
+        base = it.split_k(m, n, k, bm, bn, bk, sms)
+        for split in sorted({base, min(2 * base, -(-k // bk)), min(4 * base, -(-k // bk))}):
+            out.append(it.TileConfig(bm, bn, bk, split, warps, 3))
+    return out
+
+
+def sweep_weight_only(fmt: str, decode: bool = False) -> list[dict]:
     """Every candidate config of the W8A16 (fmt "w8a16") or W4A16 ("w4a16") kernel, graph-timed."""
     from miles.precision import fp8_w8a16_triton as w8
     from miles.precision import int4_triton as it
@@ -159,7 +173,7 @@ def sweep_weight_only(fmt: str) -> list[dict]:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for m in (1, 16, 64, 128, 256, 512, 1024, 4096):
+    for m in (1, 16, 64) if decode else (1, 16, 64, 128, 256, 512, 1024, 4096):
         for n, k in QWEN3_NK["4b"]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda") * 0.02
@@ -177,9 +191,10 @@ def sweep_weight_only(fmt: str) -> list[dict]:
             ref = reference()
             ref_ms = _time_graph(reference)
             base = it.pick_config(m, n, k, sms)
-            configs = [it.TileConfig(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages, swap=swap)
-                       for bm, bn, bk, warps, stages, swap in WEIGHT_ONLY_CONFIGS
-                       if bm <= max(16, 2 * m)]  # tiles of mostly padding rows are skipped
+            configs = decode_configs(m, n, k, sms) if decode else [
+                it.TileConfig(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages, swap=swap)
+                for bm, bn, bk, warps, stages, swap in WEIGHT_ONLY_CONFIGS
+                if bm <= max(16, 2 * m)]  # tiles of mostly padding rows are skipped
             for cfg in configs + ([] if base in configs else [base]):
                 bm, bn, bk, warps, stages, swap = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
                                                    cfg.num_stages, cfg.swap)
@@ -216,10 +231,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("kernel", choices=["invariant", "int4", "w8a16", "w4a16"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--decode", action="store_true", help="w8a16 / w4a16: the wider grid at M <= 64")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    sweeps = {"invariant": sweep_invariant, "int4": sweep_int4, "w8a16": lambda: sweep_weight_only("w8a16"),
-              "w4a16": lambda: sweep_weight_only("w4a16")}
+    sweeps = {"invariant": sweep_invariant, "int4": sweep_int4,
+              "w8a16": lambda: sweep_weight_only("w8a16", args.decode),
+              "w4a16": lambda: sweep_weight_only("w4a16", args.decode)}
     rows = sweeps[args.kernel]()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
