@@ -13,19 +13,26 @@ from miles.orchestrate.run import run
 from runs import journal_metrics
 
 pytestmark = pytest.mark.slow
-RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "precision").glob("*.yaml"))
+# Every recipe file, and fp8 with its weight-only scheme (a recipe name, then overrides after commas).
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "precision").glob("*.yaml")) \
+    + ["fp8,precision.fp8_scheme=w8a16"]
+
+
+def overrides(recipe: str) -> list[str]:
+    name, *rest = recipe.split(",")
+    return [f"precision={name}", *rest]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose, recipe):
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = compose([f"precision={recipe}", "ray.enabled=false", "steps=2", "eval.interval=2", "task.eval_size=8",
+    cfg = compose([*overrides(recipe), "ray.enabled=false", "steps=2", "eval.interval=2", "task.eval_size=8",
                    "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
                    "rollout.check_weight_sync=true", f"tracking.uri={store}"])
     assert validate(cfg) == []
-    run(cfg, tmp_path / "run", [f"precision={recipe}"], "")  # a checksum mismatch would raise
+    run(cfg, tmp_path / "run", overrides(recipe), "")  # a checksum mismatch would raise
 
     from mlflow.tracking import MlflowClient
 
@@ -94,13 +101,13 @@ def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, module_r
 
     monkeypatch.setattr(run_module, "spawn", recording)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    cfg = compose([f"precision={recipe}", "ray.enabled=true", "steps=2", "eval.interval=2", "task.eval_size=8",
+    cfg = compose([*overrides(recipe), "ray.enabled=true", "steps=2", "eval.interval=2", "task.eval_size=8",
                    "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
                    "rollout.check_weight_sync=true", "debug.compare_weights_tensorwise=true",
                    f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
     try:
-        run(cfg, tmp_path / "run", [f"precision={recipe}"], "")  # a checksum or tensor mismatch would raise
+        run(cfg, tmp_path / "run", overrides(recipe), "")  # a checksum or tensor mismatch would raise
         assert set(spawned) == {"NativeEngine", "TorchTrainer"} and not spawned["NativeEngine"].in_process
         # What the engine holds, sent back through Ray (from the engine actor this time), bit-exact.
         engine = spawned["NativeEngine"]

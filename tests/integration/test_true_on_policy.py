@@ -41,12 +41,14 @@ def test_logprobs_equal_bitwise_on_every_step(tmp_path, monkeypatch, compose, mo
 
 
 @pytest.mark.parametrize(("model", "precision"), [("qwen3_tiny", "fp8"), ("qwen3_moe_tiny", "fp8"),
-                                                  ("deepseek_v3_tiny", "fp8"), ("qwen3_tiny", "int4_qat")])
+                                                  ("deepseek_v3_tiny", "fp8"), ("qwen3_tiny", "int4_qat"),
+                                                  ("qwen3_tiny", "fp8,precision.fp8_scheme=w8a16")])
 def test_quantized_recipes_are_exact_too(tmp_path, monkeypatch, compose, model, precision):
-    """FP8 and INT4 QAT: the engine's quantized Linear layers and the trainer's quantized forward
-    run the same invariant GEMM on the same codes, so unified FP8 / INT4 reach 0.0 as well."""
+    """FP8 (both schemes) and INT4 QAT: the engine's quantized Linear layers and the trainer's
+    quantized forward run the same invariant GEMM on the same values, so they reach 0.0 as well."""
     monkeypatch.chdir(tmp_path)
-    diffs = mismatch_per_step(compose, tmp_path, [f"model={model}", f"precision={precision}",
+    name, *extra = precision.split(",")
+    diffs = mismatch_per_step(compose, tmp_path, [f"model={model}", f"precision={name}", *extra,
                                                   "true_on_policy=true", "steps=3"])
     assert diffs == [0.0] * 3, f"{model} {precision}: nonzero mismatch {diffs}"
 

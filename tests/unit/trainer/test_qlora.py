@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from miles.algo.registry import ADVANTAGES, get
-from miles.config.schema import (AlgoCfg, AlgoName, DType, LoRACfg, ModelCfg, PrecisionCfg, Quant, RolloutCfg,
-                                 TrainerCfg)
+from miles.config.schema import (AlgoCfg, AlgoName, DType, FP8Scheme, LoRACfg, ModelCfg, PrecisionCfg, Quant,
+                                 RolloutCfg, TrainerCfg)
 from miles.models.lora import LoRA
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.precision.qlora import FrozenQuantLinear
@@ -33,9 +33,13 @@ PROMPTS, LABELS = ["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"]
 
 
 def recipe(quant: str, dtype: str = "bf16") -> PrecisionCfg:
-    """fp8 / int4_qat as conf/precision ships them (bf16), or their fp32-compute variant."""
+    """fp8 / int4_qat as conf/precision ships them (bf16), or their fp32-compute variant;
+    "fp8_w8a16": fp8 with precision.fp8_scheme=w8a16."""
+    scheme = FP8Scheme.w8a16 if quant == "fp8_w8a16" else FP8Scheme.w8a8
+    quant = quant.removesuffix("_w8a16")
     return PrecisionCfg(name={"fp8": "fp8", "int4": "int4_qat"}[quant], train_dtype=DType(dtype),
-                        rollout_dtype=DType(dtype), train_quant=Quant(quant), rollout_quant=Quant(quant))
+                        rollout_dtype=DType(dtype), train_quant=Quant(quant), rollout_quant=Quant(quant),
+                        fp8_scheme=scheme)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,7 @@ def held(model) -> dict[str, torch.Tensor]:
             for b in m.buffer_names()}
 
 
-@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8_w8a16", "int4"])
 def test_fresh_adapter_gives_the_recipes_logprobs_exactly(ckpt, batch, quant):
     plain = trainer(ckpt, recipe(quant), lora=LoRACfg()).logprobs(batch)
     assert torch.equal(trainer(ckpt, recipe(quant)).logprobs(batch), plain)
@@ -85,7 +89,7 @@ def test_fresh_adapter_gives_the_recipes_logprobs_exactly(ckpt, batch, quant):
     assert (plain - fp32).abs().max() > 1e-3  # the quantization is real
 
 
-@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8_w8a16", "int4"])
 def test_a_step_moves_the_adapters_as_lora_over_the_dense_masters(ckpt, batch, quant, monkeypatch):
     """The straight-through backward through the held codes is the recipe's own (fp8_train_linear's,
     fake_quant_int4's): one SGD step (linear in the gradient) gives the adapters LoRA over the
