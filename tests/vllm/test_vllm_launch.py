@@ -70,18 +70,21 @@ def test_lora_run_with_the_vllm_engine(tmp_path):
 
 def test_two_adapter_run_with_the_vllm_engine(tmp_path):
     """The two-task preset's adapters (conf/experiment/lora_two_tasks_cpu.yaml: "add" and "mul", each
-    record naming its own) with rollout=vllm, 2 steps: every step logs each adapter's samples, reward and
-    trainer metrics, and step 2's rollouts, served by both adapters step 1 trained, have the trainer's
-    log-probs: mismatch/logprob_abs_diff measured 9.8e-8 (1.1e-7 at step 1); with the engine patched to
-    serve each prompt with the other adapter, 0.15 at step 2 (an uncommitted negative control)."""
+    record naming its own) with rollout=vllm, 2 steps, with Ray on (the vLLM engine and the trainer in
+    actors of their own; the runs above are in-process): every step logs each adapter's samples, reward
+    and trainer metrics, and step 2's rollouts, served by both adapters step 1 trained, have the trainer's
+    log-probs: mismatch/logprob_abs_diff measured 9.8e-8 (1.1e-7 at step 1), in-process and with Ray;
+    with the engine patched to serve each prompt with the other adapter, 0.15 at step 2 (an uncommitted
+    negative control)."""
     data = ROOT / "examples/data/two_tasks"
-    args = [a for a in ARGS if not a.startswith("steps=")] + [
+    args = [a for a in ARGS if not a.startswith(("steps=", "ray.enabled="))] + ["ray.enabled=true",
         "steps=2", "task.name=two_tasks", "task.kind=file", f"task.train_file={data / 'train.jsonl'}",
         f"task.eval_file={data / 'test.jsonl'}", "trainer.lora.rank=16", "trainer.lr=3e-3",
         "trainer.lora.adapters=[add,mul]", "trainer.lora.adapter_key=adapter"]
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(VLLMEngine pid=" in proc.stdout + proc.stderr  # the engine ran in a Ray actor
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
     metrics = journal_metrics(run_dir)
     for step in (1, 2):
