@@ -37,7 +37,7 @@ from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting
 if triton is not None:
     import triton.language as tl
 
-    from miles.precision.int4_triton import _round, _splitk_reduce_kernel
+    from miles.precision.int4_triton import _dot_tile, _round, _splitk_reduce_kernel, _store_tile
 
     @triton.jit
     def _e4m3_to_fp32(raw, INTERPRET: tl.constexpr):
@@ -97,27 +97,9 @@ if triton is not None:
             w = tl.reshape(tl.reshape(q, (BLOCK_N, NB, BS)) * s[:, :, None], (BLOCK_N, BLOCK_K))
             # fp32 product rounded to x.dtype once: dequantize_fp8_weight's bits, element for element.
             w = _round(w, x.dtype, INTERPRET)
-            if INTERPRET:  # int4_triton's note: exact bf16 products in an fp32 IEEE dot
-                if SWAP:
-                    acc = tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
-            else:
-                if SWAP:
-                    acc = tl.dot(w, tl.trans(x), acc)
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
-        if SWAP:
-            out_mask = n_ok[:, None] & m_ok[None, :]
-            out_offs = pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-            if HAS_BIAS:  # only on the unsplit path; split-K adds it in the reduction
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            out_mask = m_ok[:, None] & n_ok[None, :]
-            out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+            acc = _dot_tile(w, x, acc, SWAP, INTERPRET)
+        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, pid_k * stride_os, stride_om, HAS_BIAS,
+                    SWAP, INTERPRET)
 
 
 def fused_supported(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,

@@ -94,6 +94,37 @@ if triton is not None:
             return v.to(dtype, fp_downcast_rounding="rtne")
 
     @triton.jit
+    def _dot_tile(w, x, acc, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
+        # acc += W_tile @ x_tile^T (SWAP: acc is [BN, BM]) or x_tile @ W_tile^T. Under the interpreter
+        # (see _interpreting()) the same exact bf16 products go through an fp32 IEEE dot.
+        if INTERPRET:
+            if SWAP:
+                return tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+            else:
+                return tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
+        else:
+            if SWAP:
+                return tl.dot(w, tl.trans(x), acc)
+            else:
+                return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, slice_offset, stride_om,
+                    HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
+        # The tile (+ bias, only on the unsplit path: split-K adds it in the reduction), rounded once.
+        if SWAP:
+            out_mask = n_ok[:, None] & m_ok[None, :]
+            out_offs = slice_offset + offs_m[None, :] * stride_om + offs_n[:, None]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            out_mask = m_ok[:, None] & n_ok[None, :]
+            out_offs = slice_offset + offs_m[:, None] * stride_om + offs_n[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+
+    @triton.jit
     def _w4a16_kernel(x_ptr, p_ptr, s_ptr, b_ptr, out_ptr,
                       M, N, K, KP, KG, k_chunk,
                       stride_xm, stride_pn, stride_sn, stride_os, stride_om,
@@ -151,27 +182,9 @@ if triton is not None:
                     w = q * s
             # fp32 product rounded to x.dtype once: dequantize_int4's bits, element for element.
             w = _round(w, x.dtype, INTERPRET)
-            if INTERPRET:  # see _interpreting(): the same exact products, in an fp32 IEEE dot
-                if SWAP:
-                    acc = tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
-            else:
-                if SWAP:
-                    acc = tl.dot(w, tl.trans(x), acc)
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
-        if SWAP:
-            out_mask = n_ok[:, None] & m_ok[None, :]
-            out_offs = pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-            if HAS_BIAS:  # only on the unsplit path; split-K adds it in the reduction
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            out_mask = m_ok[:, None] & n_ok[None, :]
-            out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=out_mask)
+            acc = _dot_tile(w, x, acc, SWAP, INTERPRET)
+        _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, pid_k * stride_os, stride_om, HAS_BIAS,
+                    SWAP, INTERPRET)
 
     @triton.jit
     def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
