@@ -2,10 +2,13 @@
 bf16, FP8 or INT4 weights, each against its own memory roofline.
 
     python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
+        [--attention triton sdpa]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
-the recipes' calls are interleaved. Roofline per recipe: a decode step reads every weight once in the
+the recipes' calls are interleaved. `--attention`: the slot-decode attention each engine captures, the
+Triton kernel of miles/models/decode_attention.py (the default) and / or the SDPA path it replaced;
+with both, every recipe runs with each, side by side. Roofline per recipe: a decode step reads every weight once in the
 format the engine holds (quantized Linear layers: fp8 1 byte + scales, int4 0.5 byte + scales; the
 rest, embeddings / head / norms, bf16) and each row's KV cache so far:
 tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW), BW the measured
@@ -30,6 +33,7 @@ from rollout_gpu import SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
 from miles.config.schema import DType, FP8Scheme, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.hardware.footprint import kv_bytes_per_token  # noqa: E402
+from miles.models import decode_attention  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
 from miles.rollout.native import NativeEngine  # noqa: E402
 
@@ -58,11 +62,29 @@ def held_bytes(engine: NativeEngine) -> int:
     return total
 
 
+def engine_variants(recipes: list[str], attention: list[str]) -> list[tuple[str, str, str]]:
+    """(name, recipe, attention) per engine to build; the attention shows in the name when several run."""
+    return [(recipe if len(attention) == 1 else f"{recipe}/{att}", recipe, att) for recipe in recipes for att in attention]
+
+
+def build_engine(ckpt: str, cfg: RolloutCfg, recipe: str, attention: str) -> NativeEngine:
+    """A bf16 engine holding `recipe`'s format, its decode graphs captured with `attention`."""
+    quant, scheme = RECIPES[recipe]
+    precision = PrecisionCfg(name=recipe, rollout_quant=quant, fp8_scheme=scheme)
+    decode_attention.enabled = attention == "triton"
+    # The engine quantizes the checkpoint into the recipe's format as it starts.
+    engine = NativeEngine(ckpt, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
+    engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")
+    decode_attention.enabled = True
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", nargs="+", default=["qwen3_0_6b", "qwen3_4b"], choices=sorted(MODELS))
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--attention", nargs="+", default=["triton"], choices=["triton", "sdpa"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -80,14 +102,8 @@ def main() -> None:
                 texts = prompts(rows // SAMPLES, args.prompt_len)
                 cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
                                  n_samples_per_prompt=SAMPLES, temperature=1.0)
-                engines = {}
-                for recipe in args.recipes:
-                    quant, scheme = RECIPES[recipe]
-                    precision = PrecisionCfg(name=recipe, rollout_quant=quant, fp8_scheme=scheme)
-                    # The engine quantizes the checkpoint into the recipe's format as it starts.
-                    engine = NativeEngine(ckpt, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
-                    engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")
-                    engines[recipe] = engine
+                engines = {name: build_engine(ckpt, cfg, recipe, att)
+                           for name, recipe, att in engine_variants(args.recipes, args.attention)}
                 calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES)) for name, e in engines.items()}
                 for fn in calls.values():
                     fn()  # warm-up: graphs captured, kernels compiled
@@ -110,7 +126,7 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         base = next(x for x in results if x["model"] == r["model"] and x["rows"] == r["rows"]
-                    and x["recipe"] == args.recipes[0])
+                    and x["recipe"] == results[0]["recipe"])
         print(f"| {r['model']} | {r['rows']} | {r['recipe']} | {r['weight_gb']:.2f} | {r['tps']:,.0f} | "
               f"{r['tps'] / base['tps']:.2f}x | {r['roofline_tps']:,.0f} | {100 * r['tps'] / r['roofline_tps']:.1f}% |")
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s")

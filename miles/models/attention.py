@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models import invariant
+from miles.models import decode_attention, invariant
 from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
@@ -85,6 +85,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContex
     if ctx.slot_decode:
         if q.shape[2] > 1:  # speculative verify: k + 1 queries per row
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
+        if decode_attention.applies(q, k):  # CUDA: only each row's live columns (module doc)
+            return decode_attention.slot_decode_attention(q, k, v, ctx.past)
         return grouped_decode_attention(q, k, v, ctx.mask())
     if invariant.active():  # one masked kernel for every layout (packed rows included)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask(), enable_gqa=gqa)
