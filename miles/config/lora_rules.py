@@ -92,14 +92,27 @@ def _target_problems(cfg: RunCfg) -> list[str]:
     import torch
 
     from miles.models import CausalLM
-    from miles.models.lora import candidate_names, find_targets
+    from miles.models.lora import candidate_names, find_expert_targets, find_targets
 
+    lo = cfg.trainer.lora
     with torch.device("meta"):  # vocab_size 0 (the tokenizer's) sizes nothing LoRA adapts
         model = CausalLM(cfg.model.arch(cfg.model.vocab_size or 1))
-    if find_targets(model, cfg.trainer.lora.target_modules):
-        return []
-    return [f"trainer.lora.target_modules={list(cfg.trainer.lora.target_modules)} matches no projection of "
-            f"model={cfg.model.name}; its decoder projections: {', '.join(candidate_names(model))}"]
+    experts = find_expert_targets(model, lo.target_modules)
+    if not experts and not find_targets(model, lo.target_modules):
+        return [f"trainer.lora.target_modules={list(lo.target_modules)} matches no projection of "
+                f"model={cfg.model.name}; its decoder projections: {', '.join(candidate_names(model))}"]
+    problems = []
+    if experts and cfg.rollout.engine != "native":
+        problems.append(f"trainer.lora.target_modules adapts MoE experts ({experts[0][0]}, ...), which "
+                        f"rollout={cfg.rollout.engine.value} does not load as LoRA here: set rollout=native or drop "
+                        "the experts from trainer.lora.target_modules")
+    if experts and lo.dropout > 0:
+        problems.append(f"trainer.lora.dropout={lo.dropout} with MoE expert adapters: PEFT's adapters on stacked "
+                        "tensors (target_parameters, the saved format) take no dropout: set trainer.lora.dropout=0")
+    if experts and len(lo.adapters) > 1:
+        problems.append(f"trainer.lora.adapters={list(lo.adapters)} with MoE expert adapters ({experts[0][0]}, ...) "
+                        "is not supported: drop the experts from trainer.lora.target_modules")
+    return problems
 
 
 

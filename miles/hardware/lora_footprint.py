@@ -4,6 +4,8 @@ cost no memory."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from miles.config.schema import PrecisionCfg, Quant
@@ -16,8 +18,8 @@ _BASE_CACHE: dict[tuple, tuple[int, int]] = {}
 
 
 def lora_params(arch: ArchConfig, rank: int, target_modules, adapters: int = 1) -> int:
-    """rank x (in + out) summed over the decoder projections `target_modules` selects, for each of
-    `adapters` adapters (trainer.lora.adapters; 0 or 1: the run's one adapter)."""
+    """rank x (in + out) summed over the decoder projections `target_modules` selects (times E for
+    stacked experts), for each of `adapters` adapters (trainer.lora.adapters; 0 or 1: the run's one)."""
     if rank <= 0:
         return 0
     return max(1, adapters) * _one_adapter(arch, rank, target_modules)
@@ -27,11 +29,11 @@ def _one_adapter(arch: ArchConfig, rank: int, target_modules) -> int:
     key = (repr(arch), rank, tuple(target_modules))
     if key not in _CACHE:
         from miles.models import CausalLM
-        from miles.models.lora import find_targets
+        from miles.models.lora import adapter_shapes
 
         with torch.device("meta"):
             model = CausalLM(arch)
-        _CACHE[key] = sum(rank * (m.in_features + m.out_features) for _, m in find_targets(model, key[2]))
+        _CACHE[key] = sum(math.prod(a) + math.prod(b) for a, b in adapter_shapes(model, rank, key[2]).values())
     return _CACHE[key]
 
 

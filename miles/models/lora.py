@@ -32,8 +32,16 @@ FP8 / INT4 recipe (miles.precision's QuantLinear: the engine's layers, and the t
 under QLoRA, miles/precision/qlora.py), over which the adapters run unmerged: a quantized weight
 cannot hold W + B A, so merging is refused there. An entry of `target_modules`
 matches a module whose name equals it or ends with "." + it (PEFT's rule for a list: "q_proj"),
-or that the entry matches whole as a regular expression ("layers\\.[0-3]\\..*_proj"). Stacked MoE
-experts (one [E, out, in] tensor, not nn.Linear) are not adapted yet.
+or that the entry matches whole as a regular expression ("layers\\.[0-3]\\..*_proj").
+
+Stacked MoE experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I] of
+miles.models.moe.Experts, not nn.Linear) are adapted where an entry names them: "experts" (both),
+"experts.gate_up_proj" / "experts.down_proj", or a pattern that contains "experts"; a bare "down_proj"
+keeps meaning the nn.Linear projections (the dense and shared-expert MLPs), so the default targets
+do not grow by E adapters a layer. Each expert gets its own pair, A [E, rank, in] and B [E, out,
+rank], applied inside the expert loop on the expert's own tokens (`Experts.lora_hooks`); merged, W_e
++ alpha / rank * B_e A_e. PEFT saves them as `target_parameters` (miles/models/lora_peft.py). With
+several adapters they are refused (a token's adapter is not known inside the expert loop yet).
 """
 
 from __future__ import annotations
@@ -47,10 +55,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models.moe import Experts
 from miles.precision.recipe import QuantLinear
 
 # Every projection of a dense Qwen / Llama-style decoder layer (attention and MLP).
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # Experts' stacked [E, out, in] tensors, in their module order
 DECODER_PREFIX = "layers."
 # Several adapters: "<adapter>/<module>.lora_A.weight" (an adapter name is a directory name, never "/").
 ADAPTER_SEPARATOR = "/"
@@ -76,9 +86,35 @@ def find_targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Module]
             if _projection(name, m) and any(_matches(name, entry) for entry in target_modules)]
 
 
+def _selects_expert(name: str, entry: str) -> bool:
+    return "experts" in entry and (entry == "experts" or _matches(name, entry))
+
+
+def find_expert_targets(model: nn.Module, target_modules) -> list[tuple[str, Experts, str]]:
+    """(tensor name, Experts module, its attribute) of the stacked expert tensors `target_modules`
+    names (module docstring), in model order."""
+    return [(f"{name}.{attr}", m, attr) for name, m in model.named_modules()
+            if isinstance(m, Experts) and name.startswith(DECODER_PREFIX)
+            for attr in EXPERT_TENSORS if any(_selects_expert(f"{name}.{attr}", e) for e in target_modules)]
+
+
+def adapter_shapes(model: nn.Module, rank: int, target_modules) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Adapted weight's name -> (A's shape, B's shape) of one adapter: [rank, in] / [out, rank] for a
+    projection, [E, rank, in] / [E, out, rank] for stacked experts (works on a meta-device model)."""
+    shapes = {name: ((rank, m.in_features), (m.out_features, rank)) for name, m in find_targets(model, target_modules)}
+    for name, m, attr in find_expert_targets(model, target_modules):
+        e, out, inp = getattr(m, attr).shape
+        shapes[name] = ((e, rank, inp), (e, out, rank))
+    return shapes
+
+
 def candidate_names(model: nn.Module) -> list[str]:
-    """The distinct last components of the modules LoRA can adapt (for messages)."""
-    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if _projection(name, m)})
+    """The distinct last components of the modules LoRA can adapt (for messages), and "experts" where
+    the model has stacked experts."""
+    names = {name.rpartition(".")[2] for name, m in model.named_modules() if _projection(name, m)}
+    if any(isinstance(m, Experts) for m in model.modules()):
+        names.add("experts")
+    return sorted(names)
 
 
 def _placement(linear: nn.Module, dtype: torch.dtype | None) -> dict:
@@ -106,14 +142,19 @@ class LoRA(nn.Module):
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0 (got {rank})")
         targets = find_targets(model, target_modules)
-        if not targets:
+        experts = find_expert_targets(model, target_modules)
+        if not targets and not experts:
             raise ValueError(f"trainer.lora.target_modules={list(target_modules)} matches no projection of the "
                              f"model; its decoder projections: {', '.join(candidate_names(model))}")
+        if experts and len(adapters) > 1:
+            raise ValueError(f"trainer.lora.adapters ({len(adapters)} adapters) with MoE expert adapters "
+                             f"({experts[0][0]}, ...) is not supported: drop the experts from trainer.lora.target_modules")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
-        self.names = [name for name, _ in targets]
+        self.names = [name for name, _ in targets] + [name for name, _, _ in experts]
         self.adapter_names = list(adapters)
         self.num_adapters = max(1, len(self.adapter_names))
         self._linears = [m for _, m in targets]  # a plain list: not submodules, the model owns them
+        self._experts = [(m, attr) for _, m, attr in experts]  # after the linears: target index len(_linears) + j
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
         self._base: list[torch.Tensor] | None = None  # keep_base(): the unmerged weights merge_into_base starts from
@@ -129,8 +170,19 @@ class LoRA(nn.Module):
                 kind = _placement(linear, dtype)
                 self.lora_A.append(nn.Parameter(a.to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
+            for m, attr in self._experts:
+                w = getattr(m, attr)
+                num, out, inp = w.shape
+                a = torch.zeros(num * rank, inp, dtype=torch.float32)  # PEFT's: one [E * rank, in] Linear weight
+                if not zero:
+                    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+                kind = dict(device=w.device, dtype=dtype or w.dtype)
+                self.lora_A.append(nn.Parameter(a.view(num, rank, inp).to(**kind)))
+                self.lora_B.append(nn.Parameter(torch.zeros(num, out, rank, **kind)))
         for i, linear in enumerate(self._linears):
             linear.register_forward_hook(self._hook(i))
+        for j, (m, attr) in enumerate(self._experts):
+            m.lora_hooks[attr] = self._expert_hook(len(self._linears) + j)
 
     def _pair(self, adapter: int, i: int) -> tuple[nn.Parameter, nn.Parameter]:
         j = adapter * len(self.names) + i
@@ -156,6 +208,28 @@ class LoRA(nn.Module):
                     delta = mine if delta is None else delta + mine
             return out + (delta * self.scaling).to(out.dtype)
         return add_delta
+
+    def _expert_hook(self, i: int):
+        def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            if not self.enabled:
+                return out
+            a, b = self._pair(0, i)
+            if not torch.is_autocast_enabled(x.device.type):
+                x = x.to(a.dtype)
+            delta = F.linear(F.linear(self.dropout(x), a[expert]), b[expert])
+            return out + (delta * self.scaling).to(out.dtype)
+        return add_delta
+
+    def _weight(self, i: int) -> torch.Tensor:
+        """The base weight target i adapts (a projection's weight, or a stacked expert tensor)."""
+        if i < len(self._linears):
+            return self._linears[i].weight
+        m, attr = self._experts[i - len(self._linears)]
+        return getattr(m, attr)
+
+    def state_key(self, i: int) -> str:
+        """Target i's weight in the model's state dict."""
+        return self.names[i] + (".weight" if i < len(self._linears) else "")
 
     # ------------------------------------------------------------------ routing (several adapters)
     def route(self, adapter_ids: torch.Tensor) -> None:
@@ -217,9 +291,9 @@ class LoRA(nn.Module):
 
     # ------------------------------------------------------------------ merge
     def delta(self, i: int) -> torch.Tensor:
-        """alpha / rank * B @ A of projection i (one adapter), [out, in], in fp32."""
+        """alpha / rank * B @ A of target i (one adapter), [out, in] ([E, out, in] for experts), in fp32."""
         a, b = self._pair(0, i)
-        return (b.float() @ a.float()) * self.scaling
+        return (b.float() @ a.float()) * self.scaling  # batched over experts where A / B are 3-D
 
     def keep_base(self) -> None:
         """Copy the adapted projections' weights as they are now (the base model's), for
@@ -228,7 +302,7 @@ class LoRA(nn.Module):
         if self.num_adapters > 1:
             raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
         self._require_dense_base()
-        self._base = [_host_copy(linear.weight.detach()) for linear in self._linears]
+        self._base = [_host_copy(self._weight(i).detach()) for i in range(len(self.names))]
         self.enabled = False  # the merged weights carry the adapters from here on (zero ones until the first merge)
 
     def _require_dense_base(self) -> None:
@@ -246,8 +320,8 @@ class LoRA(nn.Module):
         accumulates over syncs."""
         if self._base is None:
             raise RuntimeError("merge_into_base needs keep_base() first (while the weights are the base model's)")
-        for i, linear in enumerate(self._linears):
-            w = linear.weight
+        for i in range(len(self.names)):
+            w = self._weight(i)
             base = self._base[i].to(w.device, non_blocking=True).float()
             w.copy_((base + self.delta(i).to(w.device)).to(w.dtype))
 
@@ -259,18 +333,18 @@ class LoRA(nn.Module):
         if self.num_adapters > 1:
             raise ValueError(f"{self.num_adapters} adapters cannot be merged into one set of base weights")
         self._require_dense_base()
-        originals = [linear.weight.data for linear in self._linears]
+        weights = [self._weight(i) for i in range(len(self.names))]
+        originals = [w.data for w in weights]
         with torch.no_grad():
-            for i, linear in enumerate(self._linears):
-                w = linear.weight.data
-                linear.weight.data = (w.float() + self.delta(i).to(w.device)).to(w.dtype)
+            for i, w in enumerate(weights):
+                w.data = (w.data.float() + self.delta(i).to(w.device)).to(w.dtype)
         self.enabled = False
         try:
             yield
         finally:
             self.enabled = True
-            for linear, w in zip(self._linears, originals):
-                linear.weight.data = w
+            for w, original in zip(weights, originals):
+                w.data = original
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

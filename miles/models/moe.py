@@ -99,6 +99,9 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # LoRA on the stacked tensors (miles/models/lora.py): "gate_up_proj" / "down_proj" ->
+        # fn(expert, x, y) returning y plus that expert's adapter output. A plain dict, not state.
+        self.lora_hooks: dict = {}
 
     @torch.no_grad()
     def init_weights(self, gen: Optional[torch.Generator]) -> None:
@@ -122,8 +125,16 @@ class Experts(nn.Module):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            gate, up = F.linear(xs[start:start + c], self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            h = xs[start:start + c]
+            gate_up = F.linear(h, self.gate_up_proj[e])
+            if "gate_up_proj" in self.lora_hooks:
+                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            out = F.linear(act, self.down_proj[e])
+            if "down_proj" in self.lora_hooks:
+                out = self.lora_hooks["down_proj"](e, act, out)
+            outs.append(out)
             start += c
         if not outs:
             return torch.zeros_like(x)

@@ -99,9 +99,9 @@ def export_model_state(lora: LoRA, state: dict[str, torch.Tensor], config, path,
 
     merged = dict(state)
     if lora.num_adapters == 1:
-        for i, name in enumerate(lora.names):
-            w = merged[f"{name}.weight"]
-            merged[f"{name}.weight"] = (w.float() + lora.delta(i).detach().to(w.device)).to(w.dtype)
+        for i in range(len(lora.names)):
+            key = lora.state_key(i)
+            merged[key] = (merged[key].float() + lora.delta(i).detach().to(merged[key].device)).to(merged[key].dtype)
     with torch.device("meta"):  # the structure only; the merged tensors become its weights
         whole = model_class(config)(config)
     whole.load_state_dict(merged, assign=True)
