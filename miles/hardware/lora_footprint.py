@@ -38,8 +38,9 @@ def _one_adapter(arch: ArchConfig, rank: int, target_modules) -> int:
 
 
 def quantized_base(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]:
-    """QLoRA (precision.train_quant fp8 / int4): (weights of the projections the trainer holds in the
-    rollout format, their bytes there), layer by layer as miles/precision/qlora.py holds them: FP8
+    """QLoRA (precision.train_quant fp8 / int4): (weights of the projections and stacked MoE experts the
+    trainer holds in the rollout format, their bytes there), as miles/precision/qlora.py and
+    miles/models/frozen_experts.py hold them: FP8
     one byte per weight + an fp32 scale per 128x128 block, INT4 two weights per byte + an fp32 scale
     per group of the input dim."""
     key = (repr(arch), precision.train_quant, precision.int4_group_size, tuple(precision.keep_high_precision),
@@ -48,12 +49,18 @@ def quantized_base(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]
         from miles.models import CausalLM
         from miles.precision.recipe import Recipe
 
+        from miles.models.moe import Experts
+
         with torch.device("meta"):
             model = CausalLM(arch)
-        shapes = [linear.weight.shape for _, _, linear in Recipe.from_cfg(precision, arch.num_layers)
-                  .quantized_linears(model)]
-        _BASE_CACHE[key] = (sum(n * k for n, k in shapes),
-                            sum(_held_bytes(n, k, precision) for n, k in shapes))
+        recipe = Recipe.from_cfg(precision, arch.num_layers)
+        shapes = [(1, *linear.weight.shape) for _, _, linear in recipe.quantized_linears(model)]
+        # Stacked experts, as miles/models/frozen_experts.py holds them: per expert, as a projection.
+        shapes += [getattr(m, t).shape for name, m in model.named_modules() if type(m) is Experts
+                   and all(recipe.quantizes(f"{name}.{t}", getattr(m, t)) for t in ("gate_up_proj", "down_proj"))
+                   for t in ("gate_up_proj", "down_proj")]
+        _BASE_CACHE[key] = (sum(e * n * k for e, n, k in shapes),
+                            sum(e * _held_bytes(n, k, precision) for e, n, k in shapes))
     return _BASE_CACHE[key]
 
 

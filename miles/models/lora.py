@@ -171,12 +171,15 @@ class LoRA(nn.Module):
                 self.lora_A.append(nn.Parameter(a.to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
             for m, attr in self._experts:
-                w = getattr(m, attr)
-                num, out, inp = w.shape
+                num, out, inp = m.stacked_shape(attr)
                 a = torch.zeros(num * rank, inp, dtype=torch.float32)  # PEFT's: one [E * rank, in] Linear weight
                 if not zero:
                     nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-                kind = dict(device=w.device, dtype=dtype or w.dtype)
+                held = next(m.parameters(), None)
+                held = held if held is not None else next(m.buffers())  # QLoRA's holder: its codes' device
+                if dtype is None and not held.is_floating_point():
+                    raise ValueError("LoRA over quantized experts needs the adapters' dtype")
+                kind = dict(device=held.device, dtype=dtype or held.dtype)
                 self.lora_A.append(nn.Parameter(a.view(num, rank, inp).to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(num, out, rank, **kind)))
         for i, linear in enumerate(self._linears):
@@ -307,6 +310,7 @@ class LoRA(nn.Module):
 
     def _require_dense_base(self) -> None:
         quantized = [name for name, linear in zip(self.names, self._linears) if not isinstance(linear, nn.Linear)]
+        quantized += [name for name, (m, _) in zip(self.names[len(self._linears):], self._experts) if m.held_quantized]
         if quantized:
             raise ValueError(f"LoRA merge: {len(quantized)} adapted projections (e.g. {quantized[0]}) hold the base "
                              "quantized (FP8 / INT4), which cannot hold W + alpha / rank * B A exactly: apply the "

@@ -26,6 +26,7 @@ module is named `shared_expert`, otherwise `shared_experts` (DeepSeek-V3 / GLM),
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -94,6 +95,8 @@ class Experts(nn.Module):
     """E SwiGLU experts as two fused tensors: gate_up_proj [E, 2I, H] (gate rows first, then up),
     down_proj [E, H, I]."""
 
+    held_quantized = False  # QLoRA's frozen holder (miles/models/frozen_experts.py) says True
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
@@ -107,6 +110,14 @@ class Experts(nn.Module):
     def init_weights(self, gen: Optional[torch.Generator]) -> None:
         self.gate_up_proj.normal_(0.0, 0.02, generator=gen)
         self.down_proj.normal_(0.0, 0.02, generator=gen)
+
+    def expert_weight(self, name: str, e: int) -> torch.Tensor:
+        """Expert e's [out, in] slice of the stacked tensor `name` (QLoRA's holder dequantizes it)."""
+        return getattr(self, name)[e]
+
+    def stacked_shape(self, name: str) -> torch.Size:
+        """[E, out, in] of the stacked tensor `name`."""
+        return getattr(self, name).shape
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H], experts / weights: [N, k] -> [N, H] = sum_j weights[:, j] * expert_{experts[:, j]}(x).
@@ -126,12 +137,12 @@ class Experts(nn.Module):
             if c == 0:
                 continue
             h = xs[start:start + c]
-            gate_up = F.linear(h, self.gate_up_proj[e])
+            gate_up = F.linear(h, self.expert_weight("gate_up_proj", e))
             if "gate_up_proj" in self.lora_hooks:
                 gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            out = F.linear(act, self.down_proj[e])
+            out = F.linear(act, self.expert_weight("down_proj", e))
             if "down_proj" in self.lora_hooks:
                 out = self.lora_hooks["down_proj"](e, act, out)
             outs.append(out)
@@ -180,7 +191,7 @@ class MoE(nn.Module):
 
     def idle_params(self) -> int:
         """Routed-expert parameters a token does not use (E - k experts)."""
-        per_expert = self.experts.gate_up_proj[0].numel() + self.experts.down_proj[0].numel()
+        per_expert = sum(math.prod(self.experts.stacked_shape(name)[1:]) for name in ("gate_up_proj", "down_proj"))
         return (self.moe.num_experts - self.moe.num_experts_per_tok) * per_expert
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:

@@ -9,8 +9,8 @@ The base never changes under LoRA, so the trainer quantizes it once, at build, t
 engine holds (`rollout_format` of the checkpoint's weights: FP8 e4m3 codes + fp32 128x128 block
 scales, or packed INT4 + fp32 group scales), and drops the fp32 weights: ~1 or ~0.53 bytes per
 weight instead of 4. Everything the recipe keeps in high precision (embeddings, head, norms,
-routers, biases) and the stacked MoE experts stay as the recipe's training forward reads them: fp32
-(the experts fake-quantized by `Recipe.forward` in every forward, as without LoRA).
+routers, biases) stays as the recipe's training forward reads it: fp32. Stacked MoE experts are held
+quantized by miles/models/frozen_experts.py (miles.precision does not import the model code).
 
 Forward: the product the recipe's training forward computes without LoRA, on the same operands:
 FP8 w8a8, the engine's FP8 GEMM on 1x128-quantized activations (`fp8_linear_with`, what

@@ -24,6 +24,7 @@ import torch
 
 from miles.config.schema import DType, LoRACfg, PrecisionCfg
 from miles.models import save_pretrained
+from miles.models.frozen_experts import quantize_frozen_experts
 from miles.models.lora import LoRA
 from miles.models.lora_peft import load_peft, save_peft
 from miles.precision import qlora
@@ -35,11 +36,12 @@ ADAPTER_DIR = "adapter"  # beside the model in resume checkpoints and the final 
 
 def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: int, recipe: Recipe) -> LoRA:
     """Freeze the base and hook the adapters onto it. QLoRA (fp8, int4_qat): the quantized projections
-    held in the rollout format, the rest fp32 as the recipe's masters (a fresh adapter then gives the
+    and stacked MoE experts held in the rollout format, the rest fp32 as the recipe's masters (a fresh adapter then gives the
     recipe's log-probs exactly); a bf16 recipe: all of it in bf16."""
     model.requires_grad_(False)
     if qlora.holds_quantized_base(recipe):
         qlora.quantize_frozen_base(model, recipe)
+        quantize_frozen_experts(model, recipe)
     elif precision.train_dtype == DType.bf16:
         model.to(torch.bfloat16)
     return LoRA(model, cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules, dtype=torch.float32, seed=seed,
@@ -114,6 +116,7 @@ def hold_reference(ref_model: torch.nn.Module, recipe: Recipe) -> None:
     numbers as the recipe's forward over its fp32 copy at a fraction of the memory."""
     if qlora.holds_quantized_base(recipe):
         qlora.quantize_frozen_base(ref_model, recipe)
+        quantize_frozen_experts(ref_model, recipe)
 
 
 def export_model(lora: LoRA, model, path, dtype: torch.dtype = torch.float32) -> None:

@@ -1,6 +1,7 @@
 """LoRA on a MoE model's stacked experts through miles.orchestrate.run (in-process, native engine):
-the engine applies the synced expert adapters, unmerged or merged into its expert tensors (its
-log-probs stay the trainer's), the adapters move the policy, and the checkpoint holds a PEFT adapter
+the engine applies the synced expert adapters, unmerged or merged into its expert tensors, or over
+a base both sides hold in INT4 (QLoRA, fp32 compute: the trainer's experts held quantized); its log-probs stay the
+trainer's, the adapters move the policy, and the checkpoint holds a PEFT adapter
 with `target_parameters`."""
 
 import json
@@ -13,7 +14,8 @@ from runs import TINY, journal_metrics, run_inprocess
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("engine_side", [[], ["trainer.lora.merge_in_engine=true"]], ids=["unmerged", "merged"])
+@pytest.mark.parametrize("engine_side", [[], ["trainer.lora.merge_in_engine=true"], ["precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32"]],
+                         ids=["unmerged", "merged", "qlora-int4"])
 def test_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compose, engine_side):
     monkeypatch.chdir(tmp_path)
     overrides = [*TINY, "model=qwen3_moe_tiny", "trainer.lora.rank=4", "trainer.lr=1e-2", "steps=2",

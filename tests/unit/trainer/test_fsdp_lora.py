@@ -13,6 +13,9 @@ from miles.trainer.torch_trainer import TorchTrainer
 pytestmark = pytest.mark.slow
 
 FP32 = PrecisionCfg(name="fp32")
+# Adapters after lr-1e-2 Adam steps (moves ~1e-2): 2 ranks sum gradients in another order than one
+# process; measured 1.08e-6 apart on an AMD EPYC with AVX-512 (1e-6 held elsewhere).
+WEIGHT_TOL = 1e-5
 ALGO = AlgoCfg(name=AlgoName.grpo)
 # Small micro-batches (each rank accumulates several); grad_clip below the norms: the clip is in the update.
 CFG = TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=2, grad_clip=0.05,
@@ -45,7 +48,7 @@ def test_two_ranks_train_the_adapters_of_one_process(ckpt, rollout_batch, local_
         assert abs(g["train/grad_norm"] - n["train/grad_norm"]) <= 1e-5 * n["train/grad_norm"]
     assert set(g_weights) == set(n_weights) == set(one.lora.tensors())  # the adapters only travel
     assert any(float(w.abs().max()) > 0 for k, w in n_weights.items() if "lora_B" in k)  # B moved off zero
-    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= 1e-6
+    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= WEIGHT_TOL
     torch.testing.assert_close(g_logp, n_logp, atol=1e-5, rtol=0)
     # The merged export of the ranks is the adapted model of the 1-process trainer.
     assert (tmp_path / "final/adapter/adapter_model.safetensors").is_file()
@@ -61,7 +64,7 @@ def test_two_ranks_train_the_adapters_of_one_process(ckpt, rollout_batch, local_
         group.shutdown()
     n_next = one.train_rl(rollout_batch)
     assert abs(resumed["train/grad_norm"] - n_next["train/grad_norm"]) <= 1e-5 * n_next["train/grad_norm"]
-    assert max(float((r_weights[k] - v).abs().max()) for k, v in one.lora.tensors().items()) <= 1e-6
+    assert max(float((r_weights[k] - v).abs().max()) for k, v in one.lora.tensors().items()) <= WEIGHT_TOL
 
 
 def test_two_ranks_train_two_adapters_as_one_process(ckpt, rollout_batch, local_ray):
@@ -87,4 +90,4 @@ def test_two_ranks_train_two_adapters_as_one_process(ckpt, rollout_batch, local_
             assert abs(g[key] - n[key]) <= 1e-5 * n[key]
     assert "train/grad_norm/mul" in n_metrics[0] and "train/pg_loss/mul" not in n_metrics[1]
     assert set(g_weights) == set(n_weights) == set(one.lora.tensors())
-    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= 1e-6
+    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= WEIGHT_TOL

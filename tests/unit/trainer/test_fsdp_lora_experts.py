@@ -18,6 +18,9 @@ from miles.types import build_train_batch
 pytestmark = pytest.mark.slow
 
 FP32 = PrecisionCfg(name="fp32")
+# Adapters after lr-1e-2 Adam steps (moves ~1e-2): 2 ranks sum gradients in another order than one
+# process; measured 1.08e-6 apart on an AMD EPYC with AVX-512 (1e-6 held elsewhere).
+WEIGHT_TOL = 1e-5
 ALGO = AlgoCfg(name=AlgoName.grpo)
 CFG = TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=4,
                  lora=LoRACfg(rank=4, alpha=8.0, target_modules=["q_proj", "experts"]))
@@ -64,6 +67,6 @@ def test_two_ranks_train_the_expert_adapters_of_one_process(moe_ckpt, moe_batch,
         assert abs(g["train/grad_norm"] - n["train/grad_norm"]) <= 1e-5 * n["train/grad_norm"]
     experts_b = [k for k in n_weights if ".experts." in k and "lora_B" in k]
     assert experts_b and any(float(n_weights[k].abs().max()) > 0 for k in experts_b)  # the expert adapters moved
-    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= 1e-6
+    assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= WEIGHT_TOL
     merged = TorchTrainer(str(tmp_path / "final"), ALGO, TrainerCfg(global_batch_size=16, micro_batch_size=4), FP32)
     torch.testing.assert_close(merged.logprobs(moe_batch), n_logp, atol=1e-5, rtol=0)

@@ -9,7 +9,8 @@ format, in-process against real references.
   recipes' CPU tolerance, their logits being bitwise equal without LoRA), and not without the sync;
 - resume is exact; the merged export is the dequantized base plus the adapter; merging in the
   engine and a reference of another base are refused;
-- several adapters route over the one held base; MoE experts stay dense (not held quantized yet).
+- several adapters route over the one held base; a MoE model's experts are held quantized too
+  (tests/unit/trainer/test_qlora_experts.py).
 """
 
 import pytest
@@ -209,11 +210,11 @@ def test_several_adapters_over_the_quantized_base(ckpt):
     assert (t.logprobs(batch) - batch.rollout_logprobs)[mask].abs().max().item() < 1e-5
 
 
-def test_moe_experts_stay_dense_and_the_projections_quantized(tmp_path):
-    """Stacked MoE experts are not held quantized yet: frozen fp32, quantized by Recipe.forward in
-    every forward as without LoRA (the planner counts them at 4 bytes); the attention projections
-    are held quantized. A fresh adapter still gives the recipe's log-probs exactly."""
+def test_moe_experts_and_the_projections_held_quantized(tmp_path):
+    """Stacked MoE experts are held quantized beside the attention projections (FrozenQuantExperts,
+    no fp32 copy); a fresh adapter still gives the recipe's log-probs exactly."""
     from miles.models.config import MoEConfig
+    from miles.models.frozen_experts import FrozenQuantExperts
 
     model = ModelCfg(name="m", family="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=64,
@@ -223,5 +224,5 @@ def test_moe_experts_stay_dense_and_the_projections_quantized(tmp_path):
     t = trainer(ckpt, recipe("fp8"))
     layer = t.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, FrozenQuantLinear)
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.float32 and not layer.mlp.experts.gate_up_proj.requires_grad
+    assert isinstance(layer.mlp.experts, FrozenQuantExperts) and layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert torch.equal(t.logprobs(batch), trainer(ckpt, recipe("fp8"), lora=LoRACfg()).logprobs(batch))

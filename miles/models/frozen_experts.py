@@ -1,0 +1,98 @@
+"""QLoRA for stacked MoE experts: a LoRA run's frozen experts held in the rollout's quantized format.
+
+    quantize_frozen_experts(model, recipe)   # each quantized `Experts` -> FrozenQuantExperts, once
+
+Under LoRA the base never changes, so the experts' fp32 tensors ([E, 2I, H] and [E, H, I], most of a
+MoE model's weights) are quantized once, to the payload the engine is sent (`rollout_format`: FP8
+e4m3 codes + fp32 128x128 block scales per expert, or packed INT4 + fp32 group scales), and dropped.
+In the expert loop each expert's slice is dequantized on use, to the values `Recipe.forward` gives
+the fp32 masters without LoRA (`_fake_quant`: FP8 / INT4 round trip in the master dtype; FP8 w8a16:
+the compute dtype), so a fresh adapter keeps the recipe's log-probs bit for bit, and the gradient
+reaching the activations is the same product. The stack is never dequantized whole. A state dict
+shows the dense dequantized tensors (checkpoints and the merged export stay plain HF weights), and
+loading one checks it equals what is held (as `FrozenQuantLinear` does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.models.moe import Experts
+from miles.precision.fp8 import dequantize_fp8_weight
+from miles.precision.int4 import dequantize_int4
+from miles.precision.recipe import FP8, W8A16, Recipe
+from miles.precision.rollout_format import rollout_format
+
+STACKED = ("gate_up_proj", "down_proj")
+
+
+class FrozenQuantExperts(Experts):
+    """The trainer's stacked experts under QLoRA: quantized buffers `<tensor>` + `<tensor>_scale_inv`
+    (FP8) or `<tensor>_packed` + `<tensor>_scale` (INT4), no parameters."""
+
+    held_quantized = True
+
+    def __init__(self, experts: Experts, recipe: Recipe):
+        torch.nn.Module.__init__(self)
+        self.num_experts = experts.num_experts
+        self.lora_hooks = experts.lora_hooks
+        self.quant, self.group, self.fp8_scheme = recipe.rollout_quant, recipe.group, recipe.fp8_scheme
+        self.dense_dtype = experts.gate_up_proj.dtype
+        self._shapes = {name: getattr(experts, name).shape for name in STACKED}
+        for name in STACKED:
+            payload = rollout_format({name: getattr(experts, name).detach()}, recipe.rollout_quant, lambda _: False,
+                                     recipe.group)
+            for key, t in payload.items():
+                self.register_buffer(key, t)
+
+    def stacked_shape(self, name: str) -> torch.Size:
+        return self._shapes[name]
+
+    def _dequantize(self, name: str, index, dtype: torch.dtype) -> torch.Tensor:
+        if self.quant == FP8:
+            return dequantize_fp8_weight(getattr(self, name)[index], getattr(self, f"{name}_scale_inv")[index], dtype)
+        return dequantize_int4(getattr(self, f"{name}_packed")[index], getattr(self, f"{name}_scale")[index], self.group,
+                               k=self._shapes[name][-1], dtype=dtype)
+
+    def expert_weight(self, name: str, e: int) -> torch.Tensor:
+        # Recipe._fake_quant's dtype: the master dtype, or for w8a16 the compute dtype (autocast's).
+        dtype = self.dense_dtype
+        if self.quant == FP8 and self.fp8_scheme == W8A16:
+            device = self.gate_up_proj.device.type
+            if torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+        return self._dequantize(name, e, dtype)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """The whole stacked tensor in the master dtype (state dicts, exports)."""
+        return self._dequantize(name, slice(None), self.dense_dtype)
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in STACKED:
+            destination[prefix + name] = self.dequantized(name).cpu()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in STACKED:
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            given, held = state_dict[key], self.dequantized(name).cpu()
+            if given.dtype != held.dtype or not torch.equal(given.cpu(), held):
+                error_msgs.append(f"{key}: differs from the frozen experts this trainer holds quantized (a checkpoint "
+                                  "of another base?); a quantized base is never quantized again from a dense copy")
+
+
+def quantize_frozen_experts(model: torch.nn.Module, recipe: Recipe) -> None:
+    """Replace each `Experts` whose stacked tensors the recipe quantizes by its FrozenQuantExperts, in
+    place (the fp32 stacks freed as each is replaced); the experts the engine is sent quantized."""
+    found = [(name, m) for name, m in model.named_modules()
+             if type(m) is Experts and all(recipe.quantizes(f"{name}.{t}", getattr(m, t)) for t in STACKED)]
+    while found:
+        name, experts = found.pop()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, FrozenQuantExperts(experts, recipe))
