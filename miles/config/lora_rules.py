@@ -109,9 +109,6 @@ def _target_problems(cfg: RunCfg) -> list[str]:
     if experts and lo.dropout > 0:
         problems.append(f"trainer.lora.dropout={lo.dropout} with MoE expert adapters: PEFT's adapters on stacked "
                         "tensors (target_parameters, the saved format) take no dropout: set trainer.lora.dropout=0")
-    if experts and len(lo.adapters) > 1:
-        problems.append(f"trainer.lora.adapters={list(lo.adapters)} with MoE expert adapters ({experts[0][0]}, ...) "
-                        "is not supported: drop the experts from trainer.lora.target_modules")
     return problems
 
 

@@ -41,7 +41,8 @@ keeps meaning the nn.Linear projections (the dense and shared-expert MLPs), so t
 do not grow by E adapters a layer. Each expert gets its own pair, A [E, rank, in] and B [E, out,
 rank], applied inside the expert loop on the expert's own tokens (`Experts.lora_hooks`); merged, W_e
 + alpha / rank * B_e A_e. PEFT saves them as `target_parameters` (miles/models/lora_peft.py). With
-several adapters they are refused (a token's adapter is not known inside the expert loop yet).
+several adapters each expert's tokens are routed as a projection's are, by the token's place in the
+layer's flat input.
 """
 
 from __future__ import annotations
@@ -146,9 +147,6 @@ class LoRA(nn.Module):
         if not targets and not experts:
             raise ValueError(f"trainer.lora.target_modules={list(target_modules)} matches no projection of the "
                              f"model; its decoder projections: {', '.join(candidate_names(model))}")
-        if experts and len(adapters) > 1:
-            raise ValueError(f"trainer.lora.adapters ({len(adapters)} adapters) with MoE expert adapters "
-                             f"({experts[0][0]}, ...) is not supported: drop the experts from trainer.lora.target_modules")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.names = [name for name, _ in targets] + [name for name, _, _ in experts]
         self.adapter_names = list(adapters)
@@ -213,13 +211,22 @@ class LoRA(nn.Module):
         return add_delta
 
     def _expert_hook(self, i: int):
-        def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
             if not self.enabled:
                 return out
             a, b = self._pair(0, i)
             if not torch.is_autocast_enabled(x.device.type):
                 x = x.to(a.dtype)
-            delta = F.linear(F.linear(self.dropout(x), a[expert]), b[expert])
+            x = self.dropout(x)
+            if self.num_adapters == 1:
+                delta = F.linear(F.linear(x, a[expert]), b[expert])
+            else:  # each token's adapter: the route laid out over the flat input, then this expert's rows
+                ids = self._ids_for(x.new_empty(total, 0))[rows]
+                delta = None
+                for k in range(self.num_adapters):
+                    a, b = self._pair(k, i)
+                    mine = torch.where(ids == k, F.linear(F.linear(x, a[expert]), b[expert]), 0.0)
+                    delta = mine if delta is None else delta + mine
             return out + (delta * self.scaling).to(out.dtype)
         return add_delta
 

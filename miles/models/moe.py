@@ -103,7 +103,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         # LoRA on the stacked tensors (miles/models/lora.py): "gate_up_proj" / "down_proj" ->
-        # fn(expert, x, y) returning y plus that expert's adapter output. A plain dict, not state.
+        # fn(expert, x, y, rows, total) returning y plus that expert's adapter output; rows: the
+        # indices of x's tokens among the `total` of the flat input (routing several adapters).
+        # A plain dict, not state.
         self.lora_hooks: dict = {}
 
     @torch.no_grad()
@@ -138,13 +140,14 @@ class Experts(nn.Module):
                 continue
             h = xs[start:start + c]
             gate_up = F.linear(h, self.expert_weight("gate_up_proj", e))
+            rows = tokens[start:start + c]
             if "gate_up_proj" in self.lora_hooks:
-                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up)
+                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             out = F.linear(act, self.expert_weight("down_proj", e))
             if "down_proj" in self.lora_hooks:
-                out = self.lora_hooks["down_proj"](e, act, out)
+                out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)
             start += c
         if not outs:

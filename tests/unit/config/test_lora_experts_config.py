@@ -19,8 +19,6 @@ def test_expert_adapters_validate_with_the_native_engine(compose):
 def test_refusals_name_what_to_change(compose):
     vllm = _lora(validate(compose([*MOE, "rollout=vllm"])))
     assert any("rollout=native" in p and "experts" in p for p in vllm)
-    several = _lora(validate(compose([*MOE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=task"])))
-    assert any("expert adapters" in p and "not supported" in p for p in several)
     dropout = _lora(validate(compose([*MOE, "trainer.lora.dropout=0.1"])))
     assert any("trainer.lora.dropout=0" in p for p in dropout)
     dense = _lora(validate(compose(["model=qwen3_tiny", "trainer.lora.rank=4", "trainer.lora.target_modules=[experts]"])))

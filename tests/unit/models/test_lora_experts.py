@@ -6,7 +6,8 @@
   chosen experts' adapters;
 - the adapter in PEFT's format (`target_parameters`) loads with `peft.PeftModel.from_pretrained` on the
   transformers model and gives the same logits (fp32, <= 1e-5), and loads back;
-- selection: a bare "down_proj" keeps meaning the nn.Linear projections; "experts" adds the stacked ones.
+- selection: a bare "down_proj" keeps meaning the nn.Linear projections; "experts" adds the stacked ones;
+- several adapters: each token's expert adapters are its row's (routed rows = that adapter's model).
 """
 
 import pytest
@@ -67,8 +68,6 @@ def test_selection_and_shapes(hf_dir):
     assert [name for name, _, _ in only_down] == ["layers.0.mlp.experts.down_proj", "layers.1.mlp.experts.down_proj"]
     assert [n for n, _, _ in find_expert_targets(model, [r"layers\.1\.mlp\.experts\..*"])] == \
         ["layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"]
-    with pytest.raises(ValueError, match="several|not supported"):
-        LoRA(from_pretrained(hf_dir), rank=4, alpha=8, target_modules=["experts"], adapters=["a", "b"])
 
 
 def test_fresh_adapter_is_the_base_model_exactly(hf_dir):
@@ -142,3 +141,27 @@ def test_peft_loads_the_expert_adapter_with_the_same_logits(hf_dir, tmp_path):
         again = LoRA(from_pretrained(hf_dir), rank=4, alpha=8, target_modules=targets, seed=1)
         load_peft(again, model.config, where)
         assert all(torch.equal(again.tensors()[k], v) for k, v in lora.tensors().items())
+
+
+def test_two_adapters_route_each_tokens_experts(hf_dir):
+    """Adapter "a" holds a single-adapter LoRA's weights, "b" is zero: rows routed to "a" are that
+    model's rows, rows routed to "b" the base model's (per row and per token routes alike)."""
+    ids = _ids()
+    targets = ["q_proj", "experts"]
+    base_model, single_model, model = (from_pretrained(hf_dir).eval() for _ in range(3))
+    single = LoRA(single_model, rank=4, alpha=8, target_modules=targets, seed=0)
+    _trained(single)
+    lora = LoRA(model, rank=4, alpha=8, target_modules=targets, seed=0, adapters=["a", "b"])
+    lora.load(single.tensors(), adapter=0)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(1):
+            p.zero_()
+        base, adapted = base_model(ids), single_model(ids)
+        lora.route(torch.tensor([[0], [1]]))
+        routed = model(ids)
+        lora.route(torch.tensor([[1], [0]]).expand(2, ids.shape[1]))  # swapped, token by token
+        swapped = model(ids)
+    # Expert batches mix the two rows' tokens, so a row's matmuls may be blocked differently: 1e-6.
+    assert (routed[0] - adapted[0]).abs().max() <= 1e-6 and (routed[1] - base[1]).abs().max() <= 1e-6
+    assert (swapped[1] - adapted[1]).abs().max() <= 1e-6 and (swapped[0] - base[0]).abs().max() <= 1e-6
+    assert (adapted[0] - base[0]).abs().max() > 1e-3  # the adapters matter
