@@ -8,8 +8,9 @@ prompts, `--new-tokens` new tokens per row, CUDA graphs). After one warm-up call
 under the profiler; kernels (those replayed from the decode graphs included) are grouped by name into
 weight GEMMs, attention, FP8 activation quantization, split-K reductions and the rest (norms, RoPE,
 sampling, bookkeeping), each reported in microseconds per decode step. `busy` is the union of kernel
-intervals over the call's wall time: below 100% the GPU waits for the host. Prints one table per
-recipe and a summary; imports torch and miles only.
+intervals over the call's wall time: below 100% the GPU waits for the host; the long idle gaps and
+the host ops with the most self time say for what. Prints one table per recipe and a summary;
+imports torch and miles only.
 """
 
 from __future__ import annotations
@@ -69,18 +70,37 @@ def busy_us(events) -> float:
     return total + (0.0 if cur_end is None else cur_end - cur_start)
 
 
-def profile_call(fn) -> tuple[list, float]:
-    """The kernels of one call and its wall time in us."""
+def idle_gaps(events, at_least_us: float = 200.0) -> tuple[int, float]:
+    """(count, total us) of the GPU's idle gaps of at least `at_least_us` between kernels: long gaps are
+    host work the GPU waits for (a host sync, an eager prefill), short ones launch latency."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    count, total, end = 0, 0.0, None
+    for start, stop in spans:
+        if end is not None and start - end >= at_least_us:
+            count, total = count + 1, total + start - end
+        end = stop if end is None else max(end, stop)
+    return count, total
+
+
+def host_ops(prof, top: int) -> list[tuple[str, float, int]]:
+    """(op, self CPU us, calls) of the host-side ops with the most self time: where the host's time goes."""
+    rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CPU]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def profile_call(fn, top: int) -> tuple[list, float, list]:
+    """The kernels of one call, its wall time in us, and its top host-side ops."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    return kernel_events(prof), wall * 1e6
+    return kernel_events(prof), wall * 1e6, host_ops(prof, top)
 
 
-def report(recipe: str, events: list, wall_us: float, steps: int, top: int) -> dict:
+def report(recipe: str, events: list, wall_us: float, steps: int, top: int, host: list) -> dict:
     by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for e in events:
         us = e.time_range.elapsed_us()
@@ -98,6 +118,12 @@ def report(recipe: str, events: list, wall_us: float, steps: int, top: int) -> d
     print(f"| top {top} kernels | us / step | calls / step |\n|---|---:|---:|")
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"| `{name[:90]}` | {us / steps:.1f} | {count[name] / steps:.1f} |")
+    gaps, gap_us = idle_gaps(events)
+    print(f"GPU idle gaps >= 200 us: {gaps} in the call, {gap_us / steps:.0f} us / step; idle in all: "
+          f"{(wall_us - busy) / steps:.0f} us / step")
+    print(f"| top {top} host ops (self CPU) | us / step | calls / step |\n|---|---:|---:|")
+    for name, us, calls in host:
+        print(f"| `{name[:90]}` | {us / steps:.1f} | {calls / steps:.1f} |")
     return dict(recipe=recipe, wall_us=wall_us / steps, busy=busy / wall_us,
                 categories={k: v / steps for k, v in by_cat.items()})
 
@@ -127,9 +153,9 @@ def main() -> None:
                     return e.generate(texts, ["?"] * len(texts), n=SAMPLES)
 
                 call()  # warm-up: graphs captured, kernels compiled
-                events, wall = profile_call(call)
+                events, wall, host = profile_call(call, args.top)
                 print(f"\n# {args.model}, {rows} rows", end="")
-                summary.append(dict(rows=rows, **report(name, events, wall, args.new_tokens, args.top)))
+                summary.append(dict(rows=rows, **report(name, events, wall, args.new_tokens, args.top, host)))
                 del engine
                 torch.cuda.empty_cache()
     labels = [label for label, _ in CATEGORIES]
