@@ -25,22 +25,26 @@ run: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
 # The suite in .venv, then the vLLM tier in .venv-vllm (real vLLM on the CPU; created on first use).
-# tests/conftest.py: each Ray test module or run starts a local Ray of its own in its own process, one
-# at a time (two Rays at once, or a Ray joined from another process, had actors "cancelled before
-# they started": CI, 2026-12-04), and OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not spin).
+# The main pass runs in TEST_WORKERS pytest-xdist processes with --dist loadgroup: tests/conftest.py
+# puts every test file that may start a Ray into one xdist group, which one worker runs file after
+# file, and every other file into a group of its own (as --dist loadfile), which the other workers
+# run meanwhile; so each Ray test module or run still starts a local Ray of its own, one at a time
+# (two Rays at once, or a Ray joined from another process, had actors "cancelled before they
+# started": CI, 2026-12-04). Also there: OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep, not
+# spin), tmp_path in /dev/shm where it has room (MILES_TEST_TMP=default: the usual temp dir).
 # The tests marked serial run in a pass of their own after the rest: the external-cluster tests
 # `ray start` / `ray stop --force` (every Ray on the machine), the sandbox's assert wall-clock limits.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) bwrap
-	$(BIN)/python -m pytest -q -m "not learning and not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not learning and not serial" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not learning" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: PYTEST_ARGS chose none
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
-# Unit tests only (seconds): skips the end-to-end tier marked slow. TEST_WORKERS pytest-xdist processes,
-# a file each at a time (--dist loadfile keeps a file's fixtures in one process); the tests marked
-# serial (wall-clock limits of the sandbox) run alone after.
-TEST_WORKERS ?= 2
+# Unit tests only (seconds): skips the end-to-end tier marked slow. TEST_WORKERS pytest-xdist processes
+# grouped as in `make test` (a file's fixtures in one process, the Ray files in one worker); the tests
+# marked serial (wall-clock limits of the sandbox) run alone after.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || [ $$? = 5 ]
 
 # The shipped example tasks learning through launch.py (tests/integration/test_rlvr_tasks.py):

@@ -2,7 +2,9 @@
 
 import importlib.metadata
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,15 @@ if "torch" not in sys.modules and "vllm" not in importlib.metadata.packages_dist
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+
+# tmp_path / tmp_path_factory and this process's tempfile dirs in RAM (/dev/shm) where there is one
+# with room: the runs' checkpoints are written and read there. Only this process's tempfile module:
+# not TMPDIR, which Ray would follow for its session dirs and sockets, and which subprocesses inherit.
+# MILES_TEST_TMP=default keeps the default (/tmp or TMPDIR).
+_SHM = Path("/dev/shm")
+if os.environ.get("MILES_TEST_TMP") != "default" and "TMPDIR" not in os.environ and _SHM.is_dir() \
+        and os.access(_SHM, os.W_OK) and os.statvfs(_SHM).f_bavail * os.statvfs(_SHM).f_frsize > 4 << 30:
+    tempfile.tempdir = str(_SHM)
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +70,101 @@ def ray_connection():
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level=logging.WARNING)
     yield
     ray.shutdown()
+
+
+# Under pytest-xdist (`make test`, `make test-fast`: -n 2 --dist loadgroup) the tests of every file
+# that may start a Ray (in this process, through a run, or in a launch.py subprocess: Ray is on by
+# default) form one xdist group, so one worker runs them, one file after another, and two Rays never
+# run at once (2b368db: 2 workers running Ray files side by side had 9 of ~100 Ray tests' actors
+# "cancelled before they started"). Every other file is a group of its own, i.e. --dist loadfile:
+# the other worker runs those meanwhile. The test is on the file's text and errs towards Ray; a test
+# outside the group that calls ray.init in its process fails at once (see _ray_init_guard).
+RAY_GROUP = "ray"
+_USES_RAY = re.compile(
+    r"ray_connection|\bimport ray\b|\bfrom ray\b|\bray\.|run_with|run_launch|LiveRun|launch\.py"
+    r"|WITH_AND_WITHOUT_RAY|orchestrate\.run\b|orchestrate import run\b|\blaunch import\b|start_ray"
+)
+# Files that match _USES_RAY but never start a Ray: every run they make is in-process
+# (ray.enabled=false, launch.py's too), a dry run, or refused before it starts (exit 2 / 3). Checked
+# by running each alone and watching /tmp/ray for new sessions (none). A file that gains a Ray run
+# comes off this list.
+RAY_FREE_FILES = {
+    "tests/integration/test_algo_presets.py",
+    "tests/integration/test_cli_errors.py",
+    "tests/integration/test_dry_runs.py",
+    "tests/integration/test_inprocess_runs.py",
+    "tests/integration/test_mlflow_outage.py",
+    "tests/integration/test_model_zoo_runs.py",
+    "tests/integration/test_resume.py",
+    "tests/integration/test_sweep_and_reproduce.py",
+    "tests/unit/config/test_backend_choice.py",
+    "tests/unit/config/test_backend_rules.py",
+    "tests/unit/config/test_configs.py",
+    "tests/unit/config/test_experiments.py",
+    "tests/unit/config/test_lora_merge_config.py",
+    "tests/unit/config/test_qlora_config.py",
+    "tests/unit/hardware/test_planner.py",
+    "tests/unit/orchestrate/test_backend_registry.py",
+    "tests/unit/orchestrate/test_fault_classify.py",
+    "tests/unit/orchestrate/test_gpu_share.py",
+    "tests/unit/tracking/test_reproduce.py",
+}
+_file_uses_ray: dict[Path, bool] = {}
+
+
+def uses_ray(path: Path) -> bool:
+    if path not in _file_uses_ray:
+        try:
+            ray_free = path.resolve().relative_to(ROOT).as_posix() in RAY_FREE_FILES
+        except ValueError:
+            ray_free = False
+        try:
+            _file_uses_ray[path] = not ray_free and bool(_USES_RAY.search(path.read_text()))
+        except OSError:
+            _file_uses_ray[path] = True
+    return _file_uses_ray[path]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        path = Path(str(item.path))
+        name = RAY_GROUP if uses_ray(path) else path.relative_to(config.rootpath).as_posix()
+        item.add_marker(pytest.mark.xdist_group(name))
+
+
+_current_item = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _current_item
+    _current_item = item
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_init_guard(request):
+    """In an xdist worker: ray.init from a test outside the Ray group fails (it would run beside the
+    other worker's Ray)."""
+    if not hasattr(request.config, "workerinput") or request.config.getoption("dist", "no") != "loadgroup":
+        yield
+        return
+    try:
+        import ray
+    except ImportError:
+        yield
+        return
+    real_init = ray.init
+
+    def guarded_init(*args, **kwargs):
+        item = _current_item
+        if item is not None and not uses_ray(Path(str(item.path))):
+            raise RuntimeError(f"{item.nodeid} starts Ray but is not in the xdist group {RAY_GROUP!r}: "
+                               "tests/conftest.py's _USES_RAY must match its file")
+        return real_init(*args, **kwargs)
+
+    ray.init = guarded_init
+    yield
+    ray.init = real_init
