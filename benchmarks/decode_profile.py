@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes, per precision recipe: kernel time by category from torch.profiler.
 
     python benchmarks/decode_profile.py [--model qwen3_4b] [--rows 64] [--recipes bf16 fp8 fp8_w8a16 int4]
-        [--attention triton sdpa]
+        [--variants triton sdpa fused]
 
 The engine and workload of `precision_decode.py` (random weights of the model's shape, 128-token
 prompts, `--new-tokens` new tokens per row, CUDA graphs). After one warm-up call, one `generate` runs
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from precision_decode import MODELS, RECIPES, build_engine, engine_variants  # noqa: E402
+from precision_decode import MODELS, RECIPES, VARIANTS, build_engine, engine_variants  # noqa: E402
 from rollout_gpu import SAMPLES, prompts  # noqa: E402
 
 from miles.config.schema import RolloutCfg  # noqa: E402
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--attention", nargs="+", default=["triton"], choices=["triton", "sdpa"])
+    parser.add_argument("--variants", nargs="+", default=["triton"], choices=VARIANTS)
     args = parser.parse_args()
     model = MODELS[args.model]
     summary = []
@@ -146,8 +146,8 @@ def main() -> None:
             texts = prompts(rows // SAMPLES, args.prompt_len)
             cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
                              n_samples_per_prompt=SAMPLES, temperature=1.0)
-            for name, recipe, att in engine_variants(args.recipes, args.attention):
-                engine = build_engine(ckpt, cfg, recipe, att)
+            for name, recipe, variant in engine_variants(args.recipes, args.variants):
+                engine = build_engine(ckpt, cfg, recipe, variant)
 
                 def call(e=engine):
                     return e.generate(texts, ["?"] * len(texts), n=SAMPLES)

@@ -2,13 +2,14 @@
 bf16, FP8 or INT4 weights, each against its own memory roofline.
 
     python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
-        [--attention triton sdpa]
+        [--variants triton sdpa fused]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
-the recipes' calls are interleaved. `--attention`: the slot-decode attention each engine captures, the
-Triton kernel of miles/models/decode_attention.py (the default) and / or the SDPA path it replaced;
-with both, every recipe runs with each, side by side. Roofline per recipe: a decode step reads every weight once in the
+the recipes' calls are interleaved. `--variants`: how each engine decodes, `triton` (the default: the
+slot-decode attention kernel of miles/models/decode_attention.py), `sdpa` (the masked SDPA it
+replaced), `fused` (triton, plus q / k / v and gate / up as one GEMM each: rollout.fuse_projections);
+with several, every recipe runs with each, side by side. Roofline per recipe: a decode step reads every weight once in the
 format the engine holds (quantized Linear layers: fp8 1 byte + scales, int4 0.5 byte + scales; the
 rest, embeddings / head / norms, bf16) and each row's KV cache so far:
 tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW), BW the measured
@@ -22,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -62,18 +64,22 @@ def held_bytes(engine: NativeEngine) -> int:
     return total
 
 
-def engine_variants(recipes: list[str], attention: list[str]) -> list[tuple[str, str, str]]:
-    """(name, recipe, attention) per engine to build; the attention shows in the name when several run."""
-    return [(recipe if len(attention) == 1 else f"{recipe}/{att}", recipe, att) for recipe in recipes for att in attention]
+VARIANTS = ("triton", "sdpa", "fused")
 
 
-def build_engine(ckpt: str, cfg: RolloutCfg, recipe: str, attention: str) -> NativeEngine:
-    """A bf16 engine holding `recipe`'s format, its decode graphs captured with `attention`."""
+def engine_variants(recipes: list[str], variants: list[str]) -> list[tuple[str, str, str]]:
+    """(name, recipe, variant) per engine to build; the variant shows in the name when several run."""
+    return [(recipe if len(variants) == 1 else f"{recipe}/{v}", recipe, v) for recipe in recipes for v in variants]
+
+
+def build_engine(ckpt: str, cfg: RolloutCfg, recipe: str, variant: str) -> NativeEngine:
+    """A bf16 engine holding `recipe`'s format, its decode graphs captured as `variant` decodes."""
     quant, scheme = RECIPES[recipe]
     precision = PrecisionCfg(name=recipe, rollout_quant=quant, fp8_scheme=scheme)
-    decode_attention.enabled = attention == "triton"
+    decode_attention.enabled = variant != "sdpa"
     # The engine quantizes the checkpoint into the recipe's format as it starts.
-    engine = NativeEngine(ckpt, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
+    engine = NativeEngine(ckpt, replace(cfg, fuse_projections=variant == "fused"), DType.bf16, device="cuda", seed=0,
+                          precision=precision)
     engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")
     decode_attention.enabled = True
     return engine
@@ -84,7 +90,7 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=["qwen3_0_6b", "qwen3_4b"], choices=sorted(MODELS))
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--attention", nargs="+", default=["triton"], choices=["triton", "sdpa"])
+    parser.add_argument("--variants", nargs="+", default=["triton"], choices=VARIANTS)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -103,7 +109,7 @@ def main() -> None:
                 cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
                                  n_samples_per_prompt=SAMPLES, temperature=1.0)
                 engines = {name: build_engine(ckpt, cfg, recipe, att)
-                           for name, recipe, att in engine_variants(args.recipes, args.attention)}
+                           for name, recipe, att in engine_variants(args.recipes, args.variants)}
                 calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES)) for name, e in engines.items()}
                 for fn in calls.values():
                     fn()  # warm-up: graphs captured, kernels compiled

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models import decode_attention, invariant
+from miles.models import decode_attention, fused_projections, invariant
 from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
@@ -50,12 +50,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]."""
         b, t, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, v = fused_projections.project(self, fused_projections.QKV, x)
         if self.full_qk_norm and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, heads * D]: one norm across heads
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if not self.full_qk_norm and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]

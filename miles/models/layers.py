@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models import fused
+from miles.models import fused, fused_projections
 
 
 class RMSNorm(nn.Module):
@@ -37,4 +37,5 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
-        return self.down_proj(fused.ops["silu_mul"](self.gate_proj(x), self.up_proj(x)))
+        gate, up = fused_projections.project(self, fused_projections.GATE_UP, x)
+        return self.down_proj(fused.ops["silu_mul"](gate, up))

@@ -70,7 +70,7 @@ import torch
 
 from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models import fused, from_pretrained, invariant
+from miles.models import fused, fused_projections, from_pretrained, invariant
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
@@ -137,6 +137,8 @@ class NativeEngine:
             self.recipe.load_engine(self.model, payload, self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
+        if cfg.fuse_projections and self.device.type == "cuda" and not self.true_on_policy:
+            fused_projections.enable(self.model)  # one GEMM per group over views of the flat buffer
         self.lora = engine_adapters(self.model, lora, self.dtype) if lora is not None and lora.rank > 0 else None
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)

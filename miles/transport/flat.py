@@ -35,7 +35,7 @@ class FlatLayout:
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> "FlatLayout":
-        names = tuple(sorted(tensors))
+        names = tuple(sorted(tensors, key=_grouped))
         shapes = tuple(tuple(tensors[n].shape) for n in names)
         offsets, total = [], 0
         for shape in shapes:
@@ -43,6 +43,20 @@ class FlatLayout:
             total += max(1, _prod(shape))
         per_row = ROW * 4 // dtype.itemsize
         return cls(names, shapes, tuple(offsets), -(-total // per_row) * per_row, dtype)
+
+
+# The engine can multiply q / k / v (and gate / up) in one GEMM over a view of their weights
+# (miles/models/fused_projections.py): each group's tensors sort next to each other, in group order.
+_GROUPED = {"q_proj": "qkv.0", "k_proj": "qkv.1", "v_proj": "qkv.2", "gate_proj": "gate_up.0", "up_proj": "gate_up.1"}
+
+
+def _grouped(name: str) -> str:
+    module, _, leaf = name.rpartition(".")
+    parent, _, projection = module.rpartition(".")
+    if projection not in _GROUPED:
+        return name
+    group, _, index = _GROUPED[projection].partition(".")
+    return f"{parent}.{group}.{leaf}.{index}"
 
 
 class FlatWeights:
