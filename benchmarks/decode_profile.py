@@ -28,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from precision_decode import MODELS, RECIPES, VARIANTS, build_engine, engine_variants  # noqa: E402
-from rollout_gpu import SAMPLES, prompts  # noqa: E402
+from precision_decode import MODELS, RECIPES, VARIANTS, build_engine, engine_variants, workload  # noqa: E402
+from rollout_gpu import SAMPLES  # noqa: E402
 
-from miles.config.schema import RolloutCfg  # noqa: E402
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
 
@@ -143,9 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
         for rows in args.rows:
-            texts = prompts(rows // SAMPLES, args.prompt_len)
-            cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
-                             n_samples_per_prompt=SAMPLES, temperature=1.0)
+            texts, cfg = workload(rows, args.prompt_len, args.new_tokens)
             for name, recipe, variant in engine_variants(args.recipes, args.variants):
                 engine = build_engine(ckpt, cfg, recipe, variant)
 

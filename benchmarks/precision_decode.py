@@ -72,6 +72,13 @@ def engine_variants(recipes: list[str], variants: list[str]) -> list[tuple[str, 
     return [(recipe if len(variants) == 1 else f"{recipe}/{v}", recipe, v) for recipe in recipes for v in variants]
 
 
+def workload(rows: int, prompt_len: int, new_tokens: int) -> tuple[list[str], RolloutCfg]:
+    """The prompts (rows / SAMPLES groups) and the engine config of one decode measurement."""
+    cfg = RolloutCfg(max_new_tokens=new_tokens, max_prompt_len=prompt_len, max_running=rows,
+                     n_samples_per_prompt=SAMPLES, temperature=1.0)
+    return prompts(rows // SAMPLES, prompt_len), cfg
+
+
 def build_engine(ckpt: str, cfg: RolloutCfg, recipe: str, variant: str) -> NativeEngine:
     """A bf16 engine holding `recipe`'s format, its decode graphs captured as `variant` decodes."""
     quant, scheme = RECIPES[recipe]
@@ -105,11 +112,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
             for rows in args.rows:
-                texts = prompts(rows // SAMPLES, args.prompt_len)
-                cfg = RolloutCfg(max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len, max_running=rows,
-                                 n_samples_per_prompt=SAMPLES, temperature=1.0)
-                engines = {name: build_engine(ckpt, cfg, recipe, att)
-                           for name, recipe, att in engine_variants(args.recipes, args.variants)}
+                texts, cfg = workload(rows, args.prompt_len, args.new_tokens)
+                engines = {name: build_engine(ckpt, cfg, recipe, variant)
+                           for name, recipe, variant in engine_variants(args.recipes, args.variants)}
                 calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES)) for name, e in engines.items()}
                 for fn in calls.values():
                     fn()  # warm-up: graphs captured, kernels compiled

@@ -5,10 +5,9 @@ CUDA graph, and the engine's sampled log-probs against the trainer's full forwar
 Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_decode_attention_cuda.py`
 (tests/unit/models/test_decode_attention.py runs compiled there too)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
+from gpu_runs import full_forward_mismatch
 
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
@@ -72,25 +71,14 @@ PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
 
 def _mismatch(checkpoint, kernel: bool, monkeypatch) -> tuple[float, int]:
     """Mean |rollout log-prob - full-forward log-prob| over sampled tokens, and the kernel's calls."""
-    from miles.models import from_pretrained
-
     calls = []
     real = da.slot_decode_attention
     monkeypatch.setattr(da, "slot_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(da, "enabled", kernel)
     cfg = RolloutCfg(max_new_tokens=48, max_prompt_len=16, max_running=24, sync_every=4)
-    engine = NativeEngine(checkpoint, replace(cfg), DType.bf16, device="cuda", seed=0)
+    engine = NativeEngine(checkpoint, cfg, DType.bf16, device="cuda", seed=0)
     samples = engine.generate(PROMPTS, ["?"] * len(PROMPTS), n=2, temperature=1.0)
-    model = from_pretrained(checkpoint, dtype=torch.float32).cuda().to(torch.bfloat16)
-    diffs = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids)[0, :-1].float(), -1)
-        start = len(s.prompt_ids) - 1
-        full = logp[start:start + len(s.response_ids)].gather(1, ids[0, start + 1:, None]).squeeze(1)
-        diffs.append((full - torch.tensor(s.rollout_logprobs, device="cuda")).abs().mean().item())
-    return sum(diffs) / len(diffs), len(calls)
+    return full_forward_mismatch(samples, checkpoint, torch.bfloat16), len(calls)
 
 
 def test_engine_mismatch_stays_at_sdpas_level(tmp_path, monkeypatch):

@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gpu_runs import full_forward_mismatch
+
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import from_pretrained, fused_projections
@@ -25,16 +27,7 @@ PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
 
 def _mismatch(engine, checkpoint) -> float:
     samples = engine.generate(PROMPTS, ["?"] * len(PROMPTS), n=2, temperature=1.0)
-    model = from_pretrained(checkpoint, dtype=torch.float32).cuda().to(torch.bfloat16)
-    diffs = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids)[0, :-1].float(), -1)
-        start = len(s.prompt_ids) - 1
-        full = logp[start:start + len(s.response_ids)].gather(1, ids[0, start + 1:, None]).squeeze(1)
-        diffs.append((full - torch.tensor(s.rollout_logprobs, device="cuda")).abs().mean().item())
-    return sum(diffs) / len(diffs)
+    return full_forward_mismatch(samples, checkpoint, torch.bfloat16)
 
 
 def test_fused_engine_mismatch_and_sync(tmp_path):

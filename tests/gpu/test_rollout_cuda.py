@@ -60,21 +60,12 @@ def test_slot_decode_matches_the_padded_engine_in_fp32(checkpoint):
 def test_sampled_logprobs_match_the_full_forward(checkpoint):
     """What the trainer recomputes (one full forward over prompt + response) equals what the graph
     decode reported, within the dtype's tolerance."""
-    from miles.models import from_pretrained
+    from gpu_runs import full_forward_mismatch
 
     for dtype, tol in ((DType.fp32, 1e-4), (DType.bf16, 5e-2)):
         graphs, _, _ = engines(checkpoint, dtype)
-        samples = responses(graphs, n=2, temperature=1.0)
-        model = from_pretrained(checkpoint, dtype=torch.float32).cuda().to(graphs.dtype)
-        diffs = []
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids)[0, :-1].float(), -1)
-            start = len(s.prompt_ids) - 1
-            full = logp[start:start + len(s.response_ids)].gather(1, ids[0, start + 1:, None]).squeeze(1)
-            diffs.append((full - torch.tensor(s.rollout_logprobs, device="cuda")).abs().mean().item())
-        assert sum(diffs) / len(diffs) < tol, (dtype, sum(diffs) / len(diffs))
+        mismatch = full_forward_mismatch(responses(graphs, n=2, temperature=1.0), checkpoint, graphs.dtype)
+        assert mismatch < tol, (dtype, mismatch)
 
 
 RECIPES = ["bf16", "fp8", "int4_qat", "bf16_train_fp8_rollout", "bf16_train_int4_rollout"]

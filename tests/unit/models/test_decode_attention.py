@@ -4,11 +4,11 @@ interpreting or compiling at import); on a CUDA machine the same cases run compi
 tests/gpu/test_decode_attention_cuda.py runs the engine with and without it."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_under_interpreter
 
 from miles.models import decode_attention as da
 from miles.models.attention import grouped_decode_attention
@@ -22,11 +22,7 @@ needs_kernel = pytest.mark.skipif(not RUNS_KERNEL, reason="kernel tests run on C
 
 @pytest.mark.skipif(DEV != "cpu" or CHILD or da.triton is None, reason="only the CPU parent starts it")
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+    run_under_interpreter(__file__)
 
 
 def _operands(b, h, hkv, s, d, dtype, seed=0):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from zoo_checks import random_ids, tiny_hf_model
 
 from miles.models import from_pretrained
 from miles.models.lora import ALL_PROJECTIONS, LoRA, find_expert_targets
@@ -31,19 +32,13 @@ def hf_dir(tmp_path_factory):
                                       num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1,
                                       mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
                                       rope_theta=10000.0, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
     out = tmp_path_factory.mktemp("qwen3_moe_hf")
-    model.save_pretrained(out)
+    tiny_hf_model(cfg).save_pretrained(out)
     return out
 
 
 def _ids():
-    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    return random_ids(VOCAB)
 
 
 def _trained(lora: LoRA, seed: int = 3) -> None:

@@ -3,12 +3,12 @@ Triton interpreter (a subprocess with TRITON_INTERPRET=1, as test_int4_triton.py
 machine the same cases run compiled (tests/gpu/test_fp8_w8a16_cuda.py has the real shapes)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_interpreter import run_under_interpreter
 
 from miles.precision import fp8_w8a16_triton as wt
 from miles.precision.fp8 import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8_weight
@@ -22,11 +22,7 @@ needs_kernel = pytest.mark.skipif(not RUNS_KERNEL, reason="kernel tests run on C
 
 @pytest.mark.skipif(DEV != "cpu" or CHILD or not wt.triton_available(), reason="only the CPU parent starts it")
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+    run_under_interpreter(__file__)
 
 
 def _operands(n, k, seed=0):

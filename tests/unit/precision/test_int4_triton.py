@@ -9,12 +9,12 @@ dispatcher's fallback is checked. On a CUDA machine the same small cases run com
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_interpreter import run_under_interpreter
 
 from miles.precision import dequantize_int4, int4_linear, pack_int4, quantize_int4
 from miles.precision import int4_triton as it
@@ -27,11 +27,7 @@ needs_kernel = pytest.mark.skipif(not RUNS_KERNEL, reason="kernel tests run on C
 
 @pytest.mark.skipif(DEV != "cpu" or CHILD or not it.triton_available(), reason="only the CPU parent starts it")
 def test_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+    run_under_interpreter(__file__)
 
 
 def _operands(n, k, group, seed=0):

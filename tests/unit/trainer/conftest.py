@@ -1,13 +1,10 @@
 """Fixtures of the trainer tests: one tiny random checkpoint and a real rollout batch from it."""
 
 import pytest
-import torch
+from grpo_batches import grpo_batch
 
-from miles.algo.registry import ADVANTAGES, get
-from miles.config.schema import ModelCfg, RolloutCfg
+from miles.config.schema import ModelCfg
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.rollout.native import NativeEngine
-from miles.types import build_train_batch
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +24,5 @@ def draft_ckpt(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout_batch(ckpt):
-    """16 real samples (4 prompts x 4, 1-5 response tokens), rewards 1 on every third, GRPO advantages."""
-    engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=5), seed=0)
-    samples = engine.generate(["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"], n=4)
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(16)])
-    for s, r in zip(samples, rewards):
-        s.reward = float(r)
-    adv = get(ADVANTAGES, "a", "grpo")(rewards, torch.tensor([s.group for s in samples]))
-    return build_train_batch(samples, adv, engine.pad_id)
+    """16 real samples (4 prompts x 4), rewards 1 on every third, GRPO advantages."""
+    return grpo_batch(ckpt)

@@ -5,15 +5,13 @@ the ranks), and the merged export gathered on rank 0 is the adapted model."""
 
 import pytest
 import torch
+from grpo_batches import grpo_batch
 
-from miles.algo.registry import ADVANTAGES, get
-from miles.config.schema import AlgoCfg, AlgoName, LoRACfg, ModelCfg, PrecisionCfg, RolloutCfg, TrainerCfg
+from miles.config.schema import AlgoCfg, AlgoName, LoRACfg, ModelCfg, PrecisionCfg, TrainerCfg
 from miles.models.config import MoEConfig
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.rollout.native import NativeEngine
 from miles.trainer.fsdp_group import FSDPGroup
 from miles.trainer.torch_trainer import TorchTrainer
-from miles.types import build_train_batch
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +34,7 @@ def moe_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_batch(moe_ckpt):
-    engine = NativeEngine(moe_ckpt, RolloutCfg(max_new_tokens=5), seed=0)
-    samples = engine.generate(["1+2=", "33+4=", "50+50=", "7+8="], ["3", "37", "100", "15"], n=4)
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(16)])
-    for s, r in zip(samples, rewards):
-        s.reward = float(r)
-    adv = get(ADVANTAGES, "a", "grpo")(rewards, torch.tensor([s.group for s in samples]))
-    return build_train_batch(samples, adv, engine.pad_id)
+    return grpo_batch(moe_ckpt)
 
 
 @pytest.fixture(scope="module")
