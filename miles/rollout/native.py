@@ -137,8 +137,11 @@ class NativeEngine:
             self.recipe.load_engine(self.model, payload, self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
-        if cfg.fuse_projections and self.device.type == "cuda" and not self.true_on_policy:
-            fused_projections.enable(self.model)  # one GEMM per group over views of the flat buffer
+        # One GEMM per q / k / v and gate / up group, over views of the flat buffer or of joined payloads.
+        self.fuses_projections = cfg.fuse_projections and self.device.type == "cuda" and not self.true_on_policy
+        if self.fuses_projections:
+            fused_projections.enable(self.model)
+            fused_projections.join_quantized(self.model)
         self.lora = engine_adapters(self.model, lora, self.dtype) if lora is not None and lora.rank > 0 else None
         self.tok = TokenizerInfo.load(checkpoint_dir)
         stop = ({self.tok.eos_id} if self.tok.eos_id is not None else set()) | set(self.tok.extra_stop_ids)
@@ -550,6 +553,8 @@ class NativeEngine:
         tags = check_tags(tags, ENGINE_TAGS, "resume_memory")
         if WEIGHTS in tags and WEIGHTS in self.released:
             self.weights_memory.resume()
+            if self.fuses_projections:  # the payload buffers came back as tensors of their own
+                fused_projections.join_quantized(self.model)
             self.released.discard(WEIGHTS)
         if KV_CACHE in tags and KV_CACHE in self.released:
             if self.slots is not None:

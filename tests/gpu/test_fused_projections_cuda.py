@@ -49,3 +49,21 @@ def test_fused_engine_mismatch_and_sync(tmp_path):
     b = fused.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
     same = sum(s.response_ids == t.response_ids for s, t in zip(a, b))
     assert same >= len(PROMPTS) - 2  # bf16 near-ties may flip a greedy token, not most rows
+
+
+@pytest.mark.parametrize("quant,scheme", [("int4", "w8a8"), ("fp8", "w8a16")])
+def test_weight_only_groups_joined_in_the_graphs(tmp_path, quant, scheme):
+    """FP8 w8a16 / INT4: the fused weight-only kernels over the joined payloads, captured in the
+    decode graphs: greedy tokens as the unfused engine's (bf16 near-ties aside)."""
+    from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
+
+    checkpoint = str(random_checkpoint(SMALL, DEFAULT_ALPHABET, seed=0, out=tmp_path / "m"))
+    precision = PrecisionCfg(name=quant, rollout_quant=Quant(quant), fp8_scheme=FP8Scheme(scheme))
+    cfg = RolloutCfg(max_new_tokens=32, max_prompt_len=16, max_running=24, sync_every=4)
+    plain = NativeEngine(checkpoint, cfg, DType.bf16, device="cuda", seed=0, precision=precision)
+    fused = NativeEngine(checkpoint, replace(cfg, fuse_projections=True), DType.bf16, device="cuda", seed=0,
+                         precision=precision)
+    assert fused.slots.captured and fused_projections.enable(fused.model) == 2 * SMALL.num_layers
+    a = plain.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
+    b = fused.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
+    assert sum(s.response_ids == t.response_ids for s, t in zip(a, b)) >= len(PROMPTS) - 2

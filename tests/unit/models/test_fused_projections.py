@@ -73,7 +73,7 @@ def test_adapters_keep_the_unfused_path(ckpt):
         lora.enabled = False
         base = model(_ids())
     assert (adapted - base).abs().max() > 1e-3  # the q_proj hook ran: its group was not fused
-    assert fused_projections._adjacent([model.layers[0].mlp.gate_proj, model.layers[0].mlp.up_proj]) is not None
+    assert fused_projections._fused_product([model.layers[0].mlp.gate_proj, model.layers[0].mlp.up_proj]) is not None
 
 
 def test_engine_decodes_the_same_tokens_fused(ckpt):
@@ -86,3 +86,56 @@ def test_engine_decodes_the_same_tokens_fused(ckpt):
     b = engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("quant,scheme", [("int4", "w8a8"), ("fp8", "w8a16")])
+def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, quant, scheme):
+    """FP8 w8a16 / INT4 engines: each group's payload joined into one storage (the layers' buffers
+    views of it), one weight-only product per group (its reference function on the CPU), the same
+    greedy tokens and log-probs within 1e-5; a sync copies into the views."""
+    from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
+    from miles.precision.recipe import QuantLinear
+
+    # k / v of 128 rows: FP8's 128-row scale blocks do not straddle two projections (with 64 they would,
+    # and q / k / v would stay three GEMMs while gate / up join).
+    model = ModelCfg(name="q", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
+                     head_dim=32, max_position_embeddings=64)
+    ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, 0, tmp_path / "m"))
+    precision = PrecisionCfg(name=quant, rollout_quant=Quant(quant), fp8_scheme=FP8Scheme(scheme))
+    cfg = RolloutCfg(max_new_tokens=8, max_prompt_len=16, max_running=8)
+    plain = NativeEngine(ckpt, cfg, DType.fp32, seed=0, precision=precision)
+    engine = NativeEngine(ckpt, cfg, DType.fp32, seed=0, precision=precision)
+    assert fused_projections.enable(engine.model) == 0  # the payloads are separate tensors until joined
+    assert fused_projections.join_quantized(engine.model) == 4 and fused_projections.enable(engine.model) == 4
+    attn = engine.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, QuantLinear)
+    first = attn.q_proj.buffer_names()[0]
+    assert getattr(attn.k_proj, first).untyped_storage().data_ptr() == getattr(attn.q_proj, first).untyped_storage().data_ptr()
+    prompts = ["1+2=", "33+4=", "50+50="]
+    a = plain.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
+    b = engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs)) < 1e-5
+    # A sync (the trainer's payload of other weights) lands in the joined storage.
+    other = from_pretrained(ckpt)
+    for p in other.parameters():
+        p.data.mul_(1.25)
+    payload = plain.recipe.sync_payload(other.state_dict())
+    for e in (plain, engine):
+        e.update_weights(payload)
+    assert getattr(attn.k_proj, first).untyped_storage().data_ptr() == getattr(attn.q_proj, first).untyped_storage().data_ptr()
+    a = plain.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
+    b = engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+
+def test_fp8_blocks_straddling_two_projections_stay_unjoined(tmp_path):
+    from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
+
+    model = ModelCfg(name="q", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=32, max_position_embeddings=64)  # k / v: 64 rows
+    ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, 0, tmp_path / "m"))
+    precision = PrecisionCfg(name="fp8", rollout_quant=Quant.fp8, fp8_scheme=FP8Scheme.w8a16)
+    engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=4), DType.fp32, seed=0, precision=precision)
+    fused_projections.enable(engine.model)
+    assert fused_projections.join_quantized(engine.model) == 2  # gate / up of each layer only
