@@ -127,6 +127,14 @@ def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, quant, sc
     a = plain.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
     b = engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    # Colocation: the payload leaves the device and comes back as tensors of their own, joined again
+    # (the engine does this on CUDA, where it fuses; forced here).
+    engine.fuses_projections = True
+    engine.release_memory(("weights",))
+    engine.resume_memory(("weights",))
+    assert getattr(attn.k_proj, first).untyped_storage().data_ptr() == getattr(attn.q_proj, first).untyped_storage().data_ptr()
+    assert [s.response_ids for s in engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)] == \
+        [s.response_ids for s in a]
 
 
 def test_fp8_blocks_straddling_two_projections_stay_unjoined(tmp_path):
