@@ -104,7 +104,7 @@ def adapter_shapes(model: nn.Module, rank: int, target_modules) -> dict[str, tup
     projection, [E, rank, in] / [E, out, rank] for stacked experts (works on a meta-device model)."""
     shapes = {name: ((rank, m.in_features), (m.out_features, rank)) for name, m in find_targets(model, target_modules)}
     for name, m, attr in find_expert_targets(model, target_modules):
-        e, out, inp = getattr(m, attr).shape
+        e, out, inp = m.stacked_shape(attr)
         shapes[name] = ((e, rank, inp), (e, out, rank))
     return shapes
 
