@@ -74,11 +74,12 @@ def ray_connection():
 
 # Under pytest-xdist (`make test`, `make test-fast`: -n 2 --dist loadgroup) the tests of every file
 # that may start a Ray (in this process, through a run, or in a launch.py subprocess: Ray is on by
-# default) form one xdist group, so one worker runs them, one file after another, and two Rays never
-# run at once (2b368db: 2 workers running Ray files side by side had 9 of ~100 Ray tests' actors
-# "cancelled before they started"). Every other file is a group of its own, i.e. --dist loadfile:
-# the other worker runs those meanwhile. The test is on the file's text and errs towards Ray; a test
-# outside the group that calls ray.init in its process fails at once (see _ray_init_guard).
+# default) form one scope of the scheduler (pytest_xdist_make_scheduler below), so one worker runs
+# them, one file after another, and two Rays never run at once (2b368db: 2 workers running Ray
+# files side by side had 9 of ~100 Ray tests' actors "cancelled before they started"). Every other
+# file is a scope of its own, as --dist loadfile: the other worker runs those meanwhile. The test is
+# on the file's text and errs towards Ray; a test outside the Ray scope that calls ray.init in its
+# process fails at once (_ray_init_guard).
 RAY_GROUP = "ray"
 _USES_RAY = re.compile(
     r"ray_connection|\bimport ray\b|\bfrom ray\b|\bray\.|run_with|run_launch|LiveRun|launch\.py"
@@ -125,14 +126,26 @@ def uses_ray(path: Path) -> bool:
     return _file_uses_ray[path]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the marks into the node ids
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        path = Path(str(item.path))
-        name = RAY_GROUP if uses_ray(path) else path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group(name))
+def _loadgroup(config) -> bool:
+    """--dist loadgroup (in an xdist worker, whose `dist` option reads "no", xdist sets `loadgroup`)."""
+    return bool(getattr(config.option, "loadgroup", False)) or config.getoption("dist", "no") == "loadgroup"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, grouped here: xdist's own loadgroup reads xdist_group marks into the node ids
+    (item._nodeid), which pytest 9 no longer reads, so it fell back to sending single tests (Ray tests
+    ran in both workers at once). The scope of a test is "ray" for a file that may start a Ray, else
+    its file; the largest scope (the Ray files) goes out first."""
+    if not _loadgroup(config):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return RAY_GROUP if uses_ray(config.rootpath / file) else file
+
+    return RayGroupScheduling(config, log)
 
 
 _current_item = None
@@ -148,7 +161,7 @@ def pytest_runtest_setup(item):
 def _ray_init_guard(request):
     """In an xdist worker: ray.init from a test outside the Ray group fails (it would run beside the
     other worker's Ray)."""
-    if not hasattr(request.config, "workerinput") or request.config.getoption("dist", "no") != "loadgroup":
+    if not hasattr(request.config, "workerinput") or not _loadgroup(request.config):
         yield
         return
     try:
@@ -161,7 +174,7 @@ def _ray_init_guard(request):
     def guarded_init(*args, **kwargs):
         item = _current_item
         if item is not None and not uses_ray(Path(str(item.path))):
-            raise RuntimeError(f"{item.nodeid} starts Ray but is not in the xdist group {RAY_GROUP!r}: "
+            raise RuntimeError(f"{item.nodeid} starts Ray but is not in the xdist scope {RAY_GROUP!r}: "
                                "tests/conftest.py's _USES_RAY must match its file")
         return real_init(*args, **kwargs)
 
