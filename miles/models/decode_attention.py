@@ -20,11 +20,10 @@ under batch-invariant kernels (true on-policy keeps the SDPA its invariant wrapp
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from miles.precision import invariance
+from miles.precision.int4_triton import _interpreting, _sm_count
 
 try:  # triton ships with CUDA torch wheels; the CPU path never needs it
     import triton
@@ -121,19 +120,6 @@ if triton is not None:
         acc = tl.load(part_ptr + (bh * NS + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
         tl.store(out_ptr + bh * D + offs_d, _round(out, out_ptr.dtype.element_ty, INTERPRET))
-
-
-def _interpreting() -> bool:
-    from miles.precision.int4_triton import _interpreting as interpreting
-
-    return interpreting()
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int | None) -> int:
-    if device_index is None or not torch.cuda.is_available():
-        return 132  # the interpreter on CPU: an H200's count keeps the split heuristic exercised
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def splits_for(programs: int, columns: int, sms: int) -> int:

@@ -140,7 +140,7 @@ class Experts(nn.Module):
                 continue
             h = xs[start:start + c]
             gate_up = F.linear(h, self.expert_weight("gate_up_proj", e))
-            rows = tokens[start:start + c]
+            rows = tokens[start:start + c] if self.lora_hooks else None
             if "gate_up_proj" in self.lora_hooks:
                 gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)

@@ -1,4 +1,5 @@
-"""LoRA on a MoE model's stacked experts through miles.orchestrate.run (in-process, native engine):
+"""LoRA on a MoE model's stacked experts through miles.orchestrate.run (native engine; in-process, and
+with the engine and trainer as Ray actors):
 the engine applies the synced expert adapters, unmerged or merged into its expert tensors, or over
 a base both sides hold in INT4 (QLoRA, fp32 compute: the trainer's experts held quantized); its log-probs stay the
 trainer's, the adapters move the policy, and the checkpoint holds a PEFT adapter
@@ -9,18 +10,21 @@ import json
 import pytest
 from safetensors.torch import load_file
 
+from ray_runs import run_with
 from runs import TINY, journal_metrics, run_inprocess
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("engine_side", [[], ["trainer.lora.merge_in_engine=true"], ["precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32"]],
-                         ids=["unmerged", "merged", "qlora-int4"])
-def test_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compose, engine_side):
+@pytest.mark.parametrize("engine_side,ray", [
+    ([], False), ([], True), (["trainer.lora.merge_in_engine=true"], False),
+    (["precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32"], False)],
+    ids=["unmerged", "unmerged-ray", "merged", "qlora-int4"])
+def test_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compose, engine_side, ray):
     monkeypatch.chdir(tmp_path)
     overrides = [*TINY, "model=qwen3_moe_tiny", "trainer.lora.rank=4", "trainer.lr=1e-2", "steps=2",
                  "trainer.lora.target_modules=[q_proj,v_proj,experts]", *engine_side]
-    run_inprocess(compose, overrides, tmp_path / "run")
+    run_with(compose, overrides, tmp_path / "run", ray)
     metrics = journal_metrics(tmp_path / "run")
     assert metrics[2]["mismatch/logprob_abs_diff"] < 1e-4  # the engine applied the synced expert adapters
     assert metrics[2]["train/entropy"] != metrics[1]["train/entropy"]
