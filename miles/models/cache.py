@@ -8,8 +8,9 @@ its new entries, then calls `advance` once after the last layer.
 
 `SlotCache` is the GPU engine's static variant: a fixed number of slots (rows), each with its own
 length (`lengths`, a device tensor the engine advances), so finished rows can be refilled with new
-samples and the decode step keeps one shape for CUDA-graph capture. Only GQA layers (`KVBuffer`)
-have slots.
+samples and the decode step keeps one shape for CUDA-graph capture. GQA layers (`KVBuffer`) and MLA
+layers (`MLACache`, miles/models/mla.py: the latent + rope key per column) have slots; a slot-capable
+layer cache implements `update` with a per-row start, `first_rows`, `copy_rows` and `tensors`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class KVBuffer:
 
     def select(self, index: torch.Tensor) -> None:
         self.keys, self.values = self.keys[index], self.values[index]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, rows first (what slot compaction moves and the memory report counts)."""
+        return self.keys, self.values
 
     def first_rows(self, b: int) -> "KVBuffer":
         """A view of rows [0, b): same storage, so a graph captured on it sees later writes."""
@@ -105,7 +110,7 @@ class ModelCache:
 
 
 class SlotCache(ModelCache):
-    """GQA decode state of `slots` rows of `max_len` columns; row r holds lengths[r] positions.
+    """GQA / MLA decode state of `slots` rows of `max_len` columns; row r holds lengths[r] positions.
 
     `length` is the per-row tensor, so `CausalLM.forward` runs in slot-decode mode (one token per
     row, written at its own column); `advance` does nothing, since only the engine knows which rows
@@ -114,11 +119,23 @@ class SlotCache(ModelCache):
 
     def __init__(self, layers: list, max_len: int, slots: int, lengths: torch.Tensor | None = None):
         super().__init__(layers, max_len, slots)
-        self.length = torch.zeros(slots, dtype=torch.long, device=layers[0].keys.device) if lengths is None else lengths
+        self.length = torch.zeros(slots, dtype=torch.long, device=self.device) if lengths is None else lengths
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.length
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].tensors()[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype (a prefill cache is made in it, so its rows copy over unchanged)."""
+        return self.layers[0].tensors()[0].dtype
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
 
     def advance(self, n: int) -> None:
         pass
@@ -134,5 +151,6 @@ class SlotCache(ModelCache):
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Slots dst take over slots src (compaction into the rows a smaller graph covers)."""
         for layer in self.layers:
-            layer.keys[dst], layer.values[dst] = layer.keys[src], layer.values[src]
+            for buffer in layer.tensors():
+                buffer[dst] = buffer[src]
         self.length[dst] = self.length[src]

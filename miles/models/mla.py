@@ -11,8 +11,13 @@ decode cache has to hold:
   out:    softmax(q k^T * scale) v -> o_proj,  scale = qk_head_dim^-0.5 * YaRN mscale^2
 
 Cache layout (`MLACache`): [B, max_len, kv_lora_rank + qk_rope_head_dim] = normalized latent and
-the already-rotated k_rope. Attention re-expands the cached latent through kv_b_proj every call
-(plain, exact decoding; the weight-absorbed form is an optimization left for later).
+the already-rotated k_rope. Training, prefill and the padded engine's decode re-expand the cached
+latent through kv_b_proj every call. Slot decode (the cache rows are slots with lengths of their own,
+miles/models/cache.py's SlotCache) takes the weight-absorbed form for its one-token steps
+(miles/models/mla_decode.py: kv_b_proj folded into the query and the output, the cache read once per
+step as stored); speculative verify steps (several tokens per row), a kv_b_proj that is quantized or
+carries LoRA hooks, and batch-invariant kernels (true on-policy) keep the expanded form, over the
+slot mask.
 
 RoPE layout: DeepSeek checkpoints store each rotary width as adjacent pairs (x0, x1), (x2, x3)...
 (`mla.rope_interleave`, transformers' default for these families). We de-interleave q_rope and
@@ -32,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models import invariant
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import RMSNorm
+from miles.models.mla_decode import absorbed_attention
 from miles.models.rope import apply_rope, rope_cos_sin, softmax_scale_factor
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
@@ -50,9 +57,19 @@ class MLACache:
         self.kv_lora_rank = kv_lora_rank
         self.kv = torch.zeros(batch, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device)
 
-    def update(self, start: int, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start: int | torch.Tensor, latent: torch.Tensor,
+               k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write latent [B, T, R] and k_rope [B, T, r] at [start, start + T); return all cached
-        (latent [B, start + T, R], k_rope [B, start + T, r]), views into the buffer."""
+        (latent [B, start + T, R], k_rope [B, start + T, r]), views into the buffer. Slot decode:
+        start [B] is each row's column (its T new columns follow it), and the whole buffer comes
+        back (the slot mask hides unwritten columns)."""
+        if isinstance(start, torch.Tensor):
+            # An index put does not cast (a slice copy does): the inputs may be in the autocast dtype.
+            new = torch.cat((latent, k_rope), dim=-1).to(self.kv.dtype)
+            rows = torch.arange(new.shape[0], device=new.device)[:, None]
+            cols = start[:, None] + torch.arange(new.shape[1], device=new.device)[None, :]
+            self.kv[rows, cols] = new
+            return self.kv[..., :self.kv_lora_rank], self.kv[..., self.kv_lora_rank:]
         end = start + latent.shape[1]
         if end > self.kv.shape[1]:
             raise ValueError(f"MLA cache overflow: {end} positions needed, max_len is {self.kv.shape[1]}")
@@ -62,6 +79,20 @@ class MLACache:
 
     def select(self, index: torch.Tensor) -> None:
         self.kv = self.kv[index]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, rows first (what slot compaction moves and the memory report counts)."""
+        return (self.kv,)
+
+    def first_rows(self, b: int) -> "MLACache":
+        """A view of rows [0, b): same storage, so a graph captured on it sees later writes."""
+        view = MLACache.__new__(MLACache)
+        view.kv_lora_rank, view.kv = self.kv_lora_rank, self.kv[:b]
+        return view
+
+    def copy_rows(self, dst: torch.Tensor, src: "MLACache", src_rows: torch.Tensor, width: int) -> None:
+        """Rows dst of this buffer take columns [0, width) of src's rows src_rows (prefill -> slots)."""
+        self.kv[dst, :width] = src.kv[src_rows, :width]
 
 
 class MLAttention(nn.Module):
@@ -140,6 +171,15 @@ class MLAttention(nn.Module):
 
     # -- the layer ---------------------------------------------------------------------------
 
+    def absorbs(self, ctx: ForwardContext) -> bool:
+        """Whether this call takes the absorbed decode: one token per row over a slot cache, with
+        kv_b_proj a plain Linear (its weight is the math; a quantized layer or LoRA hooks change
+        what the layer computes) and without batch-invariant kernels (which fix the trainer's
+        expanded reduction order)."""
+        proj = self.kv_b_proj
+        return (ctx.slot_decode and ctx.t == 1 and type(proj) is nn.Linear and not proj._forward_hooks
+                and not proj._forward_pre_hooks and not invariant.active())
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]."""
         b, t, _ = x.shape
@@ -148,6 +188,10 @@ class MLAttention(nn.Module):
         cache = ctx.layer_cache(self.layer_idx)
         if cache is not None:
             latent, k_rope = cache.update(ctx.past, latent, k_rope)
+            if self.absorbs(ctx):
+                out = absorbed_attention(q, cache.kv.to(q.dtype), ctx.mask(), self.kv_b_proj.weight, self.nope_dim,
+                                         self.scale)
+                return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
             # The cache may be stored in another dtype than the compute (e.g. under autocast).
             latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)
         k, v = self.expand_kv(latent, k_rope)

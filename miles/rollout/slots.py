@@ -225,10 +225,10 @@ class SlotDecoder:
         return self.cache is not None
 
     def nbytes(self) -> int:
-        """Device bytes of the slot cache (keys and values of every layer)."""
+        """Device bytes of the slot cache (every layer's buffers)."""
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        return self.cache.nbytes()
 
     @property
     def captured(self) -> bool:
@@ -307,7 +307,7 @@ class SlotDecoder:
             tokens[i, : len(ids)] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in groups])
         tokens, lengths = tokens.to(self.device), lengths.to(self.device)
-        prefill = self.model.new_cache(len(groups), width, dtype=self.cache.layers[0].keys.dtype, device=self.device)
+        prefill = self.model.new_cache(len(groups), width, dtype=self.cache.dtype, device=self.device)
         # Right padding: every real token precedes the pads, so plain causal attention is exact.
         record = None if self.routing is None else {}
         src = torch.arange(len(groups), device=self.device).repeat_interleave(n)

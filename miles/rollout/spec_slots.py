@@ -78,8 +78,7 @@ class SlotSpeculativeDecoder:
     def nbytes(self) -> int:
         if self.state is None:
             return 0
-        return sum(t.numel() * t.element_size() for cache in (self.state["target"], self.state["draft"])
-                   for layer in cache.layers for t in (layer.keys, layer.values))
+        return self.state["target"].nbytes() + self.state["draft"].nbytes()
 
     def _allocate(self) -> dict:
         s, k, dev, dtype = self.slots, self.k, self.device, self.model.dtype
@@ -135,7 +134,7 @@ class SlotSpeculativeDecoder:
 
     def _prefill(self, model, cache: SlotCache, tokens, lengths, src) -> torch.Tensor:
         """Right-padded prompts -> their KV in slots [0, len(src)) and the hidden state of each last token."""
-        prefill = model.new_cache(tokens.shape[0], tokens.shape[1], dtype=cache.layers[0].keys.dtype,
+        prefill = model.new_cache(tokens.shape[0], tokens.shape[1], dtype=cache.dtype,
                                   device=self.device)
         hidden = model(tokens, cache=prefill, return_hidden=True)
         rows = torch.arange(len(src), device=self.device)
