@@ -239,8 +239,9 @@ class NativeEngine:
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
-        # (So recording the routing, which only MoE models do, never meets a captured graph.)
-        graphs = cfg.cuda_graphs and self.model.config.moe is None
+        # (So recording the routing, which only MoE models do, never meets a captured graph.) A model
+        # whose moe block leaves every layer dense (first_k_dense >= num_layers) has none of them.
+        graphs = cfg.cuda_graphs and not moe_layers(self.model.config)
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
                            routing=routing, route=self.lora.route if self._routes_adapters else None)
