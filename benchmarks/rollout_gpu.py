@@ -2,9 +2,12 @@
 eager and with its static cache, against the memory roofline. Run through rollout_speed.py:
 
     python benchmarks/rollout_speed.py --device cuda --dtype bf16 [--rows 64 256] [--repeats 3] [--skip-hf]
+        [--model qwen3_0_6b | deepseek_v3_dense_4l]
 
 Qwen3-0.6B shape (hidden 1024, 28 layers, 16 / 8 heads, head_dim 128, intermediate 3072, vocab
-151936, tied embeddings), random weights, `--prompt-len` token prompts (default 128), exactly
+151936, tied embeddings), or `--model deepseek_v3_dense_4l`: DeepSeek-V3 (conf/model/deepseek_v3.yaml)
+cut to its first 4 layers, all dense (MLA at V3's widths, 128 heads, latent 512 + rope 64: the
+absorbed MLA slot decode, from CUDA graphs; 4.2B parameters). Random weights, `--prompt-len` token prompts (default 128), exactly
 `--new-tokens` new tokens per row (default 256; stop ids emptied, HF's min_new_tokens), 8 samples
 per prompt, temperature 1. Sides, each warmed up once, then timed calls interleaved:
   native        slot decode with CUDA-graph decode steps (the engine's GPU default)
@@ -12,8 +15,9 @@ per prompt, temperature 1. Sides, each warmed up once, then timed calls interlea
   padded        the engine's CPU path (left-padded batch, growing mask) on the GPU
   hf eager      AutoModelForCausalLM.generate, DynamicCache, SDPA
   hf static     generate(cache_implementation="static"), which compiles the decode step
-Roofline: one decode step must read every weight once (bf16) and, per row, the KV cache of the
-positions so far: tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW),
+Roofline: one decode step must read every weight once (bf16; an untied input embedding only by
+the rows' tokens, so not counted) and, per row, the KV cache of the positions so far (MLA: the latent
+and rope key per position): tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW),
 BW the device-to-device copy bandwidth measured here (bytes read + written over time).
 """
 
@@ -22,8 +26,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo, encode_prompt
@@ -35,6 +41,10 @@ from miles.rollout.native import NativeEngine
 QWEN3_0_6B = ModelCfg(name="qwen3_0_6b", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
                       num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
                       max_position_embeddings=40960)
+DEEPSEEK_V3_DENSE_4L = OmegaConf.to_object(OmegaConf.merge(
+    OmegaConf.structured(ModelCfg), OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "deepseek_v3.yaml"),
+    dict(name="deepseek_v3_dense_4l", num_layers=4, mtp_layers=0, moe=dict(first_k_dense=4))))
+MODELS = {"qwen3_0_6b": QWEN3_0_6B, "deepseek_v3_dense_4l": DEEPSEEK_V3_DENSE_4L}
 SAMPLES = 8
 
 
@@ -98,14 +108,17 @@ class HFSide:
         return out[:, width:]
 
 
-def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: DType, skip_hf: bool) -> list[dict]:
+def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: DType, skip_hf: bool,
+            model: ModelCfg = QWEN3_0_6B) -> list[dict]:
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
     bandwidth = copy_bandwidth()
     results = []
     with tempfile.TemporaryDirectory() as work:
-        ckpt = str(random_checkpoint(QWEN3_0_6B, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
-        arch = QWEN3_0_6B.arch(QWEN3_0_6B.vocab_size)
-        weight_bytes = param_count(arch)[0] * torch_dtype.itemsize  # tied: the embedding is read once, as lm_head
+        ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
+        arch = model.arch(model.vocab_size)
+        # Tied: the embedding is read once, as lm_head; untied, the input table only at the rows' tokens.
+        read = param_count(arch)[0] - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+        weight_bytes = read * torch_dtype.itemsize
         kv_token = kv_bytes_per_token(arch, torch_dtype.itemsize)
         hf = None if skip_hf else HFSide(ckpt, torch_dtype)
         for rows in rows_list:

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick] [--checkpoint DIR]
     python benchmarks/rollout_speed.py --device cuda --dtype bf16     # the GPU cases: benchmarks/rollout_gpu.py
+    python benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l --skip-hf   # MLA
 
 Both sides load one random checkpoint written by `random_checkpoint`, get the same arithmetic
 prompts and n samples per prompt, generate exactly the same number of new tokens per row at
@@ -38,7 +39,7 @@ from miles.data.arithmetic import ArithmeticTask
 from miles.data.tokenizer import DEFAULT_ALPHABET, TokenizerInfo
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
-from rollout_gpu import left_padded, markdown as gpu_markdown, run_gpu
+from rollout_gpu import MODELS as GPU_MODELS, left_padded, markdown as gpu_markdown, run_gpu
 
 TINY = ModelCfg(name="qwen3_tiny", hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
                 head_dim=32, rope_theta=10000.0, max_position_embeddings=64)  # conf/model/qwen3_tiny.yaml
@@ -228,12 +229,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="cuda cases: prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256, help="cuda cases: new tokens per row")
     parser.add_argument("--skip-hf", action="store_true", help="cuda cases: engine sides only")
+    parser.add_argument("--model", default="qwen3_0_6b", choices=sorted(GPU_MODELS),
+                        help="cuda cases: the shape (deepseek_v3_dense_4l: MLA slot decode)")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
     if args.device == "cuda":
         print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
         print(gpu_markdown(run_gpu(args.rows, args.prompt_len, args.new_tokens, args.repeats,
-                                   DType(args.dtype), args.skip_hf)))
+                                   DType(args.dtype), args.skip_hf, GPU_MODELS[args.model])))
         return
     cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}, "
