@@ -7,9 +7,9 @@ eager and with its static cache, against the memory roofline. Run through rollou
 Qwen3-0.6B shape (hidden 1024, 28 layers, 16 / 8 heads, head_dim 128, intermediate 3072, vocab
 151936, tied embeddings), or `--model deepseek_v3_dense_4l`: DeepSeek-V3 (conf/model/deepseek_v3.yaml)
 cut to its first 4 layers, all dense (MLA at V3's widths, 128 heads, latent 512 + rope 64: the
-absorbed MLA slot decode, from CUDA graphs; 4.2B parameters). Random weights, `--prompt-len` token prompts (default 128), exactly
-`--new-tokens` new tokens per row (default 256; stop ids emptied, HF's min_new_tokens), 8 samples
-per prompt, temperature 1. Sides, each warmed up once, then timed calls interleaved:
+absorbed MLA slot decode, from CUDA graphs; 4.2B parameters). Random weights, `--prompt-len` token
+prompts (default 128), exactly `--new-tokens` new tokens per row (default 256; stop ids emptied, HF's
+min_new_tokens), 8 samples per prompt, temperature 1. Sides, each warmed up once, then timed calls interleaved:
   native        slot decode with CUDA-graph decode steps (the engine's GPU default)
   native eager  the same slot decode without graphs (what the graphs buy)
   padded        the engine's CPU path (left-padded batch, growing mask) on the GPU

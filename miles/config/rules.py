@@ -398,11 +398,12 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"true_on_policy=true runs the native engine's batch-invariant kernels; "
                         f"rollout={r.engine} has its own: use rollout=native")
     if cfg.hardware.device != "cpu":
-        # The CUDA kernels sum keys in blocks from column 0, so keys must sit at their positions:
-        # the slot decoder's layout, which only GQA attention layers have.
+        # The CUDA kernels sum keys in blocks from column 0, so keys must sit at their positions: the
+        # slot decoder's layout. MLA has slots too (under these kernels without the absorbed decode,
+        # whose reduction order is not the trainer's), but only GQA's slot path is checked exact on a GPU.
         if m.mla is not None or m.dsa is not None or m.linear_attn is not None or m.llama4 is not None:
-            problems.append(f"true_on_policy=true on a GPU needs the slot decoder (GQA attention in every "
-                            f"layer); model={m.name} has other attention kinds: run it with hardware=cpu")
+            problems.append(f"true_on_policy=true on a GPU needs the batch-invariant slot decode (GQA attention in "
+                            f"every layer); model={m.name} has other attention kinds: run it with hardware=cpu")
         if r.slot_decode is False:
             problems.append("true_on_policy=true on a GPU decodes in the slot layout: set rollout.slot_decode=null")
     return problems

@@ -320,7 +320,7 @@ class RolloutCfg:
     colocate: bool = True
     num_gpus: int = 0
     slot_decode: Optional[bool] = None  # continuous batching over a static slot cache (null: on CUDA)
-    cuda_graphs: bool = True  # slot decode: replay the decode step from CUDA graphs (dense GQA families)
+    cuda_graphs: bool = True  # slot decode: replay the decode step from CUDA graphs (no MoE layers)
     max_running: int = 512  # slot decode: sequences decoded at once (capped by the planner's KV budget)
     sync_every: int = 8  # slot decode: decode steps between host checks (finished rows, refills)
     compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)

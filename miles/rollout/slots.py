@@ -1,11 +1,12 @@
 """Continuous batching over a static slot cache, the decode step replayed from CUDA graphs.
 
-The GPU path of `NativeEngine` (GQA families). A fixed number of slots (rows of a `SlotCache`,
+The GPU path of `NativeEngine` (GQA and MLA families; MLA slots hold the latent + rope key and decode
+in the weight-absorbed form, miles/models/mla_decode.py). A fixed number of slots (rows of a `SlotCache`,
 allocated once; colocation frees and reallocates them with `release` / `allocate`, and captures
 the graphs again) hold the samples being decoded, each at its own length:
 
 - admission: whole prompt groups enter as soon as n slots are free (the lowest free ones); each
-  distinct prompt is prefilled once (right-padded, causal, no mask) and its KV copied to its n slots;
+  distinct prompt is prefilled once (right-padded, causal, no mask) and its cache rows copied to its n slots;
 - decode: one step for the rows [0, bucket) with bucket the smallest captured batch size that
   covers every slot in use; the forward is a CUDA-graph replay (`DecodeGraphs`), sampling and the
   bookkeeping are a few device kernels, with no host synchronisation inside `sync_every` steps;

@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model over static slot caches, its forwards replayed from CUDA graphs.
 
-The GPU path of `rollout.speculative.kind=draft_model` when the target and the draft are GQA models
-(`CausalLM.supports_slot_decode`); miles/rollout/spec_decode.py is the general path and describes
+The GPU path of `rollout.speculative.kind=draft_model` when the target and the draft are GQA or MLA
+models (`CausalLM.supports_slot_decode`); miles/rollout/spec_decode.py is the general path and describes
 the algorithm. Here every row of the target's and of the draft's `SlotCache` has its own length, so a
 rejected draft leaves no hole: the length advances by what the row accepted and the next round
 overwrites the columns after it. The shapes of every forward are then fixed for a given number of
