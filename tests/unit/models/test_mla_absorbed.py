@@ -135,3 +135,29 @@ def test_a_weight_update_reaches_the_next_absorbed_step():
         assert (after - before).abs().max() > 1e-3
         for r, seq in enumerate(seqs):
             torch.testing.assert_close(after[r], model(seq[None])[0, -1], atol=1e-5, rtol=0)
+
+
+def test_a_hooked_kv_b_proj_decodes_expanded_over_the_slot_mask(monkeypatch):
+    """A kv_b_proj whose output is not its weight's product (LoRA hooks; quantized layers likewise)
+    keeps the expanded form, over the slot cache's whole rows and the slot mask."""
+    model = CausalLM(model_cfg("deepseek_v3"), seed=0).eval()
+    for layer in model.layers:
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda module, args, out: out * 1.5)
+    monkeypatch.setattr("miles.models.mla.absorbed_attention", lambda *a, **k: pytest.fail("absorbed a hooked layer"))
+    seqs = [torch.randint(1, 48, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 13)]
+    with torch.no_grad():
+        step = decode_rows(model, seqs)
+        for r, seq in enumerate(seqs):
+            torch.testing.assert_close(step[r], model(seq[None])[0, -1], atol=1e-5, rtol=0)
+
+
+def test_batch_invariant_kernels_decode_mla_slots_bit_for_bit_as_the_full_forward():
+    """True on-policy's kernels keep the trainer's expanded reduction order in slots too."""
+    from miles.models import invariant
+
+    model = CausalLM(model_cfg("deepseek_v3"), seed=0).eval()
+    seqs = [torch.randint(1, 48, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 11, 6)]
+    with torch.no_grad(), invariant.kernels():
+        step = decode_rows(model, seqs)
+        for r, seq in enumerate(seqs):
+            assert torch.equal(step[r], model(seq[None])[0, -1])
