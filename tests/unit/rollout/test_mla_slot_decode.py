@@ -1,6 +1,6 @@
 """MLA families (DeepSeek-V3, Kimi K2, GLM-4.7-Flash) in the slot decoder on the CPU, fp32: the same
 samples as the padded engine, log-probs of the full forward, MoE routing records, weight updates,
-colocation's release / resume, and speculative verify steps in slots.
+quantized rollouts, colocation's release / resume, and speculative verify steps in slots.
 
 The slot cache holds the latent + rope key per column and the one-token steps take the absorbed
 decode (miles/models/mla_decode.py; tests/unit/models/test_mla_absorbed.py checks it against the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from miles.config.schema import ModelCfg, RolloutCfg, SpeculativeCfg
+from miles.config.schema import DType, ModelCfg, PrecisionCfg, Quant, RolloutCfg, SpeculativeCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import from_pretrained
 from miles.models.mla_decode import absorbed_attention
@@ -49,10 +49,11 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def engine(ckpt: str, slots: bool, record_routing: bool = False, **kw) -> NativeEngine:
+def engine(ckpt: str, slots: bool, record_routing: bool = False, precision: PrecisionCfg | None = None,
+           **kw) -> NativeEngine:
     cfg = replace(RolloutCfg(max_new_tokens=10, max_prompt_len=16, max_running=6, sync_every=3, n_samples_per_prompt=2,
                              slot_decode=slots), **kw)
-    return NativeEngine(ckpt, cfg, seed=0, record_routing=record_routing)
+    return NativeEngine(ckpt, cfg, DType.fp32, seed=0, record_routing=record_routing, precision=precision)
 
 
 def max_logprob_diff(a, b) -> float:
@@ -119,6 +120,21 @@ def test_a_weight_update_changes_the_slot_decode_as_the_padded_one(checkpoint):
     a = slots.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
     b = padded.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
     assert [s.response_ids for s in a] != [s.response_ids for s in before]
+    assert [s.response_ids for s in a] == [s.response_ids for s in b] and max_logprob_diff(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("quant", [Quant.fp8, Quant.int4])
+def test_a_quantized_kv_b_proj_decodes_in_slots_as_on_the_padded_path(checkpoint, quant, monkeypatch):
+    """Weight-only quantized rollouts: kv_b_proj is a QuantLinear, whose weight is not the math, so the
+    slot steps keep the expanded form (over the slot mask) and equal the padded engine."""
+    precision = PrecisionCfg(name=quant.value, train_dtype=DType.fp32, rollout_dtype=DType.fp32, train_quant=quant,
+                             rollout_quant=quant)
+    slots = engine(checkpoint("deepseek_v3"), True, precision=precision)
+    padded = engine(checkpoint("deepseek_v3"), False, precision=precision)
+    assert type(slots.model.layers[0].self_attn.kv_b_proj).__name__ == "QuantLinear"
+    monkeypatch.setattr("miles.models.mla.absorbed_attention", lambda *a, **k: pytest.fail("absorbed a QuantLinear"))
+    a = slots.generate(PROMPTS, ["?"] * len(PROMPTS), n=2, temperature=0.0)
+    b = padded.generate(PROMPTS, ["?"] * len(PROMPTS), n=2, temperature=0.0)
     assert [s.response_ids for s in a] == [s.response_ids for s in b] and max_logprob_diff(a, b) < 1e-5
 
 
