@@ -188,12 +188,12 @@ class MLAttention(nn.Module):
         cache = ctx.layer_cache(self.layer_idx)
         if cache is not None:
             latent, k_rope = cache.update(ctx.past, latent, k_rope)
-            if self.absorbs(ctx):
-                out = absorbed_attention(q, cache.kv.to(q.dtype), ctx.mask(), self.kv_b_proj.weight, self.nope_dim,
-                                         self.scale)
-                return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
-            # The cache may be stored in another dtype than the compute (e.g. under autocast).
-            latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)
-        k, v = self.expand_kv(latent, k_rope)
-        out = self.attend(q, k, v, ctx.mask())
+        if self.absorbs(ctx):  # slot decode: the cache rows as stored, [latent | k_rope] per column
+            out = absorbed_attention(q, cache.kv.to(q.dtype), ctx.mask(), self.kv_b_proj.weight, self.nope_dim,
+                                     self.scale)
+        else:
+            if cache is not None:  # the cache may be stored in another dtype than the compute (autocast)
+                latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)
+            k, v = self.expand_kv(latent, k_rope)
+            out = self.attend(q, k, v, ctx.mask())
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
