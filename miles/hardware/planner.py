@@ -208,6 +208,10 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
             usage["weights"] = base + tower.get("weights", 0.0)
             if "reference" in usage:  # the KL reference is held as the policy's base
                 usage["reference"] = usage["weights"]
+        if t.backend == TrainerBackend.fsdp:  # each rank a shard of the frozen base (the codes too) and reference;
+            for item in ("weights", "reference"):  # the adapters replicated (miles/trainer/fsdp_qlora.py)
+                if item in usage:
+                    usage[item] /= t.num_ranks
         usage["weights"] += adapters * 4
         usage["gradients"] = adapters * 4
         usage["optimizer"] = 0.0 if layout.offload else adapters * 8

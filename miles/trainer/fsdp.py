@@ -34,7 +34,9 @@ Parallelism (miles/trainer/parallel.py), what the ranks change:
   FSDP units (forward hooks, miles/models/lora.py), replicated on every rank, and `clip_grad_norm`
   sums their gradients over the ranks. Their optimizer state is replicated too: rank 0 saves it
   whole (LORA_OPTIMIZER) beside the base's shards.
-Not yet: fake-quantizing recipes (train_quant: `Recipe.forward` swaps whole weights), MoE routing
+- QLoRA (trainer.lora with precision=fp8 / int4_qat): the frozen base held quantized, its codes
+  sharded as frozen parameters and gathered uncast (miles/trainer/fsdp_qlora.py).
+Not yet: fake-quantizing recipes without LoRA (train_quant: `Recipe.forward` swaps whole weights), MoE routing
 replay (its agreement metrics are per-rank ratios), an online speculative draft, in-process weights.
 """
 
@@ -56,6 +58,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from miles.config.schema import DType
 from miles.models import CausalLM, save_pretrained
 from miles.precision.recipe import NONE
+from miles.trainer import fsdp_qlora
 from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch
 from miles.trainer.parallel import TrainerParts
@@ -108,7 +111,8 @@ class FSDPSharding:
         self.device = torch.device("cpu")
 
     def shard_models(self, trainer: TrainerParts) -> None:
-        if trainer.recipe.train_quant != NONE:
+        quantized_base = trainer.recipe.train_quant != NONE
+        if quantized_base and trainer.lora is None:
             raise ValueError(f"the FSDP trainer does not fake-quantize yet (precision.train_quant="
                              f"{trainer.recipe.train_quant}): Recipe.forward replaces whole weights")
         if trainer.algo.routing_replay != "none":
@@ -126,9 +130,12 @@ class FSDPSharding:
         # bf16: gathered parameters and the forward in bf16, gradients reduced and kept in fp32.
         mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                      if trainer.precision.train_dtype == DType.bf16 else MixedPrecisionPolicy())
-        for model in (trainer.model, trainer.ref_model, trainer.teacher):
-            if model is not None:
-                shard(model, mesh, mp_policy)
+        models = [m for m in (trainer.model, trainer.ref_model, trainer.teacher) if m is not None]
+        if quantized_base:  # QLoRA (trainer.lora attached it quantized): its codes sharded, gathered uncast
+            trainer.recipe = fsdp_qlora.prepare(models, trainer.recipe)
+            mp_policy = fsdp_qlora.NO_CAST
+        for model in models:
+            shard(model, mesh, mp_policy)
 
     def plan(self, batch: TrainBatch, plan: Callable[[TrainBatch], list[MicroBatch]]) -> list[MicroBatch]:
         """This rank's micro-batches of `batch` (indices into the whole batch), as many as the rank
@@ -180,6 +187,8 @@ class FSDPSharding:
 
     def policy_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the policy's whole fp32 state dict on rank 0's CPU ({} on the other ranks)."""
+        if fsdp_qlora.holds_quantized_base(model):  # the held base dequantized, as in one process
+            return fsdp_qlora.gathered_state(model, self.writes)
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_policy(self, model: torch.nn.Module, path: str) -> None:
@@ -199,7 +208,7 @@ class FSDPSharding:
         trainer refuses it first: the collectives run over device shards)."""
         shards = Path(path) / "trainer"
         if trainer.lora is not None:  # the frozen base has no optimizer state; the adapters' is replicated
-            dcp.save({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)
+            dcp.save({"model": self._frozen_base(trainer.model)}, checkpoint_id=shards)
             if self.writes:
                 torch.save(trainer.optimizer.state_dict(), shards / LORA_OPTIMIZER)
         else:
@@ -212,7 +221,7 @@ class FSDPSharding:
         """Collective: what `save_state` wrote, with as many ranks; training then continues exactly."""
         shards = Path(path) / "trainer"
         if trainer.lora is not None:  # the adapters themselves: TorchTrainer.load_state (adapter/)
-            dcp.load({"model": get_model_state_dict(trainer.model)}, checkpoint_id=shards)
+            dcp.load({"model": self._frozen_base(trainer.model)}, checkpoint_id=shards)  # in place
             trainer.optimizer.load_state_dict(torch.load(shards / LORA_OPTIMIZER, weights_only=True))
         else:
             model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
@@ -224,6 +233,14 @@ class FSDPSharding:
         torch.set_rng_state(rng["torch_rng"])
         if "cuda_rng" in rng:
             torch.cuda.set_rng_state(rng["cuda_rng"])
+
+    @staticmethod
+    def _frozen_base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """LoRA's frozen base as this rank's shards; under QLoRA its codes themselves (dcp loads them
+        back in place: a resume never quantizes again)."""
+        if fsdp_qlora.holds_quantized_base(model):
+            return fsdp_qlora.base_shards(model)
+        return get_model_state_dict(model)
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"torch_rng": torch.get_rng_state()}

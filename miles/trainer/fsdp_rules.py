@@ -22,7 +22,9 @@ def fsdp_problems(cfg: RunCfg) -> list[str]:
                         f"has {gpus}: lower trainer.num_ranks")
     if not cfg.ray.enabled:
         problems.append("trainer=fsdp runs its ranks as Ray actors: set ray.enabled=true")
-    unsupported = {f"precision={cfg.precision.name} (fake-quantized training)": cfg.precision.train_quant.value != "none",
+    # With LoRA a quantized training forward is QLoRA: the frozen base held quantized (fsdp_qlora.py).
+    fake_quant = cfg.precision.train_quant.value != "none" and t.lora.rank == 0
+    unsupported = {f"precision={cfg.precision.name} (fake-quantized training without trainer.lora)": fake_quant,
                    f"algo.routing_replay={cfg.algo.routing_replay}": cfg.algo.routing_replay != "none",
                    "true_on_policy=true": cfg.true_on_policy,
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout"}

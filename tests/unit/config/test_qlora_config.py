@@ -41,8 +41,11 @@ def test_merge_in_engine_still_validates_over_a_dense_base(compose):
     assert validate(compose(["trainer.lora.rank=8", "precision=bf16", "trainer.lora.merge_in_engine=true"])) == []
 
 
-def test_fsdp_names_the_trainer_for_a_quantized_training_forward(compose):
-    """trainer=fsdp does not run fake-quantized training forwards (miles/trainer/fsdp_rules.py): the
-    refusal names trainer=torch, with or without LoRA."""
-    problems = validate(compose(["trainer.lora.rank=8", "precision=fp8", "trainer=fsdp", "ray.enabled=true"]))
-    assert problems == ["trainer=fsdp does not support precision=fp8 (fake-quantized training) yet: use trainer=torch"]
+@pytest.mark.parametrize("recipe", ["fp8", "int4_qat"])
+def test_fsdp_holds_the_quantized_base_with_lora_only(compose, recipe):
+    """trainer=fsdp runs QLoRA (the frozen base held quantized on its ranks, miles/trainer/fsdp_qlora.py),
+    not fake-quantized full training (miles/trainer/fsdp_rules.py): that refusal names trainer=torch."""
+    assert validate(compose(["trainer.lora.rank=8", f"precision={recipe}", "trainer=fsdp", "ray.enabled=true"])) == []
+    problems = validate(compose([f"precision={recipe}", "trainer=fsdp", "ray.enabled=true"]))
+    assert problems == [f"trainer=fsdp does not support precision={recipe} (fake-quantized training without "
+                        "trainer.lora) yet: use trainer=torch"]
