@@ -8,9 +8,10 @@ its new entries, then calls `advance` once after the last layer.
 
 `SlotCache` is the GPU engine's static variant: a fixed number of slots (rows), each with its own
 length (`lengths`, a device tensor the engine advances), so finished rows can be refilled with new
-samples and the decode step keeps one shape for CUDA-graph capture. GQA layers (`KVBuffer`) and MLA
-layers (`MLACache`, miles/models/mla.py: the latent + rope key per column) have slots; a slot-capable
-layer cache implements `update` with a per-row start, `first_rows`, `copy_rows` and `tensors`.
+samples and the decode step keeps one shape for CUDA-graph capture. GQA layers (`KVBuffer`), MLA
+layers (`MLACache`, miles/models/mla.py: the latent + rope key per column) and DSA layers
+(`DSACache`, plus the indexer key) have slots; a slot-capable layer cache implements `update` with a
+per-row start, `first_rows`, `copy_rows` and `tensors`.
 """
 
 from __future__ import annotations

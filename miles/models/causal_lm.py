@@ -257,11 +257,13 @@ class CausalLM(nn.Module):
 
     @property
     def supports_slot_decode(self) -> bool:
-        """Whether the GPU engine's slot cache applies: every layer GQA attention (KVBuffer) or MLA
-        (MLACache, absorbed decode), with any MLP, dense or MoE. Not DSA (its indexer keys and
-        top-k selection have no slot layout), linear attention (a recurrent state per row, not
-        columns) nor Llama 4's chunked attention (chunks follow token positions, not slot columns)."""
+        """Whether the GPU engine's slot cache applies: every layer GQA attention (KVBuffer), MLA
+        (MLACache, absorbed decode) or DSA (DSACache: MLA's plus the indexer keys, the top-k taken
+        over each row's own columns), with any MLP, dense or MoE. Not linear attention (a recurrent
+        state per row, not columns) nor Llama 4's chunked attention (chunks follow token positions,
+        not slot columns)."""
         from miles.models.attention import Attention
+        from miles.models.dsa import SparseMLAttention
         from miles.models.mla import MLAttention
 
-        return all(type(layer.attn) in (Attention, MLAttention) for layer in self.layers)
+        return all(type(layer.attn) in (Attention, MLAttention, SparseMLAttention) for layer in self.layers)

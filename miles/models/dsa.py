@@ -31,8 +31,10 @@ cache decode differs from its own forward by as much there). Tie-free, or with t
 an earliest-first topk, the two agree to fp32 rounding (tests/unit/models/test_dsa_sparse_parity.py).
 
 Decode: the indexer keys of past positions live in the layer cache (`DSACache`, next to MLA's
-compressed latent). GLM's cross-layer index sharing (`dsa.shared_layers`): such a layer has no
-indexer and reuses the selection of the nearest earlier indexer layer from the same forward call.
+compressed latent; in the slot decoder each row writes its own columns and the top-k runs over the
+row's visible columns, then attention takes MLA's absorbed form under the kept-keys mask). GLM's
+cross-layer index sharing (`dsa.shared_layers`): such a layer has no indexer and reuses the
+selection of the nearest earlier indexer layer from the same forward call.
 
 R3 (`algo.routing_replay`): with a `routing_record` dict each indexer writes the positions of the keys
 it kept (`("keys", layer)` -> [B, T, index_topk], -1 past the kept ones); with such an entry in
@@ -73,9 +75,15 @@ class DSACache(MLACache):
         self.index_keys = (torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device)
                            if index_dim else None)
 
-    def update_index_keys(self, start: int, k: torch.Tensor) -> torch.Tensor:
+    def update_index_keys(self, start: int | torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Write k [B, T, D] at [start, start + T); return all indexer keys so far [B, start + T, D]
-        (a view into the buffer; the MLA `update` of the same call checks the length)."""
+        (a view into the buffer; the MLA `update` of the same call checks the length). Slot decode:
+        start [B] per row, as MLACache.update, and the whole buffer comes back."""
+        if isinstance(start, torch.Tensor):
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            cols = start[:, None] + torch.arange(k.shape[1], device=k.device)[None, :]
+            self.index_keys[rows, cols] = k.to(self.index_keys.dtype)  # an index put does not cast
+            return self.index_keys
         end = start + k.shape[1]
         self.index_keys[:, start:end] = k
         return self.index_keys[:, :end]
@@ -84,6 +92,20 @@ class DSACache(MLACache):
         super().select(index)
         if self.index_keys is not None:
             self.index_keys = self.index_keys[index]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return super().tensors() + (() if self.index_keys is None else (self.index_keys,))
+
+    def first_rows(self, b: int) -> "DSACache":
+        view = super().first_rows(b)
+        if self.index_keys is not None:
+            view.index_keys = self.index_keys[:b]
+        return view
+
+    def copy_rows(self, dst: torch.Tensor, src: "DSACache", src_rows: torch.Tensor, width: int) -> None:
+        super().copy_rows(dst, src, src_rows, width)
+        if self.index_keys is not None:
+            self.index_keys[dst, :width] = src.index_keys[src_rows, :width]
 
 
 class LightningIndexer(nn.Module):
@@ -235,8 +257,6 @@ class SparseMLAttention(MLAttention):
         cache = ctx.layer_cache(self.layer_idx)
         if cache is not None:
             latent, k_rope = cache.update(ctx.past, latent, k_rope)
-            latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)  # cache dtype may differ
-        k, v = self.expand_kv(latent, k_rope)
         keep = self.select_keys(x, q_latent, ctx, cache)
-        out = self.attend(q, k, v, ctx.mask() & keep)
+        out = self.attend_latent(q, latent, k_rope, cache, ctx, ctx.mask() & keep)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))

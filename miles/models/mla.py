@@ -15,9 +15,9 @@ the already-rotated k_rope. Training, prefill and the padded engine's decode re-
 latent through kv_b_proj every call. Slot decode (the cache rows are slots with lengths of their own,
 miles/models/cache.py's SlotCache) takes the weight-absorbed form for its one-token steps
 (miles/models/mla_decode.py: kv_b_proj folded into the query and the output, the cache read once per
-step as stored); speculative verify steps (several tokens per row), a kv_b_proj that is quantized or
-carries LoRA hooks, and batch-invariant kernels (true on-policy) keep the expanded form, over the
-slot mask.
+step as stored; DSA's SparseMLAttention too, under its kept-keys mask: `attend_latent`); speculative
+verify steps (several tokens per row), a kv_b_proj that is quantized or carries LoRA hooks, and
+batch-invariant kernels (true on-policy) keep the expanded form, over the slot mask.
 
 RoPE layout: DeepSeek checkpoints store each rotary width as adjacent pairs (x0, x1), (x2, x3)...
 (`mla.rope_interleave`, transformers' default for these families). We de-interleave q_rope and
@@ -31,6 +31,7 @@ Parameter names match HF's DeepseekV3Attention.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -86,8 +87,8 @@ class MLACache:
 
     def first_rows(self, b: int) -> "MLACache":
         """A view of rows [0, b): same storage, so a graph captured on it sees later writes."""
-        view = MLACache.__new__(MLACache)
-        view.kv_lora_rank, view.kv = self.kv_lora_rank, self.kv[:b]
+        view = copy.copy(self)
+        view.kv = self.kv[:b]
         return view
 
     def copy_rows(self, dst: torch.Tensor, src: "MLACache", src_rows: torch.Tensor, width: int) -> None:
@@ -180,6 +181,18 @@ class MLAttention(nn.Module):
         return (ctx.slot_decode and ctx.t == 1 and type(proj) is nn.Linear and not proj._forward_hooks
                 and not proj._forward_pre_hooks and not invariant.active())
 
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cache: Optional[MLACache],
+                      ctx: ForwardContext, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, H, T, qk_dim] over latent / k_rope (what `cache.update` returned, or this
+        call's own without a cache) under mask [B|1, 1, T, S] -> [B, H, T, v_dim]: absorbed where
+        `absorbs` says so, else expanded through kv_b_proj."""
+        if self.absorbs(ctx):  # slot decode: the cache rows as stored, [latent | k_rope] per column
+            return absorbed_attention(q, cache.kv.to(q.dtype), mask, self.kv_b_proj.weight, self.nope_dim, self.scale)
+        if cache is not None:  # the cache may be stored in another dtype than the compute (autocast)
+            latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)
+        k, v = self.expand_kv(latent, k_rope)
+        return self.attend(q, k, v, mask)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]."""
         b, t, _ = x.shape
@@ -188,12 +201,5 @@ class MLAttention(nn.Module):
         cache = ctx.layer_cache(self.layer_idx)
         if cache is not None:
             latent, k_rope = cache.update(ctx.past, latent, k_rope)
-        if self.absorbs(ctx):  # slot decode: the cache rows as stored, [latent | k_rope] per column
-            out = absorbed_attention(q, cache.kv.to(q.dtype), ctx.mask(), self.kv_b_proj.weight, self.nope_dim,
-                                     self.scale)
-        else:
-            if cache is not None:  # the cache may be stored in another dtype than the compute (autocast)
-                latent, k_rope = latent.to(q.dtype), k_rope.to(q.dtype)
-            k, v = self.expand_kv(latent, k_rope)
-            out = self.attend(q, k, v, ctx.mask())
+        out = self.attend_latent(q, latent, k_rope, cache, ctx, ctx.mask())
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))

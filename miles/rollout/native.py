@@ -1,8 +1,8 @@
 """Native torch rollout engine: batched KV-cache generation with the trainer's own model modules.
 
 Two decode paths, the same samples contract:
-- slots (the default on CUDA for GQA and MLA families, `rollout.slot_decode`): continuous batching
-  over a static slot cache with CUDA-graph decode steps (miles/rollout/slots.py);
+- slots (the default on CUDA for GQA, MLA and DSA families, `rollout.slot_decode`): continuous
+  batching over a static slot cache with CUDA-graph decode steps (miles/rollout/slots.py);
 - padded (the CPU default, and every family): described below.
 
 Padded path: prompts are left-padded into one batch and prefilled once per distinct prompt; the KV
@@ -227,8 +227,14 @@ class NativeEngine:
             return False
         if wanted and not self.model.supports_slot_decode:
             if self.cfg.slot_decode:
-                raise ValueError(f"rollout.slot_decode=true needs GQA or MLA attention in every layer; "
+                raise ValueError(f"rollout.slot_decode=true needs GQA, MLA or DSA attention in every layer; "
                                  f"{self.model.config.family} has other kinds: set rollout.slot_decode=null")
+            return False
+        # The slot decoder records MoE experts, not the keys DSA indexers keep.
+        if wanted and self.routing_layers is not None and self.key_layers:
+            if self.cfg.slot_decode:
+                raise ValueError("rollout.slot_decode=true: a DSA model's routing record (the kept keys) is taken on "
+                                 "the padded path; set rollout.slot_decode=null")
             return False
         return wanted
 

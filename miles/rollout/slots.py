@@ -1,7 +1,7 @@
 """Continuous batching over a static slot cache, the decode step replayed from CUDA graphs.
 
-The GPU path of `NativeEngine` (GQA and MLA families; MLA slots hold the latent + rope key and decode
-in the weight-absorbed form, miles/models/mla_decode.py). A fixed number of slots (rows of a `SlotCache`,
+The GPU path of `NativeEngine` (GQA, MLA and DSA families; MLA slots hold the latent + rope key and
+decode in the weight-absorbed form, miles/models/mla_decode.py). A fixed number of slots (rows of a `SlotCache`,
 allocated once; colocation frees and reallocates them with `release` / `allocate`, and captures
 the graphs again) hold the samples being decoded, each at its own length:
 

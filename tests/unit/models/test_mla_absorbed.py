@@ -1,4 +1,4 @@
-"""The weight-absorbed MLA decode (miles/models/mla_decode.py) against MLA's expanded attention.
+"""The weight-absorbed MLA decode (miles/models/mla_decode.py) against MLA's expanded attention (DSA too).
 
 On random inputs: equal within fp32 rounding, and in bf16 as close to the fp32 result as the expanded
 bf16 attention is. Through the model: a slot cache whose rows have different lengths decodes one step
@@ -161,3 +161,17 @@ def test_batch_invariant_kernels_decode_mla_slots_bit_for_bit_as_the_full_forwar
         step = decode_rows(model, seqs)
         for r, seq in enumerate(seqs):
             assert torch.equal(step[r], model(seq[None])[0, -1])
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_2_tiny", "glm5_tiny"])
+def test_dsa_slot_step_equals_the_full_forward_past_index_topk(name):
+    """DSA in slots: the indexer keys live next to the latent, the top-k runs over each row's own
+    columns, and attention (absorbed) over the kept ones; rows longer than index_topk (8)."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(CONF / f"{name}.yaml"),
+                                              dict(vocab_size=48)))
+    model = CausalLM(cfg, seed=0).eval()
+    seqs = [torch.randint(1, 48, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 11, 17, 30)]
+    with torch.no_grad():
+        step = decode_rows(model, seqs, columns=40)
+        for r, seq in enumerate(seqs):
+            torch.testing.assert_close(step[r], model(seq[None])[0, -1], atol=1e-5, rtol=0)

@@ -1,4 +1,5 @@
-"""MLA families (DeepSeek-V3, Kimi K2, GLM-4.7-Flash) in the slot decoder on the CPU, fp32: the same
+"""MLA families (DeepSeek-V3, Kimi K2, GLM-4.7-Flash) and DSA (DeepSeek-V3.2, GLM-5) in the slot decoder
+on the CPU, fp32: the same
 samples as the padded engine, log-probs of the full forward, MoE routing records, weight updates,
 quantized rollouts, colocation's release / resume, and speculative verify steps in slots.
 
@@ -30,6 +31,10 @@ FAMILIES = {  # variant -> (conf/model file, overrides): Kimi K2 is DeepSeek-V3'
     "kimi_k2": ("deepseek_v3_tiny", dict(num_heads=8, num_kv_heads=8, moe=dict(n_group=1, topk_group=1,
                                                                                 routed_scaling_factor=2.827),
                                          rope_scaling=dict(beta_fast=1.0))),
+    # DSA: MLA over the keys the indexer keeps (index_topk 8, below the rows' lengths); GLM-5 shares
+    # one layer's selection with the next
+    "deepseek_v3_2": ("deepseek_v3_2_tiny", {}),
+    "glm5": ("glm5_tiny", {}),
 }
 PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 99, 7), range(99, 9, -7))][:10]
 
@@ -68,8 +73,12 @@ def test_greedy_slot_decode_equals_the_padded_engine_with_refills_and_stops(chec
     monkeypatch.setattr("miles.models.mla.absorbed_attention",
                         lambda *a, **k: absorbed.append(1) or absorbed_attention(*a, **k))
     cfg = slots.model.config
-    per_token = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim  # the latent + rope key, not per-head K / V
-    assert slots.slots.nbytes() == cfg.num_layers * slots.slots.slots * slots.slots.max_len * per_token * 4
+    # Per token and layer the latent + rope key, not per-head K / V (+ the indexer key, on DSA layers
+    # with an indexer of their own).
+    widths = cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+    if cfg.dsa is not None:
+        widths += (cfg.num_layers - len(cfg.dsa.shared_layers)) * cfg.dsa.index_head_dim
+    assert slots.slots.nbytes() == widths * slots.slots.slots * slots.slots.max_len * 4
     # Also stop at a token the random model emits in some responses, so rows finish at different steps.
     greedy = padded.generate(PROMPTS, ["?"] * len(PROMPTS), n=1, temperature=0.0)
     frequent = Counter(t for s in greedy for t in s.response_ids[1:]).most_common(1)[0][0]
@@ -84,7 +93,7 @@ def test_greedy_slot_decode_equals_the_padded_engine_with_refills_and_stops(chec
     assert absorbed  # the decode steps took the absorbed form
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_7_flash"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_7_flash", "glm5"])
 def test_sampled_slot_responses_have_the_full_forward_logprobs(checkpoint, family):
     slots = engine(checkpoint(family), True)
     model = from_pretrained(checkpoint(family), dtype=torch.float32).eval()
@@ -150,11 +159,19 @@ def test_release_and_resume_keep_the_slot_decode(checkpoint):
     assert [s.response_ids for s in got] == [s.response_ids for s in want]
 
 
-def test_speculative_verify_steps_run_in_mla_slots(checkpoint):
-    """A GQA draft proposes, the MLA target verifies several tokens per row in its slot cache."""
+def test_dsa_routing_records_stay_on_the_padded_path(checkpoint):
+    """The slot decoder records MoE experts only; a DSA model's record also holds the kept keys."""
+    with pytest.raises(ValueError, match="kept keys"):
+        engine(checkpoint("deepseek_v3_2"), True, record_routing=True)
+    assert engine(checkpoint("deepseek_v3_2"), True).slots is not None
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_2"])
+def test_speculative_verify_steps_run_in_mla_slots(checkpoint, family):
+    """A GQA draft proposes, the MLA / DSA target verifies several tokens per row in its slot cache."""
     cfg = RolloutCfg(max_new_tokens=12, max_prompt_len=16, max_running=6)
-    plain = NativeEngine(checkpoint("deepseek_v3"), replace(cfg, slot_decode=False))
-    spec = NativeEngine(checkpoint("deepseek_v3"), replace(cfg, slot_decode=True, speculative=SpeculativeCfg(
+    plain = NativeEngine(checkpoint(family), replace(cfg, slot_decode=False))
+    spec = NativeEngine(checkpoint(family), replace(cfg, slot_decode=True, speculative=SpeculativeCfg(
         kind="draft_model", num_tokens=3)), draft_dir=checkpoint("qwen3_tiny"))
     assert spec.spec is not None and type(spec.spec).__name__ == "SlotSpeculativeDecoder"
     a = plain.generate(PROMPTS, ["?"] * len(PROMPTS), n=2, temperature=0.0)

@@ -83,10 +83,10 @@ def test_buckets_cover_every_batch_size():
     assert default_buckets(512)[-3:] == [256, 384, 512]
 
 
-def test_slot_decode_refuses_families_without_gqa_or_mla(compose, tmp_path):
-    dsa = compose(["model=deepseek_v3_2_tiny"]).model  # MLA + DSA's indexer: no slot layout
-    ckpt = str(random_checkpoint(dsa, DEFAULT_ALPHABET, seed=0, out=tmp_path / "m"))
-    with pytest.raises(ValueError, match="rollout.slot_decode=true needs GQA or MLA"):
+def test_slot_decode_refuses_families_without_gqa_mla_or_dsa(compose, tmp_path):
+    linear = compose(["model=qwen3_next_tiny"]).model  # linear attention: a recurrent state, no columns
+    ckpt = str(random_checkpoint(linear, DEFAULT_ALPHABET, seed=0, out=tmp_path / "m"))
+    with pytest.raises(ValueError, match="rollout.slot_decode=true needs GQA, MLA or DSA"):
         engine(ckpt, slot_decode=True)
     assert engine(ckpt).slots is None  # null: the padded path on the CPU
 
