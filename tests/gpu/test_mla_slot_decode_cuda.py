@@ -3,7 +3,8 @@ engine and the full forward, on a DeepSeek-V3-shaped model (the real per-head ML
 rope 64, nope 128, v 128; fewer heads and layers).
 
 The dense variant (moe.first_k_dense >= num_layers: no MoE layer) captures CUDA graphs; the MoE
-tiny (deepseek_v3_tiny) decodes in slots eagerly (expert batches are sized on the host). The CPU
+tinies (MLA: deepseek_v3, glm4_7_flash; DSA: deepseek_v3_2, glm5) decode in slots eagerly (expert
+batches are sized on the host). The CPU
 tests (tests/unit/rollout/test_mla_slot_decode.py) cover refills, stops, routing and weight updates.
 Skipped without a GPU.
 """
@@ -74,11 +75,11 @@ def test_mla_graph_decode_logprobs_match_the_full_forward(checkpoint):
         assert mismatch < tol, (dtype, mismatch)
 
 
-def test_mla_moe_slot_decode_matches_the_full_forward(compose, tmp_path):
+@pytest.mark.parametrize("model", ["deepseek_v3_tiny", "glm4_7_flash_tiny", "deepseek_v3_2_tiny", "glm5_tiny"])
+def test_mla_and_dsa_moe_slot_decode_matches_the_full_forward(compose, tmp_path, model):
     from gpu_runs import full_forward_mismatch
 
-    ckpt = str(random_checkpoint(compose(["model=deepseek_v3_tiny"]).model, DEFAULT_ALPHABET, seed=0,
-                                 out=tmp_path / "m"))
+    ckpt = str(random_checkpoint(compose([f"model={model}"]).model, DEFAULT_ALPHABET, seed=0, out=tmp_path / "m"))
     cfg = RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4)
     for dtype, tol in ((DType.fp32, 1e-4), (DType.bf16, 5e-2)):
         engine = NativeEngine(ckpt, cfg, dtype, device="cuda", seed=0)
