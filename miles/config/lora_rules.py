@@ -101,7 +101,12 @@ def _target_problems(cfg: RunCfg) -> list[str]:
     if not experts and not find_targets(model, lo.target_modules):
         return [f"trainer.lora.target_modules={list(lo.target_modules)} matches no projection of "
                 f"model={cfg.model.name}; its decoder projections: {', '.join(candidate_names(model))}"]
-    problems = []
+    # An entry naming experts that selects nothing would leave them silently unadapted (PEFT only
+    # refuses a list that matches nothing at all).
+    problems = [f"trainer.lora.target_modules entry {entry!r} names MoE experts, and model={cfg.model.name} has no "
+                "stacked experts or projection it selects: drop it from trainer.lora.target_modules"
+                for entry in lo.target_modules if "experts" in entry
+                and not find_expert_targets(model, [entry]) and not find_targets(model, [entry])]
     if experts and cfg.rollout.engine != "native":
         problems.append(f"trainer.lora.target_modules adapts MoE experts ({experts[0][0]}, ...), which "
                         f"rollout={cfg.rollout.engine.value} does not load as LoRA here: set rollout=native or drop "

@@ -108,11 +108,23 @@ class Llama4Attention(nn.Module):
 class Llama4Experts(nn.Module):
     """E SwiGLU experts, HF Llama 4 layout: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
 
+    # LoRA (miles/models/lora.py) on these stacks: the x @ W layout, [E, in, out], which PEFT calls
+    # transposed; its adapters are then applied as x @ B_e @ A_e (A [E, rank, out], B [E, in, rank]).
+    is_transposed = True
+    held_quantized = False  # QLoRA holds only miles.models.moe.Experts quantized
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        # As miles.models.moe.Experts.lora_hooks: "gate_up_proj" / "down_proj" -> fn(expert, x, y,
+        # rows, total) returning y plus that expert's adapter output. A plain dict, not state.
+        self.lora_hooks: dict = {}
+
+    def stacked_shape(self, name: str) -> torch.Size:
+        """The stacked tensor `name`'s shape as held, [E, in, out]."""
+        return getattr(self, name).shape
 
     @torch.no_grad()
     def init_weights(self, gen: Optional[torch.Generator]) -> None:
@@ -134,8 +146,17 @@ class Llama4Experts(nn.Module):
         for e, c in enumerate(counts):
             if c == 0:
                 continue
-            gate, up = (xs[start:start + c] @ self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ self.down_proj[e])
+            h = xs[start:start + c]
+            gate_up = h @ self.gate_up_proj[e]
+            rows = tokens[start:start + c] if self.lora_hooks else None
+            if "gate_up_proj" in self.lora_hooks:  # on the scaled input, as W_e + B_e A_e would see it
+                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            out = act @ self.down_proj[e]
+            if "down_proj" in self.lora_hooks:
+                out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
+            outs.append(out)
             start += c
         if not outs:
             return torch.zeros_like(x)

@@ -43,6 +43,14 @@ rank], applied inside the expert loop on the expert's own tokens (`Experts.lora_
 + alpha / rank * B_e A_e. PEFT saves them as `target_parameters` (miles/models/lora_peft.py). With
 several adapters each expert's tokens are routed as a projection's are, by the token's place in the
 layer's flat input.
+
+Llama 4's stacks (miles.models.llama4.Llama4Experts: gate_up_proj [E, H, 2I], down_proj [E, I, H],
+multiplied as x @ W_e) are what PEFT calls transposed. PEFT's ParamWrapper reads every 3-D stack
+as [E, out, in] unless its module says `is_transposed` (transformers' Llama4TextExperts does not),
+so on Llama 4 it builds A [E * rank, last dim] and B [first dim, rank * E] and adds B_e A_e to W_e,
+which the forward multiplies as x @ (W_e + B_e A_e). The same pair here: A [E, rank, 2I] and B [E, H,
+rank] for gate_up_proj (B @ A has the stack's shape, so merging and the PEFT file are the other
+families'), applied as x @ B_e @ A_e.
 """
 
 from __future__ import annotations
@@ -56,12 +64,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts
 from miles.precision.recipe import QuantLinear
 
 # Every projection of a dense Qwen / Llama-style decoder layer (attention and MLP).
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")  # Experts' stacked [E, out, in] tensors, in their module order
+STACKED_EXPERTS = (Experts, Llama4Experts)  # the modules holding them (Llama 4's transposed: [E, in, out])
 DECODER_PREFIX = "layers."
 # Several adapters: "<adapter>/<module>.lora_A.weight" (an adapter name is a directory name, never "/").
 ADAPTER_SEPARATOR = "/"
@@ -91,11 +101,11 @@ def _selects_expert(name: str, entry: str) -> bool:
     return "experts" in entry and (entry == "experts" or _matches(name, entry))
 
 
-def find_expert_targets(model: nn.Module, target_modules) -> list[tuple[str, Experts, str]]:
-    """(tensor name, Experts module, its attribute) of the stacked expert tensors `target_modules`
-    names (module docstring), in model order."""
+def find_expert_targets(model: nn.Module, target_modules) -> list[tuple[str, nn.Module, str]]:
+    """(tensor name, experts module (STACKED_EXPERTS), its attribute) of the stacked expert tensors
+    `target_modules` names (module docstring), in model order."""
     return [(f"{name}.{attr}", m, attr) for name, m in model.named_modules()
-            if isinstance(m, Experts) and name.startswith(DECODER_PREFIX)
+            if isinstance(m, STACKED_EXPERTS) and name.startswith(DECODER_PREFIX)
             for attr in EXPERT_TENSORS if any(_selects_expert(f"{name}.{attr}", e) for e in target_modules)]
 
 
@@ -113,7 +123,7 @@ def candidate_names(model: nn.Module) -> list[str]:
     """The distinct last components of the modules LoRA can adapt (for messages), and "experts" where
     the model has stacked experts."""
     names = {name.rpartition(".")[2] for name, m in model.named_modules() if _projection(name, m)}
-    if any(isinstance(m, Experts) for m in model.modules()):
+    if any(isinstance(m, STACKED_EXPERTS) for m in model.modules()):
         names.add("experts")
     return sorted(names)
 
@@ -211,6 +221,12 @@ class LoRA(nn.Module):
         return add_delta
 
     def _expert_hook(self, i: int):
+        transposed = self._experts[i - len(self._linears)][0].is_transposed
+
+        def product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            """One expert's adapter output: B_e A_e x, or x @ B_e @ A_e on a transposed stack."""
+            return (x @ b) @ a if transposed else F.linear(F.linear(x, a), b)
+
         def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
             if not self.enabled:
                 return out
@@ -219,13 +235,13 @@ class LoRA(nn.Module):
                 x = x.to(a.dtype)
             x = self.dropout(x)
             if self.num_adapters == 1:
-                delta = F.linear(F.linear(x, a[expert]), b[expert])
+                delta = product(x, a[expert], b[expert])
             else:  # each token's adapter: the route laid out over the flat input, then this expert's rows
                 ids = self._ids_for(x.new_empty(total, 0))[rows]
                 delta = None
                 for k in range(self.num_adapters):
                     a, b = self._pair(k, i)
-                    mine = torch.where(ids == k, F.linear(F.linear(x, a[expert]), b[expert]), 0.0)
+                    mine = torch.where(ids == k, product(x, a[expert], b[expert]), 0.0)
                     delta = mine if delta is None else delta + mine
             return out + (delta * self.scaling).to(out.dtype)
         return add_delta

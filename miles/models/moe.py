@@ -96,6 +96,7 @@ class Experts(nn.Module):
     down_proj [E, H, I]."""
 
     held_quantized = False  # QLoRA's frozen holder (miles/models/frozen_experts.py) says True
+    is_transposed = False  # [E, out, in] (LoRA's name, PEFT's: Llama 4's x @ W stacks say True)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
