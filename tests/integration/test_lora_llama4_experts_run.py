@@ -21,7 +21,6 @@ def test_llama4_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compo
     run_inprocess(compose, [*TINY, "model=llama4_tiny", "trainer.lora.rank=4", "trainer.lr=1e-2", "steps=2",
                             "trainer.lora.target_modules=[q_proj,v_proj,experts]", *engine_side], tmp_path / "run")
     metrics = journal_metrics(tmp_path / "run")
-    print({s: metrics[s]["mismatch/logprob_abs_diff"] for s in (1, 2)})
     # Step 2's samples come from the adapters step 1 trained: the engine applied them.
     assert all(metrics[step]["mismatch/logprob_abs_diff"] < 1e-6 for step in (1, 2)), metrics
     assert metrics[2]["train/entropy"] != metrics[1]["train/entropy"]
