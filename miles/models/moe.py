@@ -18,6 +18,9 @@ reuses the rollout engine's experts; gradients still flow through the weights).
 Experts are fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
 the in-memory layout of transformers 5; checkpoints store one tensor per expert and per matrix,
 which `miles.models.families.moe_io` converts. Each expert runs only on the tokens routed to it.
+Slot decode steps on CUDA take the grouped Triton kernels of `miles.models.moe_grouped` instead of
+the expert loop (no host sync, so the slot decoder captures them in CUDA graphs); quantized holders,
+expert LoRA hooks and batch-invariant kernels keep the loop.
 
 Shared experts (always on) are one SwiGLU of width shared_expert_intermediate_size; with
 `shared_expert_gate` (Qwen2-MoE / Qwen3-Next) their output is scaled by sigmoid(x @ g) and the
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models import invariant
+from miles.models import invariant, moe_grouped
 from miles.models.config import ArchConfig, MoEConfig
 from miles.models.layers import SwiGLUMLP
 
@@ -205,7 +208,10 @@ class MoE(nn.Module):
         experts, weights = self.gate(flat, replay)
         if ctx is not None and ctx.routing_record is not None:
             ctx.routing_record[self.layer] = experts.view(b, t, -1)
-        out = self.experts(flat, experts, weights)
+        if moe_grouped.applies(self.experts, flat, ctx):  # slot decode on CUDA: no host sync, graph-capturable
+            out = moe_grouped.grouped_experts(flat, experts, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out = self.experts(flat, experts, weights)
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(flat)
             if self.shared_expert_gate is not None:

@@ -70,7 +70,7 @@ import torch
 
 from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models import fused, fused_projections, from_pretrained, invariant
+from miles.models import fused, fused_projections, from_pretrained, invariant, moe_grouped
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
@@ -244,10 +244,12 @@ class NativeEngine:
             fused.enable()  # before graph capture: the captured step runs the fused kernels
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
-        # MoE layers size their expert batches on the host (data-dependent shapes): no graph capture.
-        # (So recording the routing, which only MoE models do, never meets a captured graph.) A model
-        # whose moe block leaves every layer dense (first_k_dense >= num_layers) has none of them.
-        graphs = cfg.cuda_graphs and not moe_layers(self.model.config)
+        # MoE layers decode through the grouped expert kernels (no host sync: captured like the rest).
+        # Where a layer keeps the expert loop, which sizes its batches on the host (expert LoRA hooks,
+        # QLoRA's quantized holder, Llama 4's experts; true on-policy's batch-invariant kernels), the
+        # steps run eagerly. A model whose moe block leaves every layer dense has no MoE layer.
+        graphs = cfg.cuda_graphs and (not moe_layers(self.model.config)
+                                      or (not self.true_on_policy and moe_grouped.capturable(self.model)))
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
                            routing=routing, route=self.lora.route if self._routes_adapters else None)

@@ -27,10 +27,12 @@ Several LoRA adapters (`route`: the engine's `LoRA.route`): each slot's adapter 
 buffer (`adapters`, set at admission, moved with the slot by compaction) that the decode forward
 routes by, so a captured graph reads the slots' current adapters at every replay.
 
-Routing record (R3, `routing` given; MoE models, which never capture graphs): the prefill's experts
-of each prompt's real tokens, and per slot a [max_new, L, k] buffer where each step writes the
-experts of its input token (response token steps - 1) at column steps - 1. Finished rows keep
-writing at their frozen column, that of their last token, which has no routing (miles/types.py).
+Routing record (R3, `routing` given; MoE models): the prefill's experts of each prompt's real
+tokens, and per slot a [max_new, L, k] buffer where each step writes the experts of its input token
+(response token steps - 1) at column steps - 1. Finished rows keep writing at their frozen column,
+that of their last token, which has no routing (miles/types.py). A captured step records too: each
+bucket's graph is captured with a record dict whose tensors (the routers' top-k outputs) are static
+outputs of the graph, as its logits are; every replay rewrites them and the step copies them out.
 """
 
 from __future__ import annotations
@@ -82,10 +84,13 @@ class DecodeGraphs:
     the same buffers, so weights updated in place and new slot contents need no recapture."""
 
     def __init__(self, model, cache: SlotCache, tokens: torch.Tensor, buckets: list[int], capture: bool,
-                 adapters: torch.Tensor | None = None, route: Callable[[torch.Tensor], None] | None = None):
-        """adapters / route: several LoRA adapters, each slot's adapter id and the call that routes by it."""
+                 adapters: torch.Tensor | None = None, route: Callable[[torch.Tensor], None] | None = None,
+                 records: bool = False):
+        """adapters / route: several LoRA adapters, each slot's adapter id and the call that routes by it.
+        records: the steps record MoE routing (R3), captured ones into `records[bucket]`."""
         self.model, self.cache, self.tokens, self.buckets = model, cache, tokens, buckets
         self.adapters, self.route = adapters, route
+        self.records: dict[int, dict] | None = {} if records else None  # bucket -> its graph's routing record
         self.views = {b: cache.first_rows(b) for b in buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -105,13 +110,16 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in self.buckets:
-                self._forward(b)
+                self._forward(b, None if self.records is None else {})
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
         for b in sorted(self.buckets, reverse=True):
             graph = torch.cuda.CUDAGraph()
+            record = None if self.records is None else {}
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
+                self.outputs[b] = self._forward(b, record)
+            if record is not None:
+                self.records[b] = record
             pool = graph.pool()
             self.graphs[b] = graph
 
@@ -119,11 +127,12 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= rows)
 
     def run(self, b: int, routing_record: dict | None = None) -> torch.Tensor:
-        """Logits [b, V] of one step; `routing_record` (eager steps only) receives the MoE choices."""
-        if routing_record is not None and b in self.graphs:
-            raise ValueError("a captured decode graph cannot record MoE routing")
+        """Logits [b, V] of one step; `routing_record` receives the MoE choices (a replay's: views of
+        its graph's static outputs, valid until the next replay)."""
         if b in self.graphs:
             self.graphs[b].replay()
+            if routing_record is not None:
+                routing_record.update(self.records[b])
             return self.outputs[b]
         return self._forward(b, routing_record)
 
@@ -160,12 +169,10 @@ class SlotDecoder:
                  pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None,
                  routing: tuple[list[int], torch.dtype] | None = None,
                  route: Callable[[torch.Tensor], None] | None = None):
-        """routing: (MoE layers, id dtype) to record each sample's routed experts (no graph capture).
+        """routing: (MoE layers, id dtype) to record each sample's routed experts (captured steps too).
         route: several LoRA adapters, the engine's `LoRA.route` (generate's `adapters` then required)."""
         self.model, self.slots, self.max_len, self.device = model, slots, max_len, device
         self.routing, self.route = routing, route
-        if routing is not None:
-            cuda_graphs = False
         self.pad_id, self.sync_every = pad_id, sync_every
         self.dtype, self.buckets = dtype, buckets or default_buckets(slots)
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
@@ -200,7 +207,8 @@ class SlotDecoder:
         self.graphs = self._graphs(capture=capture and self.cuda_graphs)
 
     def _graphs(self, capture: bool) -> DecodeGraphs:
-        return DecodeGraphs(self.model, self.cache, self.tokens, self.buckets, capture, self.adapters, self.route)
+        return DecodeGraphs(self.model, self.cache, self.tokens, self.buckets, capture, self.adapters, self.route,
+                            records=self.routing is not None)
 
     def release(self) -> None:
         """Drop the slot cache, the per-slot state, the last call's outputs and the captured graphs

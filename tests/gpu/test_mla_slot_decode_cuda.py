@@ -2,9 +2,9 @@
 engine and the full forward, on a DeepSeek-V3-shaped model (the real per-head MLA widths: latent 512,
 rope 64, nope 128, v 128; fewer heads and layers).
 
-The dense variant (moe.first_k_dense >= num_layers: no MoE layer) captures CUDA graphs; the MoE
-tinies (MLA: deepseek_v3, glm4_7_flash; DSA: deepseek_v3_2, glm5) decode in slots eagerly (expert
-batches are sized on the host). The CPU
+The dense variant (moe.first_k_dense >= num_layers: no MoE layer) captures CUDA graphs; so do the MoE
+tinies (MLA: deepseek_v3, glm4_7_flash; DSA: deepseek_v3_2, glm5), whose experts run the grouped
+kernels of miles/models/moe_grouped.py in slot steps. The CPU
 tests (tests/unit/rollout/test_mla_slot_decode.py) cover refills, stops, routing and weight updates.
 Skipped without a GPU.
 """
@@ -83,7 +83,7 @@ def test_mla_and_dsa_moe_slot_decode_matches_the_full_forward(compose, tmp_path,
     cfg = RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4)
     for dtype, tol in ((DType.fp32, 1e-4), (DType.bf16, 5e-2)):
         engine = NativeEngine(ckpt, cfg, dtype, device="cuda", seed=0)
-        assert engine.slots is not None and not engine.slots.captured  # MoE: eager slot steps
+        assert engine.slots is not None and engine.slots.captured  # MoE: grouped experts, captured steps
         mismatch = full_forward_mismatch(responses(engine, n=2, temperature=1.0), ckpt, engine.dtype)
         assert mismatch < tol, (dtype, mismatch)
 

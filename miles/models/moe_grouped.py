@@ -1,0 +1,241 @@
+"""MoE experts for decode steps without host syncs: a Triton grouped GEMM over expert-sorted blocks.
+
+    out = grouped_experts(x, experts, weights, gate_up_proj, down_proj)   # = Experts.forward's sum
+
+`Experts.forward` sizes each expert's batch on the host (`counts.tolist()`) and launches one matmul
+per chosen expert: a host sync and data-dependent shapes, so a step through it cannot be captured
+in a CUDA graph. Here every shape and launch grid depends only on (N, k, E):
+
+1. `block_layout` (plain torch, on the device): the N * k (token, slot) pairs sorted by expert, each
+   expert's run padded to a multiple of BLOCK_M, and the expert of every BLOCK_M block. The number of
+   blocks is the worst case, ceil((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M); blocks past the real
+   total have expert -1 and their programs exit at once.
+2. `_gate_up_kernel`: per (block, I tile), x's rows of the block's pairs times the expert's gate and
+   up rows, SiLU(gate) * up in the epilogue -> act [blocks * BLOCK_M, I] in x.dtype.
+3. `_down_kernel`: per (block, H tile), act times the expert's down_proj, times the routing weight
+   in fp32 -> y [N k, H] fp32, at each pair's own row (no two programs write one row).
+4. `_combine_kernel`: per token, 0 + its k rows of y in ascending expert order (the order of
+   Experts.forward's sum on the CPU), rounded to x.dtype once. Fixed order, no atomics: deterministic.
+
+Numerics match the eager loop's roundings: gate and up rounded to x.dtype (F.linear's output),
+SiLU in fp32 rounded, times up rounded, the down product rounded before the fp32 routing weight. The
+sums inside the GEMMs run in another order than cuBLAS's (fp32 accumulation both), so bf16 results
+differ from eager by a bf16 rounding now and then; fp32 ones (IEEE dots, no TF32) by ~1e-6 relative.
+Experts nobody chose cost nothing but their exiting programs; each active expert's weights are read
+once per block of its tokens (one block at decode sizes: the active experts only).
+
+Where it runs (`applies`): CUDA, a slot-decode step (the slot decoder's one token per row, or a
+speculative verify's few), plain stacked bf16 / fp16 / fp32 experts of x's dtype, no autocast, no
+batch-invariant kernels (true on-policy keeps the trainer's expert loop). QLoRA's quantized holder
+(`held_quantized`, miles/models/frozen_experts.py) and experts with LoRA hooks (`lora_hooks`) keep the
+eager loop: those hooks run per expert on its own tokens. The FP8 / INT4 engines hold their stacked
+experts dequantized in the engine's dtype (miles/precision/recipe.py), so they run here too.
+`capturable` is the same test made once for a model, before the engine captures its decode graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles.precision import invariance
+from miles.precision.int4_triton import _interpreting
+
+try:  # triton ships with CUDA torch wheels; the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+BLOCK_M = 16  # pairs per block: the smallest MMA height, as decode gives each expert a few tokens
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# On/off for the whole process: benchmarks compare the two paths side by side.
+enabled = True
+
+
+def _plain(experts: nn.Module) -> bool:
+    """Stacked dense tensors whose matmuls are the whole computation (no quantized holder, no hooks)."""
+    return (not getattr(experts, "held_quantized", True) and not experts.lora_hooks
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+            and experts.gate_up_proj.dtype in DTYPES and experts.down_proj.dtype == experts.gate_up_proj.dtype)
+
+
+def applies(experts: nn.Module, x: torch.Tensor, ctx) -> bool:
+    """Whether this MoE call runs the grouped kernels (else `Experts.forward`'s loop)."""
+    return (enabled and triton is not None and x.is_cuda and getattr(ctx, "slot_decode", False) and _plain(experts)
+            and x.dtype == experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type)
+            and not invariance.active())
+
+
+def capturable(model: nn.Module) -> bool:
+    """Whether every MoE layer of `model` (a CausalLM) is a `MoE` block whose slot decode steps run
+    the grouped kernels, so that those steps have no host sync (what `applies` will say on CUDA;
+    Llama 4's experts, QLoRA's holder and hooked experts say no)."""
+    from miles.models.moe import MoE
+
+    mlps = [layer.mlp for layer in model.layers]
+    return (enabled and triton is not None and not invariance.active()
+            and all(_plain(mlp.experts) for mlp in mlps if type(mlp) is MoE)
+            and all(type(mlp) is MoE for mlp in mlps if hasattr(mlp, "experts")))
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Blocks that cover `pairs` pairs over any split among the experts: each expert that holds
+    pairs (at most min(E, pairs) of them) pads its run by at most block_m - 1."""
+    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+
+
+def block_layout(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted blocks of (token, slot) pairs, computed on the device without host syncs.
+
+    experts: [N, k] expert ids. Returns (pairs [blocks * block_m] int32: the pair index token * k +
+    slot at each padded position, -1 on padding; block_expert [blocks] int32: the expert of each
+    block, -1 past the last used block), blocks = max_blocks(N * k, E). Pairs of one expert are in
+    (token, slot) order; experts in ascending order, each starting on a block boundary."""
+    flat = experts.reshape(-1).long()
+    device = flat.device
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    ids = torch.arange(num_experts, device=device)
+    start = torch.searchsorted(sorted_experts, ids)  # first sorted pair of each expert
+    count = torch.searchsorted(sorted_experts, ids, right=True) - start
+    padded = (count + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    # A pair's padded position: its expert's padded start plus its rank among that expert's pairs.
+    rank = torch.arange(flat.numel(), device=device) - start[sorted_experts]
+    position = padded_end[sorted_experts] - padded[sorted_experts] + rank
+    blocks = max_blocks(flat.numel(), num_experts, block_m)
+    pairs = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=device)
+    pairs[position] = order.to(torch.int32)
+    # Block j starts at j * block_m; its expert is the first whose padded run ends after that.
+    block_start = torch.arange(blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pairs, block_expert
+
+
+if triton is not None:
+    from miles.precision.int4_triton import _round
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        # fp32 operands: IEEE products (TF32 would round them). The interpreter multiplies bf16 dot
+        # operands' raw bits, so there the same (exact) products also go through an fp32 IEEE dot.
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we, stride_wn,
+                        stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
+        # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
+        pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + offs_m)
+        row_ok = pair >= 0
+        token = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < H
+            x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            w_up = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            acc_gate = _dot(x, w_gate, acc_gate, IEEE)
+            acc_up = _dot(x, w_up, acc_up, IEEE)
+        dtype = act_ptr.dtype.element_ty
+        # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
+        gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
+        up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
+        silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRET).to(tl.float32)
+        act = _round(silu * up, dtype, INTERPRET)
+        tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am, stride_we,
+                     stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
+        # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
+        pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + offs_m)
+        row_ok = pair >= 0
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            acc = _dot(a, w, acc, IEEE)
+        route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
+        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
+        rows = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+        # Program (token, H tile): 0 + the token's k rows of y, its slots taken in ascending expert
+        # order (slots_ptr: that order per token), rounded to out's dtype once.
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            slot = tl.load(slots_ptr + token * TOPK + j)
+            acc += tl.load(y_ptr + (token * TOPK + slot) * H + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + token * H + offs, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{experts[:, j]}(x), SwiGLU experts, as `Experts.forward` computes it.
+
+    x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
+    [E, H, I], both x.dtype -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only."""
+    n, hidden = x.shape
+    k = experts.shape[1]
+    num_experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()  # parameters: no copy
+    pairs, block_expert = block_layout(experts, num_experts)
+    blocks = block_expert.shape[0]
+    ieee = x.dtype == torch.float32 or _interpreting()
+    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, INTERPRET=_interpreting())
+    act = torch.empty(blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, gate_up_proj, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), act.stride(0), TOPK=k, **common)
+    y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
+    route = weights.reshape(-1).float().contiguous()
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, down_proj, pairs, block_expert, route, y, hidden, inter, act.stride(0), down_proj.stride(0),
+        down_proj.stride(1), y.stride(0), **common)
+    slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    block = 256
+    _combine_kernel[(n, triton.cdiv(hidden, block))](y, slots, out, hidden, TOPK=k, BLOCK=block,
+                                                     INTERPRET=_interpreting())
+    return out
