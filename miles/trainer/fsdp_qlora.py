@@ -59,6 +59,7 @@ def prepare(models: list[nn.Module], recipe: Recipe) -> Recipe:
             if isinstance(module, HOLDERS):
                 for name, code in list(module._buffers.items()):
                     del module._buffers[name]
+                    module._non_persistent_buffers_set.discard(name)
                     module.register_parameter(name, nn.Parameter(code, requires_grad=False))
     return replace(recipe, train_quant=NONE)
 

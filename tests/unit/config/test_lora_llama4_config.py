@@ -21,7 +21,8 @@ def test_llama4_expert_adapters_validate_and_are_counted(compose):
 
 
 def test_an_expert_entry_that_selects_nothing_is_refused(compose):
-    problems = validate(compose(["model=qwen3_tiny", "trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,experts]"]))
+    problems = validate(compose(["model=qwen3_tiny", "trainer.lora.rank=4",
+                                 "trainer.lora.target_modules=[q_proj,experts]"]))
     assert problems == ["trainer.lora.target_modules entry 'experts' names MoE experts, and model=qwen3_tiny has no "
                         "stacked experts or projection it selects: drop it from trainer.lora.target_modules"]
     # An entry naming DeepSeek's shared experts' projections (nn.Linear modules) selects them: accepted.

@@ -71,8 +71,9 @@ def test_one_expert_by_hand(hf_dir):
     _trained(lora)
     experts = model.layers[1].mlp.experts
     t = lora.tensors()
-    gu_a, gu_b = t["layers.1.mlp.experts.gate_up_proj.lora_A.weight"], t["layers.1.mlp.experts.gate_up_proj.lora_B.weight"]
-    d_a, d_b = t["layers.1.mlp.experts.down_proj.lora_A.weight"], t["layers.1.mlp.experts.down_proj.lora_B.weight"]
+    stem = "layers.1.mlp.experts"
+    gu_a, gu_b = t[f"{stem}.gate_up_proj.lora_A.weight"], t[f"{stem}.gate_up_proj.lora_B.weight"]
+    d_a, d_b = t[f"{stem}.down_proj.lora_A.weight"], t[f"{stem}.down_proj.lora_B.weight"]
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(2))
     chosen = torch.tensor([[1, 3]] * 5)
     weights = torch.full((5, 2), 0.5)

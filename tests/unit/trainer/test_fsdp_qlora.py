@@ -124,7 +124,7 @@ def test_two_ranks_train_the_adapters_of_one_process(ckpt, batch, local_ray, qua
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    """A MoE model whose stacked experts are whole 128-blocks / INT4 groups (tests/unit/trainer/test_qlora_experts.py)."""
+    """A MoE model whose stacked experts are whole 128-blocks / INT4 groups (as test_qlora_experts.py's)."""
     model = ModelCfg(name="m", family="qwen3_moe", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=32, max_position_embeddings=64,
                      moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128))
