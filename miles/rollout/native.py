@@ -244,15 +244,18 @@ class NativeEngine:
             fused.enable()  # before graph capture: the captured step runs the fused kernels
         slots = max(cfg.n_samples_per_prompt, min(cfg.max_running, max_slots or cfg.max_running))
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
-        # MoE layers decode through the grouped expert kernels (no host sync: captured like the rest).
-        # Where a layer keeps the expert loop, which sizes its batches on the host (expert LoRA hooks,
-        # QLoRA's quantized holder, Llama 4's experts; true on-policy's batch-invariant kernels), the
-        # steps run eagerly. A model whose moe block leaves every layer dense has no MoE layer.
-        graphs = cfg.cuda_graphs and (not moe_layers(self.model.config)
-                                      or (not self.true_on_policy and moe_grouped.capturable(self.model)))
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
-        return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, graphs, cfg.sync_every,
-                           routing=routing, route=self.lora.route if self._routes_adapters else None)
+        return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, self._slot_graphs(),
+                           cfg.sync_every, routing=routing, route=self.lora.route if self._routes_adapters else None)
+
+    def _slot_graphs(self) -> bool:
+        """Whether the slot decoder captures its steps in CUDA graphs (on CUDA; `rollout.cuda_graphs`).
+        MoE layers decode through the grouped expert kernels (no host sync: captured like the rest);
+        where a layer keeps the expert loop, which sizes its batches on the host (expert LoRA hooks,
+        QLoRA's quantized holder, Llama 4's experts; true on-policy's batch-invariant kernels), the
+        steps run eagerly. A model whose moe block leaves every layer dense has no MoE layer."""
+        return self.cfg.cuda_graphs and (not moe_layers(self.model.config)
+                                         or (not self.true_on_policy and moe_grouped.capturable(self.model)))
 
     @property
     def _routes_adapters(self) -> bool:

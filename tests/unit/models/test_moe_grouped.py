@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from triton_interpreter import run_under_interpreter
 
-from miles.config.schema import ModelCfg, RolloutCfg
+from miles.config.schema import LoRACfg, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import CausalLM, invariant, moe_grouped as mg
 from miles.models.context import ForwardContext
@@ -129,6 +129,17 @@ def test_a_model_is_capturable_unless_an_moe_layer_keeps_the_loop():
     model.layers[1].mlp.experts.lora_hooks["gate_up_proj"] = lambda e, x, y, rows, total: y
     assert not mg.capturable(model)
     assert not mg.capturable(CausalLM(_model_cfg("llama4_tiny").arch(32)))  # Llama 4's experts: the loop
+
+
+@parent_only
+@pytest.mark.skipif(mg.triton is None, reason="needs triton")
+def test_the_engine_captures_moe_slot_steps_unless_experts_carry_lora_hooks(tmp_path):
+    ckpt = str(random_checkpoint(_model_cfg("qwen3_moe_tiny"), DEFAULT_ALPHABET, 0, tmp_path / "m"))
+    cfg = RolloutCfg(max_new_tokens=4, max_prompt_len=8, max_running=4, slot_decode=True)
+    build = lambda lora=None, **kw: NativeEngine(ckpt, replace(cfg, **kw), seed=0, lora=lora)  # noqa: E731
+    assert build()._slot_graphs() and not build(cuda_graphs=False)._slot_graphs()
+    assert build(LoRACfg(rank=4))._slot_graphs()  # the default targets: projections, not the stacked experts
+    assert not build(LoRACfg(rank=4, target_modules=["q_proj", "experts"]))._slot_graphs()  # hooked experts: the loop
 
 
 # ------------------------------------------------------------------------------- kernels
