@@ -152,3 +152,21 @@ def test_moe_experts_held_quantized_and_adapted_on_two_ranks(moe_ckpt, local_ray
     codes = {k: v for k, v in held_quantized(one).items() if ".experts." in k}
     assert codes and sum(b[n] for b in rank_bytes for n in codes) == sum(codes.values())
     assert all(sum(b[n] for n in codes) <= 0.55 * sum(codes.values()) for b in rank_bytes)  # E = 4: 2 a rank
+
+
+def test_kl_reference_held_quantized_on_two_ranks(ckpt, batch, local_ray):
+    """algo.kl_coef > 0: the reference (the base model) is held quantized and sharded like the policy's
+    base, and its KL term is the 1-process trainer's (its gradient in the adapters' step)."""
+    algo = AlgoCfg(name=AlgoName.grpo, kl_coef=0.1)
+    precision = fp32_compute("int4")
+    one = TorchTrainer(ckpt, algo, CFG, precision, threads=1)
+    group = FSDPGroup(2, ckpt, algo, CFG, precision, threads=1)
+    try:
+        n_steps = [one.train_rl(batch) for _ in range(2)]
+        g_steps = [group.call("train_rl", batch) for _ in range(2)]
+        g_weights, _ = group.call("get_weights")
+    finally:
+        group.shutdown()
+    assert n_steps[1]["train/kl_ref"] > 0  # the adapters moved the policy off the reference
+    assert abs(g_steps[1]["train/kl_ref"] - n_steps[1]["train/kl_ref"]) <= 1e-5 * n_steps[1]["train/kl_ref"]
+    assert_same_step(g_steps[1], n_steps[1], g_weights, one.get_weights()[0])
