@@ -2,12 +2,15 @@
 eager and with its static cache, against the memory roofline. Run through rollout_speed.py:
 
     python benchmarks/rollout_speed.py --device cuda --dtype bf16 [--rows 64 256] [--repeats 3] [--skip-hf]
-        [--model qwen3_0_6b | deepseek_v3_dense_4l]
+        [--model qwen3_0_6b | deepseek_v3_dense_4l | qwen3_30b_a3b_8l]
 
 Qwen3-0.6B shape (hidden 1024, 28 layers, 16 / 8 heads, head_dim 128, intermediate 3072, vocab
 151936, tied embeddings), or `--model deepseek_v3_dense_4l`: DeepSeek-V3 (conf/model/deepseek_v3.yaml)
 cut to its first 4 layers, all dense (MLA at V3's widths, 128 heads, latent 512 + rope 64: the
-absorbed MLA slot decode, from CUDA graphs; 4.2B parameters). Random weights, `--prompt-len` token
+absorbed MLA slot decode, from CUDA graphs; 4.2B parameters), or `--model qwen3_30b_a3b_8l`:
+Qwen3-30B-A3B (conf/model/qwen3_30b_a3b.yaml) cut to 8 of its 48 layers (hidden 2048, 32 / 4 heads,
+head_dim 128, 128 experts of width 768, top-8: the grouped expert kernels, from CUDA graphs; 5.6B
+parameters). Random weights, `--prompt-len` token
 prompts (default 128), exactly `--new-tokens` new tokens per row (default 256; stop ids emptied, HF's
 min_new_tokens), 8 samples per prompt, temperature 1. Sides, each warmed up once, then timed calls interleaved:
   native        slot decode with CUDA-graph decode steps (the engine's GPU default)
@@ -16,8 +19,10 @@ min_new_tokens), 8 samples per prompt, temperature 1. Sides, each warmed up once
   hf eager      AutoModelForCausalLM.generate, DynamicCache, SDPA
   hf static     generate(cache_implementation="static"), which compiles the decode step
 Roofline: one decode step must read every weight once (bf16; an untied input embedding only by
-the rows' tokens, so not counted) and, per row, the KV cache of the positions so far (MLA: the latent
-and rope key per position): tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW),
+the rows' tokens, so not counted; of a MoE layer's experts only those its rows chose: with uniform
+routing E (1 - (1 - k/E)^rows) of the E, e.g. 8 of 128 at 1 row, 126 at 64) and, per row, the KV cache
+of the positions so far (MLA: the latent and rope key per position):
+tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW),
 BW the device-to-device copy bandwidth measured here (bytes read + written over time).
 """
 
@@ -44,7 +49,10 @@ QWEN3_0_6B = ModelCfg(name="qwen3_0_6b", vocab_size=151936, hidden_size=1024, in
 DEEPSEEK_V3_DENSE_4L = OmegaConf.to_object(OmegaConf.merge(
     OmegaConf.structured(ModelCfg), OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "deepseek_v3.yaml"),
     dict(name="deepseek_v3_dense_4l", num_layers=4, mtp_layers=0, moe=dict(first_k_dense=4))))
-MODELS = {"qwen3_0_6b": QWEN3_0_6B, "deepseek_v3_dense_4l": DEEPSEEK_V3_DENSE_4L}
+QWEN3_30B_A3B_8L = OmegaConf.to_object(OmegaConf.merge(
+    OmegaConf.structured(ModelCfg), OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / "qwen3_30b_a3b.yaml"),
+    dict(name="qwen3_30b_a3b_8l", num_layers=8)))
+MODELS = {"qwen3_0_6b": QWEN3_0_6B, "deepseek_v3_dense_4l": DEEPSEEK_V3_DENSE_4L, "qwen3_30b_a3b_8l": QWEN3_30B_A3B_8L}
 SAMPLES = 8
 
 
@@ -108,6 +116,19 @@ class HFSide:
         return out[:, width:]
 
 
+def params_read(arch, rows: int) -> float:
+    """Weights one decode step of `rows` tokens reads. Tied: the embedding is read once, as lm_head;
+    untied, the input table only at the rows' tokens (not counted). MoE: of each layer's E experts
+    the distinct ones its rows chose, E (1 - (1 - k/E)^rows) in expectation under uniform routing."""
+    total, active = param_count(arch)
+    read = total - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
+    if arch.moe is None:
+        return read
+    e, k = arch.moe.num_experts, arch.moe.num_experts_per_tok
+    experts = (total - active) * e / (e - k)  # idle = (E - k) experts per MoE layer
+    return read - experts + experts * (1 - (1 - k / e) ** rows)
+
+
 def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: DType, skip_hf: bool,
             model: ModelCfg = QWEN3_0_6B) -> list[dict]:
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
@@ -116,9 +137,6 @@ def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int
     with tempfile.TemporaryDirectory() as work:
         ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
         arch = model.arch(model.vocab_size)
-        # Tied: the embedding is read once, as lm_head; untied, the input table only at the rows' tokens.
-        read = param_count(arch)[0] - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
-        weight_bytes = read * torch_dtype.itemsize
         kv_token = kv_bytes_per_token(arch, torch_dtype.itemsize)
         hf = None if skip_hf else HFSide(ckpt, torch_dtype)
         for rows in rows_list:
@@ -142,7 +160,7 @@ def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int
                 for name, fn in sides.items():
                     times[name].append(timed(fn))
             context = prompt_len + new_tokens / 2  # mean positions cached over the decode
-            step_bytes = weight_bytes + rows * context * kv_token
+            step_bytes = params_read(arch, rows) * torch_dtype.itemsize + rows * context * kv_token
             roofline = rows * bandwidth / step_bytes
             for name in sides:
                 warm = statistics.median(times[name])

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/rollout_speed.py [--threads 2] [--repeats 5] [--quick] [--checkpoint DIR]
     python benchmarks/rollout_speed.py --device cuda --dtype bf16     # the GPU cases: benchmarks/rollout_gpu.py
     python benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l --skip-hf   # MLA
+    python benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l --skip-hf   # MoE
 
 Both sides load one random checkpoint written by `random_checkpoint`, get the same arithmetic
 prompts and n samples per prompt, generate exactly the same number of new tokens per row at
@@ -230,7 +231,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="cuda cases: new tokens per row")
     parser.add_argument("--skip-hf", action="store_true", help="cuda cases: engine sides only")
     parser.add_argument("--model", default="qwen3_0_6b", choices=sorted(GPU_MODELS),
-                        help="cuda cases: the shape (deepseek_v3_dense_4l: MLA slot decode)")
+                        help="cuda cases: the shape (deepseek_v3_dense_4l: MLA slot decode; qwen3_30b_a3b_8l: MoE)")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()  # keep the output a clean table
     if args.device == "cuda":
