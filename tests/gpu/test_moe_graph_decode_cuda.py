@@ -33,9 +33,10 @@ PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
 
 def _case(moe: MoEConfig, hidden: int, rows: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    experts = Experts(moe.num_experts, hidden, moe.moe_intermediate_size).cuda()
+    with torch.device("meta"):  # made in `dtype` on the GPU: DeepSeek-V3's stack in fp32 would take 90 GB
+        experts = Experts(moe.num_experts, hidden, moe.moe_intermediate_size).to(dtype)
+    experts = experts.to_empty(device="cuda")
     experts.init_weights(gen)
-    experts.to(dtype)
     x = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
     logits = torch.randn(rows, moe.num_experts, device="cuda", generator=gen)
     bias = torch.randn(moe.num_experts, device="cuda", generator=gen) * 0.1 if moe.score_correction_bias else None
@@ -93,9 +94,10 @@ def checkpoint(tmp_path_factory):
     return str(random_checkpoint(SMALL_MOE, DEFAULT_ALPHABET, seed=0, out=tmp_path_factory.mktemp("ckpt") / "m"))
 
 
-def engines(checkpoint, dtype, **overrides):
+def engines(checkpoint, dtype, record_routing=False, **overrides):
     cfg = replace(RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4), **overrides)
-    build = lambda **kw: NativeEngine(checkpoint, replace(cfg, **kw), dtype, device="cuda", seed=0)  # noqa: E731
+    build = lambda **kw: NativeEngine(checkpoint, replace(cfg, **kw), dtype, device="cuda", seed=0,  # noqa: E731
+                                      record_routing=record_routing)
     return build(cuda_graphs=True), build(cuda_graphs=False), build(slot_decode=False)
 
 
