@@ -103,16 +103,18 @@ def block_layout(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     count = torch.searchsorted(sorted_experts, ids, right=True) - start
     padded = (count + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    # A pair's padded position: its expert's padded start plus its rank among that expert's pairs.
-    rank = torch.arange(flat.numel(), device=device) - start[sorted_experts]
-    position = padded_end[sorted_experts] - padded[sorted_experts] + rank
     blocks = max_blocks(flat.numel(), num_experts, block_m)
-    pairs = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=device)
-    pairs[position] = order.to(torch.int32)
-    # Block j starts at j * block_m; its expert is the first whose padded run ends after that.
-    block_start = torch.arange(blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    # Block j starts at j * block_m; its expert is the first whose padded run ends after that (E: none).
+    block_expert = torch.searchsorted(padded_end, torch.arange(blocks, device=device) * block_m, right=True)
+    used = block_expert < num_experts
+    # Every padded position gathers its pair: its rank in its expert's run picks the sorted pair, up to
+    # the expert's count. Gathers only (no scatter): deterministic kernels, no sort-based index_put.
+    expert = block_expert.clamp(max=num_experts - 1)[:, None].expand(blocks, block_m).reshape(-1)
+    rank = torch.arange(blocks * block_m, device=device) - (padded_end - padded)[expert]
+    real = used[:, None].expand(blocks, block_m).reshape(-1) & (rank >= 0) & (rank < count[expert])
+    source = (start[expert] + rank).clamp(0, flat.numel() - 1)
+    pairs = torch.where(real, order[source], -1).to(torch.int32)
+    block_expert = torch.where(used, block_expert, -1).to(torch.int32)
     return pairs, block_expert
 
 

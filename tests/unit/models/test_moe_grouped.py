@@ -49,19 +49,16 @@ def _choices(n, k, num_experts, kind, seed=0):
 
 
 # ------------------------------------------------------------------------------- block layout (torch)
-@parent_only
-@pytest.mark.parametrize("n,k,e,kind", [(1, 8, 128, "random"), (64, 8, 64, "random"), (64, 8, 128, "random"),
-                                        (5, 2, 8, "half"), (33, 1, 8, "same"), (7, 3, 6, "same"), (16, 4, 4, "random")])
-def test_block_layout_puts_every_pair_once_in_blocks_of_its_expert(n, k, e, kind):
-    experts = _choices(n, k, e, kind)
-    pairs, block_expert = mg.block_layout(experts, e, block_m=16)
-    blocks = mg.max_blocks(n * k, e, 16)
-    assert pairs.shape == (blocks * 16,) and block_expert.shape == (blocks,)
+def _check_layout(experts, e, block_m):
+    n, k = experts.shape
+    pairs, block_expert = mg.block_layout(experts, e, block_m=block_m)
+    blocks = mg.max_blocks(n * k, e, block_m)
+    assert pairs.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     assert pairs.dtype == block_expert.dtype == torch.int32
     flat = experts.reshape(-1)
     real = pairs[pairs >= 0].long()
     assert torch.equal(real.sort().values, torch.arange(n * k))  # every pair exactly once
-    by_block = pairs.view(blocks, 16).long()
+    by_block = pairs.view(blocks, block_m).long()
     used = block_expert >= 0
     # Used blocks first, experts ascending; each block holds its expert's pairs in (token, slot) order.
     assert used.long().diff().le(0).all() and block_expert[used].diff().ge(0).all()
@@ -72,8 +69,26 @@ def test_block_layout_puts_every_pair_once_in_blocks_of_its_expert(n, k, e, kind
             continue
         assert rows.numel() > 0 and (flat[rows] == block_expert[j]).all() and rows.diff().gt(0).all()
     counts = torch.bincount(flat, minlength=e)
-    assert used.sum() == (-(-counts // 16)).sum()  # runs padded to the block, no more
+    assert used.sum() == (-(-counts // block_m)).sum()  # runs padded to the block, no more
     assert set(block_expert[used].tolist()) == set(flat.tolist())  # experts nobody chose get no block
+
+
+@parent_only
+@pytest.mark.parametrize("n,k,e,kind", [(1, 8, 128, "random"), (64, 8, 64, "random"), (64, 8, 128, "random"),
+                                        (5, 2, 8, "half"), (33, 1, 8, "same"), (7, 3, 6, "same"), (16, 4, 4, "random")])
+def test_block_layout_puts_every_pair_once_in_blocks_of_its_expert(n, k, e, kind):
+    _check_layout(_choices(n, k, e, kind), e, 16)
+
+
+@parent_only
+def test_block_layout_on_random_shapes_and_block_sizes():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        e = int(torch.randint(1, 40, (1,), generator=g))
+        n, k = int(torch.randint(1, 50, (1,), generator=g)), int(torch.randint(1, e + 1, (1,), generator=g))
+        skew = torch.rand(e, generator=g) ** 4  # some experts popular, some never chosen
+        experts = (torch.rand(n, e, generator=g) * skew).topk(k, dim=-1).indices
+        _check_layout(experts, e, int(torch.tensor([1, 4, 16])[torch.randint(0, 3, (1,), generator=g)]))
 
 
 @parent_only
