@@ -188,8 +188,8 @@ class PrecisionCfg:
     int4_group_size: int = 128
     # Regexes (re.search on parameter names) of tensors never quantized; miles.precision's defaults.
     keep_high_precision: List[str] = field(
-        default_factory=lambda: ["embed_tokens", "lm_head", "norm", r"(^|\.)gate\.weight$", "shared_expert_gate",
-                                 r"^visual\.", "weights_proj"])
+        default_factory=lambda: ["embed_tokens", "lm_head", "norm", r"(^|\.)(gate|router)\.weight$",
+                                 "shared_expert_gate", "conv1d", r"^visual\.", "weights_proj"])
     keep_first_layers: int = 0
     keep_last_layers: int = 0
     # What the training forward multiplies: "master" (the fp32 master weights, autocast to train_dtype

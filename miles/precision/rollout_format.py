@@ -33,12 +33,13 @@ FP8_SCALE_SUFFIX = "_scale_inv"
 INT4_SUFFIXES = ("_packed", "_scale", "_shape")
 
 # Kept in high precision by default, as DeepSeek-V3 / SGLang FP8 checkpoints do: the embedding and the
-# output head (vocabulary-sized, sensitive, cheap to keep), every norm, MoE router gates (routing
-# decisions flip on small errors) and the shared-expert gate.
+# output head (vocabulary-sized, sensitive, cheap to keep), every norm, MoE routers (`gate`, Llama 4's
+# `router`: routing decisions flip on small errors, and Llama4MoE reads its router's weight directly),
+# the shared-expert gate and linear attention's depthwise `conv1d` kernels (not a GEMM: nothing to gain).
 # The vision tower (`visual.`: the released FP8 VLMs keep it in bf16) and the DSA indexer's head
 # weights (`weights_proj`, kept in high precision by DeepSeek-V3.2's FP8 release) are never quantized.
-DEFAULT_KEEP_PATTERNS = (r"embed_tokens", r"lm_head", r"norm", r"(^|\.)gate\.weight$", r"shared_expert_gate",
-                         r"^visual\.", r"weights_proj")
+DEFAULT_KEEP_PATTERNS = (r"embed_tokens", r"lm_head", r"norm", r"(^|\.)(gate|router)\.weight$", r"shared_expert_gate",
+                         r"conv1d", r"^visual\.", r"weights_proj")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -46,12 +46,15 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
 
 @pytest.mark.parametrize("model, recipe", [("+experiment=shape_count_vlm", "fp8"),
                                            ("+experiment=shape_count_vlm", "int4_qat"),
-                                           ("model=deepseek_v3_2_tiny", "int4_qat")])
+                                           ("model=deepseek_v3_2_tiny", "int4_qat"),
+                                           ("model=llama4_tiny", "int4_qat"),
+                                           ("model=qwen3_next_tiny", "fp8")])
 def test_recipes_keep_the_vision_tower_and_the_indexer_head_in_high_precision(tmp_path, monkeypatch, compose,
                                                                              model, recipe):
-    """A VLM's tower (`visual.`) and DSA's indexer head (`weights_proj`, which the indexer reads as a
-    plain weight) are in the recipes' keep list: both runs failed before (float8 through the tower's
-    RMSNorm; an INT4 weights_proj without `.weight`); the checked sync covers what the engines hold."""
+    """A VLM's tower (`visual.`), DSA's indexer head (`weights_proj`, which the indexer reads as a plain
+    weight), Llama 4's MoE `router` (read as a plain weight too) and linear attention's `conv1d` are in
+    the recipes' keep list: the first three runs failed before (float8 through the tower's RMSNorm; an
+    INT4 weights_proj / router without `.weight`); the checked sync covers what the engines hold."""
     monkeypatch.chdir(tmp_path)
     cfg = compose([model, f"precision={recipe}", "ray.enabled=false", "steps=2", "eval.interval=2",
                    "task.eval_size=8", "warm_start.enabled=false", "rollout.batch_size=2",
