@@ -42,23 +42,21 @@ def quantized_base(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]
     trainer holds in the rollout format, their bytes there), as miles/precision/qlora.py and
     miles/models/frozen_experts.py hold them: FP8
     one byte per weight + an fp32 scale per 128x128 block, INT4 two weights per byte + an fp32 scale
-    per group of the input dim."""
+    per group of the last dim (a projection's input; Llama 4's transposed experts: their output)."""
     key = (repr(arch), precision.train_quant, precision.int4_group_size, tuple(precision.keep_high_precision),
            precision.keep_first_layers, precision.keep_last_layers)
     if key not in _BASE_CACHE:
         from miles.models import CausalLM
+        from miles.models.frozen_experts import STACKED, quantized_stacks
         from miles.precision.recipe import Recipe
-
-        from miles.models.moe import Experts
 
         with torch.device("meta"):
             model = CausalLM(arch)
         recipe = Recipe.from_cfg(precision, arch.num_layers)
         shapes = [(1, *linear.weight.shape) for _, _, linear in recipe.quantized_linears(model)]
-        # Stacked experts, as miles/models/frozen_experts.py holds them: per expert, as a projection.
-        shapes += [getattr(m, t).shape for name, m in model.named_modules() if type(m) is Experts
-                   and all(recipe.quantizes(f"{name}.{t}", getattr(m, t)) for t in ("gate_up_proj", "down_proj"))
-                   for t in ("gate_up_proj", "down_proj")]
+        # Stacked experts (either layout), as miles/models/frozen_experts.py holds them: each expert as a
+        # projection over the stack's own last two dims (Llama 4's [E, in, out] too: the engine's payload).
+        shapes += [m.stacked_shape(t) for _, m in quantized_stacks(model, recipe) for t in STACKED]
         _BASE_CACHE[key] = (sum(e * n * k for e, n, k in shapes),
                             sum(e * _held_bytes(n, k, precision) for e, n, k in shapes))
     return _BASE_CACHE[key]

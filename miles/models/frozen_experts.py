@@ -1,22 +1,32 @@
 """QLoRA for stacked MoE experts: a LoRA run's frozen experts held in the rollout's quantized format.
 
-    quantize_frozen_experts(model, recipe)   # each quantized `Experts` -> FrozenQuantExperts, once
+    quantize_frozen_experts(model, recipe)   # each quantized expert stack -> its frozen holder, once
 
-Under LoRA the base never changes, so the experts' fp32 tensors ([E, 2I, H] and [E, H, I], most of a
-MoE model's weights) are quantized once, to the payload the engine is sent (`rollout_format`: FP8
-e4m3 codes + fp32 128x128 block scales per expert, or packed INT4 + fp32 group scales), and dropped.
-In the expert loop each expert's slice is dequantized on use, to the values `Recipe.forward` gives
-the fp32 masters without LoRA (`_fake_quant`: FP8 / INT4 round trip in the master dtype; FP8 w8a16:
-the compute dtype), so a fresh adapter keeps the recipe's log-probs bit for bit, and the gradient
-reaching the activations is the same product. The stack is never dequantized whole. A state dict
-shows the dense dequantized tensors (checkpoints and the merged export stay plain HF weights), and
-loading one checks it equals what is held (as `FrozenQuantLinear` does).
+Under LoRA the base never changes, so the experts' fp32 tensors (most of a MoE model's weights) are
+quantized once, to the payload the engine is sent (`rollout_format`: FP8 e4m3 codes + fp32 128x128
+block scales per expert, or packed INT4 + fp32 group scales), and dropped. In the expert loop each
+expert's slice is dequantized on use, to the values `Recipe.forward` gives the fp32 masters without
+LoRA (`_fake_quant`: FP8 / INT4 round trip in the master dtype; FP8 w8a16: the compute dtype), so a
+fresh adapter keeps the recipe's log-probs bit for bit, and the gradient reaching the activations is
+the same product. The stack is never dequantized whole. A state dict shows the dense dequantized
+tensors (checkpoints and the merged export stay plain HF weights), and loading one checks it equals
+what is held (as `FrozenQuantLinear` does).
+
+Two layouts, one holder (`FrozenStacks`): miles.models.moe.Experts ([E, 2I, H], [E, H, I]: F.linear)
+-> FrozenQuantExperts; Llama 4's transposed stacks (miles.models.llama4.Llama4Experts, [E, H, 2I] and
+[E, I, H]: x @ W_e) -> FrozenQuantLlama4Experts. The payload is the stack as it is stored, so it
+is quantized over its own last two dims, whichever is the input: rollout_format treats any 3-D
+tensor as [..., N, K] (FP8 blocks over the last two dims, INT4 groups along the last), and the
+engine rebuilds Llama 4's experts from exactly that. On Llama 4 the INT4 groups therefore run along
+the output dim (2I of gate_up_proj, H of down_proj), not the input's as in a projection: the held
+codes are the engine's, bit for bit, which is what the trainer has to multiply.
 """
 
 from __future__ import annotations
 
 import torch
 
+from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts
 from miles.precision.fp8 import dequantize_fp8_weight
 from miles.precision.int4 import dequantize_int4
@@ -26,13 +36,14 @@ from miles.precision.rollout_format import rollout_format
 STACKED = ("gate_up_proj", "down_proj")
 
 
-class FrozenQuantExperts(Experts):
-    """The trainer's stacked experts under QLoRA: quantized buffers `<tensor>` + `<tensor>_scale_inv`
-    (FP8) or `<tensor>_packed` + `<tensor>_scale` (INT4), no parameters."""
+class FrozenStacks:
+    """Mixin of the frozen holders: quantized buffers `<tensor>` + `<tensor>_scale_inv` (FP8) or
+    `<tensor>_packed` + `<tensor>_scale` (INT4), no parameters. Placed before the experts class, whose
+    forward reads each expert's slice through `expert_weight`."""
 
     held_quantized = True
 
-    def __init__(self, experts: Experts, recipe: Recipe):
+    def _hold(self, experts: torch.nn.Module, recipe: Recipe) -> None:
         torch.nn.Module.__init__(self)
         self.num_experts = experts.num_experts
         self.lora_hooks = experts.lora_hooks
@@ -54,17 +65,20 @@ class FrozenQuantExperts(Experts):
         return dequantize_int4(getattr(self, f"{name}_packed")[index], getattr(self, f"{name}_scale")[index], self.group,
                                k=self._shapes[name][-1], dtype=dtype)
 
+    def _code(self) -> torch.Tensor:
+        return getattr(self, "gate_up_proj" if self.quant == FP8 else "gate_up_proj_packed")
+
     def expert_weight(self, name: str, e: int) -> torch.Tensor:
         # Recipe._fake_quant's dtype: the master dtype, or for w8a16 the compute dtype (autocast's).
         dtype = self.dense_dtype
         if self.quant == FP8 and self.fp8_scheme == W8A16:
-            device = self.gate_up_proj.device.type
+            device = self._code().device.type
             if torch.is_autocast_enabled(device):
                 dtype = torch.get_autocast_dtype(device)
         return self._dequantize(name, e, dtype)
 
     def dequantized(self, name: str) -> torch.Tensor:
-        """The whole stacked tensor in the master dtype (state dicts, exports)."""
+        """The whole stacked tensor in the master dtype, as stored (state dicts, exports)."""
         return self._dequantize(name, slice(None), self.dense_dtype)
 
     def held_bytes(self) -> int:
@@ -87,12 +101,35 @@ class FrozenQuantExperts(Experts):
                                   "of another base?); a quantized base is never quantized again from a dense copy")
 
 
+class FrozenQuantExperts(FrozenStacks, Experts):
+    """miles.models.moe.Experts held quantized ([E, out, in] stacks)."""
+
+    def __init__(self, experts: Experts, recipe: Recipe):
+        self._hold(experts, recipe)
+
+
+class FrozenQuantLlama4Experts(FrozenStacks, Llama4Experts):
+    """Llama 4's transposed stacks held quantized ([E, in, out], multiplied as x @ W_e)."""
+
+    def __init__(self, experts: Llama4Experts, recipe: Recipe):
+        self._hold(experts, recipe)
+
+
+HOLDER = {Experts: FrozenQuantExperts, Llama4Experts: FrozenQuantLlama4Experts}
+
+
+def quantized_stacks(model: torch.nn.Module, recipe: Recipe) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each expert stack, either layout, whose tensors the recipe quantizes: the
+    experts the engine is sent quantized (works on a meta-device model: the planner's count)."""
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) in HOLDER and all(recipe.quantizes(f"{name}.{t}", getattr(m, t)) for t in STACKED)]
+
+
 def quantize_frozen_experts(model: torch.nn.Module, recipe: Recipe) -> None:
-    """Replace each `Experts` whose stacked tensors the recipe quantizes by its FrozenQuantExperts, in
-    place (the fp32 stacks freed as each is replaced); the experts the engine is sent quantized."""
-    found = [(name, m) for name, m in model.named_modules()
-             if type(m) is Experts and all(recipe.quantizes(f"{name}.{t}", getattr(m, t)) for t in STACKED)]
+    """Replace each expert stack the recipe quantizes by its frozen holder, in place (the fp32
+    stacks freed as each is replaced)."""
+    found = quantized_stacks(model, recipe)
     while found:
         name, experts = found.pop()
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, FrozenQuantExperts(experts, recipe))
+        setattr(model.get_submodule(parent_name), child, HOLDER[type(experts)](experts, recipe))

@@ -24,6 +24,7 @@ recorded to / replayed from ctx like every MoE block (layer -> experts [B, T, k]
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -111,7 +112,7 @@ class Llama4Experts(nn.Module):
     # LoRA (miles/models/lora.py) on these stacks: the x @ W layout, [E, in, out], which PEFT calls
     # transposed; its adapters are then applied as x @ B_e @ A_e (A [E, rank, out], B [E, in, rank]).
     is_transposed = True
-    held_quantized = False  # QLoRA holds only miles.models.moe.Experts quantized
+    held_quantized = False  # QLoRA's frozen holder (miles/models/frozen_experts.py) says True
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -125,6 +126,10 @@ class Llama4Experts(nn.Module):
     def stacked_shape(self, name: str) -> torch.Size:
         """The stacked tensor `name`'s shape as held, [E, in, out]."""
         return getattr(self, name).shape
+
+    def expert_weight(self, name: str, e: int) -> torch.Tensor:
+        """Expert e's [in, out] slice of the stacked tensor `name` (QLoRA's holder dequantizes it)."""
+        return getattr(self, name)[e]
 
     @torch.no_grad()
     def init_weights(self, gen: Optional[torch.Generator]) -> None:
@@ -147,13 +152,13 @@ class Llama4Experts(nn.Module):
             if c == 0:
                 continue
             h = xs[start:start + c]
-            gate_up = h @ self.gate_up_proj[e]
+            gate_up = h @ self.expert_weight("gate_up_proj", e)
             rows = tokens[start:start + c] if self.lora_hooks else None
             if "gate_up_proj" in self.lora_hooks:  # on the scaled input, as W_e + B_e A_e would see it
                 gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            out = act @ self.down_proj[e]
+            out = act @ self.expert_weight("down_proj", e)
             if "down_proj" in self.lora_hooks:
                 out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)
@@ -181,7 +186,7 @@ class Llama4MoE(nn.Module):
 
     def idle_params(self) -> int:
         """Routed-expert parameters a token does not use (E - k experts)."""
-        per_expert = self.experts.gate_up_proj[0].numel() + self.experts.down_proj[0].numel()
+        per_expert = sum(math.prod(self.experts.stacked_shape(name)[1:]) for name in ("gate_up_proj", "down_proj"))
         return (self.num_experts - self.top_k) * per_expert
 
     def forward(self, x: torch.Tensor, ctx: Optional[ForwardContext] = None) -> torch.Tensor:

@@ -12,9 +12,10 @@ buffers, and a replicated quantized base costs each rank the whole base (1 byte 
 QLoRA would hold more per rank than LoRA. As frozen parameters (requires_grad=False) the codes and
 their scales are sharded like any weight, all-gathered in their own dtypes around their unit's
 forward and backward (FSDP2 gathers mixed dtypes as bytes, and never casts a non-float tensor) and
-never reduced (no gradient). The gathered codes are what `FrozenQuantLinear` / `FrozenQuantExperts`
-read by name, so their forward, and its backward (which rebuilds the dense weight from the codes
-inside the unit's backward, where FSDP has gathered them again), run as in one process.
+never reduced (no gradient). The gathered codes are what `FrozenQuantLinear` / the expert holders
+(`FrozenStacks`: either layout, Llama 4's transposed one included) read by name, so their forward,
+and its backward (which rebuilds the dense weight from the codes inside the unit's backward, where
+FSDP has gathered them again), run as in one process.
 
 No mixed-precision casting (`NO_CAST`): an FP8 code is a float to FSDP2, which would round it to
 bf16 on the gather; and the recipe's kept tensors (embeddings, head, norms) are fp32 masters that
@@ -34,12 +35,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from miles.models.frozen_experts import FrozenQuantExperts
+from miles.models.frozen_experts import FrozenStacks
 from miles.precision.qlora import FrozenQuantLinear
 from miles.precision.recipe import NONE, Recipe
 
 NO_CAST = MixedPrecisionPolicy()
-HOLDERS = (FrozenQuantLinear, FrozenQuantExperts)
+HOLDERS = (FrozenQuantLinear, FrozenStacks)  # FrozenStacks: either expert layout
 
 
 def holds_quantized_base(model: nn.Module) -> bool:
