@@ -141,11 +141,12 @@ def adapter_problems(cfg: RunCfg) -> list[str]:
                         f"task.kind={cfg.task.kind.value} has no record fields: use a prompt file (task.kind=file, "
                         "task.train_file) whose records carry the field")
     if r.speculative.kind != "none":
-        problems.append("trainer.lora.adapters with rollout.speculative: the draft-and-verify decoders do not "
-                        "route rows to adapters yet: set rollout.speculative.kind=none")
-    if cfg.task.tools:
-        problems.append("trainer.lora.adapters with task.tools: multi-turn rollouts do not route turns to "
-                        "adapters yet: use a single adapter (trainer.lora.adapters=[]) or no tools")
+        # Multi-turn tools combine (each turn is routed as a prompt of its own); speculative decoding
+        # does not: its verify forwards would need each live row's adapter, compacted with the rows.
+        problems.append("trainer.lora.adapters with rollout.speculative: the draft-and-verify decoders "
+                        "(miles/rollout/spec_decode.py, spec_slots.py) run the policy's verify forwards without a "
+                        "per-row adapter route, so a row would be accepted under another adapter than the one "
+                        "its loss trains: set rollout.speculative.kind=none")
     if cfg.algo.advantage == "gae":
         problems.append("trainer.lora.adapters with algo.advantage=gae: the critic is one model for every "
                         "adapter: use a critic-free estimator (e.g. algo.advantage=grpo)")

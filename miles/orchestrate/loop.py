@@ -83,8 +83,10 @@ class LoopContext:
 def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: float | None = None,
              max_new_tokens: int | None = None) -> tuple[list[Sample], dict[str, float]]:
     """n samples per example (grouped), single- or multi-turn; with the multi-turn tool metrics."""
-    if ctx.multi_turn is not None:
-        return ctx.multi_turn.generate(ctx.engine, examples, n, temperature, max_new_tokens)
+    # Several LoRA adapters: the engine samples each prompt with its own (Sample.adapter says which).
+    routed = {"adapters": [ctx.adapters.of(e) for e in examples]} if ctx.adapters is not None else {}
+    if ctx.multi_turn is not None:  # every turn of a prompt's trajectories with its adapter
+        return ctx.multi_turn.generate(ctx.engine, examples, n, temperature, max_new_tokens, **routed)
     # A fleet of engines samples each prompt group from its own seed (drawn from the driver's
     # checkpointed RNG), so the samples do not depend on which engine ran which group.
     seeds = {"seeds": [random.getrandbits(62) for _ in examples]} if isinstance(ctx.engine, EngineFleet) else {}
@@ -92,8 +94,6 @@ def generate(ctx: LoopContext, examples: list[Example], n: int, temperature: flo
     if any(e.images for e in examples):  # a VLM: token ids with the image placeholders, and the pixels
         encoded = [ctx.fmt.encode(e) for e in examples]
         vision = {"prompt_ids": [ids for ids, _ in encoded], "images": [images for _, images in encoded]}
-    # Several LoRA adapters: the engine samples each prompt with its own (Sample.adapter says which).
-    routed = {"adapters": [ctx.adapters.of(e) for e in examples]} if ctx.adapters is not None else {}
     samples = ctx.engine.call("generate", [ctx.fmt(e) for e in examples], [e.label for e in examples], n,
                               temperature, max_new_tokens, **seeds, **vision, **routed)
     for s in samples:

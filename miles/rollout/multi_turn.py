@@ -47,6 +47,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     done: bool = False
+    adapter: Optional[int] = None  # several LoRA adapters: the prompt's, every turn's (Sample.adapter)
     routed_experts: Optional[torch.Tensor] = None  # R3: experts of the context's inputs so far
     selected_keys: Optional[torch.Tensor] = None  # R3 of DSA models: keys their indexers kept so far
 
@@ -102,21 +103,27 @@ class MultiTurn:
         return self.fmt.tok
 
     def generate(self, engine, examples: list[Example], n: int, temperature: float | None,
-                 max_new: int | None) -> tuple[list[Sample], dict[str, float]]:
-        """n trajectories per example, grouped like the engine's samples; with their tool metrics."""
+                 max_new: int | None, adapters: list[int] | None = None) -> tuple[list[Sample], dict[str, float]]:
+        """n trajectories per example, grouped like the engine's samples; with their tool metrics.
+        `adapters`: each example's LoRA adapter id (several adapters): every turn of its trajectories
+        is generated with it, and their samples carry it, so the trainer updates that adapter only."""
         max_new = max_new or self.max_new_tokens
+        routed = {} if adapters is None else {"adapters": adapters}
         first = engine.call("generate", [self.fmt(e) for e in examples], [e.label for e in examples], n,
-                            temperature, max_new)
+                            temperature, max_new, **routed)
         trajectories = [
-            Trajectory(examples[i // n], i // n, self.fmt.messages(examples[i // n]), s.prompt_ids)
+            Trajectory(examples[i // n], i // n, self.fmt.messages(examples[i // n]), s.prompt_ids,
+                       adapter=None if adapters is None else adapters[i // n])
             for i, s in enumerate(first)
         ]
         self._advance(trajectories, first, max_new)
         while live := [t for t in trajectories if not t.done]:
             for batch in self._batches(live, max_new):
                 budget = max(max_new - len(t.response_ids) for t in batch)
+                # Each later turn is a prompt of its own (its context): routed to its trajectory's adapter.
+                routed = {} if adapters is None else {"adapters": [t.adapter for t in batch]}
                 turn = engine.call("generate", [t.example.prompt for t in batch], [t.example.label for t in batch],
-                                   1, temperature, budget, prompt_ids=[t.context for t in batch])
+                                   1, temperature, budget, prompt_ids=[t.context for t in batch], **routed)
                 self._advance(batch, turn, max_new)
         samples = [self._sample(t) for t in trajectories]
         return samples, _metrics(trajectories)
@@ -178,7 +185,7 @@ class MultiTurn:
             prompt=t.example.prompt, label=t.example.label, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
             rollout_logprobs=t.logprobs, response=t.final_text, finish_reason=t.finish_reason, group=t.group,
             response_mask=t.mask, info={**t.example.fields, "trajectory": t.messages}, routed_experts=routed,
-            selected_keys=keys,
+            selected_keys=keys, adapter=t.adapter,
         )
 
 
