@@ -57,13 +57,13 @@ def test_every_turn_goes_to_its_prompts_adapter(chat_dir):  # noqa: F811
     assert engine.adapters[0] == [1, 0, 1]
     for k in (1, 2):  # each later call: one row per trajectory, its prompt's adapter
         contexts = engine.calls[k][0]
-        expected = [[1, 0, 1][next(i for i, e in enumerate(examples) if s_prompt_of(tok, ids) == e.prompt)]
+        expected = [[1, 0, 1][next(i for i, e in enumerate(examples) if user_turn(tok, ids) == e.prompt)]
                     for ids in contexts]
         assert engine.adapters[k] == expected and sorted(expected) == [0, 0, 1, 1, 1, 1]
     assert [s.adapter for s in samples] == [1, 1, 0, 0, 1, 1]
 
 
-def s_prompt_of(tok, ids):
+def user_turn(tok, ids):
     """The user turn of a context (the chat template's `<|user|>...<eos>`)."""
     text = tok.tokenizer.decode(ids, skip_special_tokens=False)
     return text.split("<|user|>")[1].split("<eos>")[0]
