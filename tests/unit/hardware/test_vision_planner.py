@@ -34,7 +34,8 @@ def test_tiny_tower_and_image_tokens_by_hand(compose):
 @pytest.mark.parametrize("frozen", [True, False])
 def test_train_side_counts_the_tower(compose, frozen):
     """bf16 (weights 2, fp32 gradients 4, AdamW + master 12 bytes), TP=2 on 8 GPUs: DP=4. The preset
-    packs its whole step, 64 sequences of 84 tokens, into one micro-batch: 64 images of 36 patches."""
+    packs its step's 128 sequences of 84 tokens into micro-batches of trainer.max_tokens_per_micro_batch
+    (8192) tokens: the largest holds 8192 // 84 = 97 sequences, 97 images of 36 patches."""
     cfg = compose(VLM + [f"trainer.freeze_vision={str(frozen).lower()}"])
     groups = param_groups(model_arch(cfg), cfg.precision)
     usage = train_usage(cfg, groups, TrainLayout(tp=2, pp=1, ep=1), gpus=8)
@@ -43,7 +44,7 @@ def test_train_side_counts_the_tower(compose, frozen):
     assert usage["weights"] == (decoder + tower) * 2
     assert usage["gradients"] == (decoder + trained) * 4
     assert usage["optimizer"] == (decoder + trained) * 12 / 4
-    patches = 64 * PATCHES
+    patches = 8192 // 84 * PATCHES
     blocks = 1 if frozen else 2  # frozen: no autograd record, one block's activations at a time
     # 34 bytes x ViT width per patch and block in bf16, over TP; + two bool masks and a bf16 bias, patches^2.
     assert usage["vision activations"] == blocks * patches * 32 * 34 / 2 + patches ** 2 * (2 + 2)
@@ -51,7 +52,7 @@ def test_train_side_counts_the_tower(compose, frozen):
 
 def test_rollout_side_counts_the_tower_and_the_eval_call(compose):
     """The engine holds the tower in bf16 and runs it once over a generate call's prompts: the
-    eval's 200 held-out images at once (more than the step's 8 prompts)."""
+    eval's 200 held-out images at once (more than the step's 16 prompts)."""
     cfg = compose(VLM)
     groups = param_groups(model_arch(cfg), cfg.precision)
     usage, kv_seqs, per_seq = rollout_usage(cfg, groups, gpus_per_engine=1, capacity=10e9)
