@@ -39,3 +39,32 @@ def full_forward_mismatch(samples, checkpoint: str, dtype) -> float:
         full = logp[start:start + len(s.response_ids)].gather(1, ids[0, start + 1:, None]).squeeze(1)
         diffs.append((full - torch.tensor(s.rollout_logprobs, device="cuda")).abs().mean().item())
     return sum(diffs) / len(diffs)
+
+
+# Slot-decode comparisons: 12 arithmetic prompts x 4 samples over 24 slots (refills and compaction).
+PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
+
+
+def slot_engines(checkpoint: str, dtype, engine_kwargs: dict | None = None, **overrides):
+    """(graphs, eager slots, padded) native engines on CUDA over one checkpoint: the slot decoder with
+    its steps captured in CUDA graphs, the same decoder stepping eagerly, and the padded path."""
+    from dataclasses import replace
+
+    from miles.config.schema import RolloutCfg
+    from miles.rollout.native import NativeEngine
+
+    cfg = replace(RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4), **overrides)
+
+    def build(**kw):
+        return NativeEngine(checkpoint, replace(cfg, **kw), dtype, device="cuda", seed=0, **(engine_kwargs or {}))
+
+    return build(cuda_graphs=True), build(cuda_graphs=False), build(slot_decode=False)
+
+
+def responses(engine, n=4, temperature=0.0):
+    return engine.generate(PROMPTS, ["?"] * len(PROMPTS), n=n, temperature=temperature)
+
+
+def max_lp_diff(a, b) -> float:
+    """Largest |log-prob difference| over two runs' samples, token by token."""
+    return max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs))

@@ -9,7 +9,6 @@ tests (tests/unit/rollout/test_mla_slot_decode.py) cover refills, stops, routing
 Skipped without a GPU.
 """
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models.config import MLAConfig, MoEConfig, RopeScalingConfig
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
+from gpu_runs import max_lp_diff, responses, slot_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DSV3_SHAPED = ModelCfg(
@@ -28,7 +28,6 @@ DSV3_SHAPED = ModelCfg(
     moe=MoEConfig(scoring="sigmoid", score_correction_bias=True, num_shared_experts=1, first_k_dense=4),
     rope_scaling=RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0,
                                    mscale_all_dim=1.0))
-PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +35,9 @@ def checkpoint(tmp_path_factory):
     return str(random_checkpoint(DSV3_SHAPED, DEFAULT_ALPHABET, seed=0, out=tmp_path_factory.mktemp("ckpt") / "m"))
 
 
-def engines(checkpoint, dtype, **overrides):
-    cfg = replace(RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4), **overrides)
-    build = lambda **kw: NativeEngine(checkpoint, replace(cfg, **kw), dtype, device="cuda", seed=0)  # noqa: E731
-    return build(cuda_graphs=True), build(cuda_graphs=False), build(slot_decode=False)
-
-
-def responses(engine, n=4, temperature=0.0):
-    return engine.generate(PROMPTS, ["?"] * len(PROMPTS), n=n, temperature=temperature)
-
-
-def max_lp_diff(a, b):
-    return max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs))
-
-
 @pytest.mark.parametrize("dtype", [DType.fp32, DType.bf16])
 def test_mla_graph_decode_equals_eager_slot_decode(checkpoint, dtype):
-    graphs, eager, _ = engines(checkpoint, dtype)
+    graphs, eager, _ = slot_engines(checkpoint, dtype)
     assert graphs.slots.captured and not eager.slots.captured
     a, b = responses(graphs), responses(eager)  # 48 samples over 24 slots: refills and compaction
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
@@ -60,7 +45,7 @@ def test_mla_graph_decode_equals_eager_slot_decode(checkpoint, dtype):
 
 
 def test_mla_slot_decode_matches_the_padded_engine_in_fp32(checkpoint):
-    graphs, _, padded = engines(checkpoint, DType.fp32)
+    graphs, _, padded = slot_engines(checkpoint, DType.fp32)
     a, b = responses(graphs), responses(padded)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert max_lp_diff(a, b) < 1e-4
@@ -70,7 +55,7 @@ def test_mla_graph_decode_logprobs_match_the_full_forward(checkpoint):
     from gpu_runs import full_forward_mismatch
 
     for dtype, tol in ((DType.fp32, 1e-4), (DType.bf16, 5e-2)):
-        graphs, _, _ = engines(checkpoint, dtype)
+        graphs, _, _ = slot_engines(checkpoint, dtype)
         mismatch = full_forward_mismatch(responses(graphs, n=2, temperature=1.0), checkpoint, graphs.dtype)
         assert mismatch < tol, (dtype, mismatch)
 

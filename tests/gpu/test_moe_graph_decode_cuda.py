@@ -6,19 +6,18 @@ The kernels' logic ran on the CPU through the Triton interpreter (tests/unit/mod
 Skipped without a GPU.
 """
 
-from dataclasses import replace
 
 import pytest
 import torch
 
-from miles.config.schema import DType, ModelCfg, RolloutCfg
+from miles.config.schema import DType, ModelCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import from_pretrained, moe_grouped
 from miles.models.config import MoEConfig
 from miles.models.moe import Experts, route
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.rollout.native import NativeEngine
 from miles.types import moe_layers, stack_routing
+from gpu_runs import max_lp_diff, responses, slot_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 QWEN3_30B_A3B = MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
@@ -28,7 +27,6 @@ DEEPSEEK_V3 = MoEConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate
 SMALL_MOE = ModelCfg(name="qwen3_moe_small", family="qwen3_moe", hidden_size=256, intermediate_size=768, num_layers=4,
                      num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=256,
                      moe=MoEConfig(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128))
-PROMPTS = [f"{a}+{b}=" for a, b in zip(range(10, 90, 7), range(33, 99, 5))]
 
 
 def _case(moe: MoEConfig, hidden: int, rows: int, dtype: torch.dtype, seed: int = 0):
@@ -95,18 +93,7 @@ def checkpoint(tmp_path_factory):
 
 
 def engines(checkpoint, dtype, record_routing=False, **overrides):
-    cfg = replace(RolloutCfg(max_new_tokens=24, max_prompt_len=16, max_running=24, sync_every=4), **overrides)
-    build = lambda **kw: NativeEngine(checkpoint, replace(cfg, **kw), dtype, device="cuda", seed=0,  # noqa: E731
-                                      record_routing=record_routing)
-    return build(cuda_graphs=True), build(cuda_graphs=False), build(slot_decode=False)
-
-
-def responses(engine, n=4, temperature=0.0):
-    return engine.generate(PROMPTS, ["?"] * len(PROMPTS), n=n, temperature=temperature)
-
-
-def max_lp_diff(a, b):
-    return max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs))
+    return slot_engines(checkpoint, dtype, {"record_routing": record_routing}, **overrides)
 
 
 @pytest.mark.parametrize("dtype", [DType.fp32, DType.bf16])
