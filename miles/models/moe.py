@@ -218,3 +218,13 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.view(b, t, h)
+
+
+def graph_capturable(model: nn.Module) -> bool:
+    """Whether the slot decoder may capture `model`'s (a CausalLM's) decode steps in CUDA graphs: every
+    MoE layer is a `MoE` block whose experts take the grouped kernels in slot steps (what
+    `moe_grouped.applies` will say on CUDA). Llama 4's experts, QLoRA's quantized holder and experts
+    with LoRA hooks keep the expert loop, which reads each expert's token count on the host."""
+    mlps = [layer.mlp for layer in model.layers]
+    return moe_grouped.available() and all(type(mlp) is MoE and moe_grouped.plain_experts(mlp.experts)
+                                           for mlp in mlps if hasattr(mlp, "experts"))

@@ -31,7 +31,8 @@ batch-invariant kernels (true on-policy keeps the trainer's expert loop). QLoRA'
 (`held_quantized`, miles/models/frozen_experts.py) and experts with LoRA hooks (`lora_hooks`) keep the
 eager loop: those hooks run per expert on its own tokens. The FP8 / INT4 engines hold their stacked
 experts dequantized in the engine's dtype (miles/precision/recipe.py), so they run here too.
-`capturable` is the same test made once for a model, before the engine captures its decode graphs.
+`miles.models.moe.graph_capturable` makes the same test once for a model, before the engine captures its
+decode graphs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 enabled = True
 
 
-def _plain(experts: nn.Module) -> bool:
+def available() -> bool:
+    """The kernels can run in this process (Triton present, switched on, no batch-invariant kernels)."""
+    return enabled and triton is not None and not invariance.active()
+
+
+def plain_experts(experts: nn.Module) -> bool:
     """Stacked dense tensors whose matmuls are the whole computation (no quantized holder, no hooks)."""
     return (not getattr(experts, "held_quantized", True) and not experts.lora_hooks
             and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
@@ -64,21 +70,8 @@ def _plain(experts: nn.Module) -> bool:
 
 def applies(experts: nn.Module, x: torch.Tensor, ctx) -> bool:
     """Whether this MoE call runs the grouped kernels (else `Experts.forward`'s loop)."""
-    return (enabled and triton is not None and x.is_cuda and getattr(ctx, "slot_decode", False) and _plain(experts)
-            and x.dtype == experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type)
-            and not invariance.active())
-
-
-def capturable(model: nn.Module) -> bool:
-    """Whether every MoE layer of `model` (a CausalLM) is a `MoE` block whose slot decode steps run
-    the grouped kernels, so that those steps have no host sync (what `applies` will say on CUDA;
-    Llama 4's experts, QLoRA's holder and hooked experts say no)."""
-    from miles.models.moe import MoE
-
-    mlps = [layer.mlp for layer in model.layers]
-    return (enabled and triton is not None and not invariance.active()
-            and all(_plain(mlp.experts) for mlp in mlps if type(mlp) is MoE)
-            and all(type(mlp) is MoE for mlp in mlps if hasattr(mlp, "experts")))
+    return (available() and x.is_cuda and getattr(ctx, "slot_decode", False) and plain_experts(experts)
+            and x.dtype == experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type))
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:

@@ -70,7 +70,8 @@ import torch
 
 from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.models import fused, fused_projections, from_pretrained, invariant, moe_grouped
+from miles.models import fused, fused_projections, from_pretrained, invariant
+from miles.models.moe import graph_capturable
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
@@ -255,7 +256,7 @@ class NativeEngine:
         QLoRA's quantized holder, Llama 4's experts; true on-policy's batch-invariant kernels), the
         steps run eagerly. A model whose moe block leaves every layer dense has no MoE layer."""
         return self.cfg.cuda_graphs and (not moe_layers(self.model.config)
-                                         or (not self.true_on_policy and moe_grouped.capturable(self.model)))
+                                         or (not self.true_on_policy and graph_capturable(self.model)))
 
     @property
     def _routes_adapters(self) -> bool:
