@@ -72,6 +72,22 @@ def assert_same_step(g_metrics, n_metrics, g_weights, n_weights):
     assert max(float((g_weights[k] - n_weights[k]).abs().max()) for k in n_weights) <= WEIGHT_TOL
 
 
+def one_step_both_ways(ckpt, cfg, precision, batch):
+    """One train_rl step of the 1-process trainer and of 2 FSDP ranks on `batch`: (the 1-process
+    trainer, its metrics and weights, the ranks' metrics, each rank's held bytes, their weights)."""
+    one = TorchTrainer(ckpt, ALGO, cfg, precision, threads=1)
+    n_metrics = one.train_rl(batch)
+    n_weights, _ = one.get_weights()
+    group = FSDPGroup(2, ckpt, ALGO, cfg, precision, threads=1)
+    try:
+        g_metrics = group.call("train_rl", batch)
+        rank_bytes = ray.get([r.apply.remote(LOCAL_BYTES) for r in group.ranks])
+        g_weights, _ = group.call("get_weights")
+    finally:
+        group.shutdown()
+    return one, n_metrics, n_weights, g_metrics, rank_bytes, g_weights
+
+
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
 def test_two_ranks_train_the_adapters_of_one_process(ckpt, batch, local_ray, quant, tmp_path):
     precision = fp32_compute(quant)
@@ -136,17 +152,8 @@ def test_moe_experts_held_quantized_and_adapted_on_two_ranks(moe_ckpt, local_ray
     batch = grpo_batch(moe_ckpt)
     cfg = replace(CFG, lora=LoRACfg(rank=4, alpha=8.0, target_modules=["q_proj", "experts"]))
     precision = fp32_compute("int4")
-    one = TorchTrainer(moe_ckpt, ALGO, cfg, precision, threads=1)
+    one, n_metrics, n_weights, g_metrics, rank_bytes, g_weights = one_step_both_ways(moe_ckpt, cfg, precision, batch)
     assert all(isinstance(layer.mlp.experts, FrozenQuantExperts) for layer in one.model.layers)
-    n_metrics = one.train_rl(batch)
-    n_weights, _ = one.get_weights()
-    group = FSDPGroup(2, moe_ckpt, ALGO, cfg, precision, threads=1)
-    try:
-        g_metrics = group.call("train_rl", batch)
-        rank_bytes = ray.get([r.apply.remote(LOCAL_BYTES) for r in group.ranks])
-        g_weights, _ = group.call("get_weights")
-    finally:
-        group.shutdown()
     assert_same_step(g_metrics, n_metrics, g_weights, n_weights)
     assert any(float(w.abs().max()) > 0 for k, w in n_weights.items() if ".experts." in k and "lora_B" in k)
     codes = {k: v for k, v in held_quantized(one).items() if ".experts." in k}

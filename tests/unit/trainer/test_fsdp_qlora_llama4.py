@@ -6,16 +6,13 @@ the adapters the 1-process QLoRA trainer trains on the same batch (test_fsdp_qlo
 from dataclasses import replace
 
 import pytest
-import ray
 from grpo_batches import grpo_batch
 
 from miles.config.schema import LoRACfg
 from miles.models.frozen_experts import FrozenQuantLlama4Experts
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.trainer.fsdp_group import FSDPGroup
-from miles.trainer.torch_trainer import TorchTrainer
 
-from test_fsdp_qlora import ALGO, CFG, LOCAL_BYTES, assert_same_step, fp32_compute, local_ray  # noqa: F401
+from test_fsdp_qlora import CFG, assert_same_step, fp32_compute, local_ray, one_step_both_ways  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -31,18 +28,10 @@ def test_llama4_experts_held_quantized_and_adapted_on_two_ranks(llama4_ckpt, loc
     batch = grpo_batch(llama4_ckpt)
     cfg = replace(CFG, lora=LoRACfg(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "experts"]))
     precision = fp32_compute(quant)
-    one = TorchTrainer(llama4_ckpt, ALGO, cfg, precision, threads=1)
+    one, n_metrics, n_weights, g_metrics, rank_bytes, g_weights = one_step_both_ways(llama4_ckpt, cfg, precision,
+                                                                                     batch)
     holders = {f"layers.{i}.mlp.experts": one.model.layers[i].mlp.experts for i in (1, 3)}
     assert all(isinstance(m, FrozenQuantLlama4Experts) for m in holders.values())
-    n_metrics = one.train_rl(batch)
-    n_weights, _ = one.get_weights()
-    group = FSDPGroup(2, llama4_ckpt, ALGO, cfg, precision, threads=1)
-    try:
-        g_metrics = group.call("train_rl", batch)
-        rank_bytes = ray.get([r.apply.remote(LOCAL_BYTES) for r in group.ranks])
-        g_weights, _ = group.call("get_weights")
-    finally:
-        group.shutdown()
     assert_same_step(g_metrics, n_metrics, g_weights, n_weights)
     assert any(float(w.abs().max()) > 0 for k, w in n_weights.items() if ".experts." in k and "lora_B" in k)
     codes = {f"{prefix}.{n}": b.numel() * b.element_size() for prefix, m in holders.items()
