@@ -82,7 +82,7 @@ def ray_connection():
 # process fails at once (_ray_init_guard).
 RAY_GROUP = "ray"
 _USES_RAY = re.compile(
-    r"ray_connection|\bimport ray\b|\bfrom ray\b|\bray\.|run_with|run_launch|LiveRun|launch\.py"
+    r"ray_connection|\blocal_ray\b|\bimport ray\b|\bfrom ray\b|\bray\.|run_with|run_launch|LiveRun|launch\.py"
     r"|WITH_AND_WITHOUT_RAY|orchestrate\.run\b|orchestrate import run\b|\blaunch import\b|start_ray"
 )
 # Files that match _USES_RAY but never start a Ray: every run they make is in-process
