@@ -32,11 +32,16 @@ MODES = {
 
 def run(mode: str, seed: int, steps: int, extra: list[str], tmp: Path) -> dict[int, dict]:
     run_dir = tmp / f"{re.sub(r'[^a-z]+', '_', mode)}_{seed}"
-    args = [f"steps={steps}", f"seed={seed}", "tracking.log_samples=0", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
-            f"hydra.run.dir={run_dir}", *MODES[mode], *extra]
+    return launch_metrics([f"steps={steps}", f"seed={seed}", *MODES[mode], *extra], run_dir)
+
+
+def launch_metrics(overrides: list[str], run_dir: Path) -> dict[int, dict]:
+    """`launch.py OVERRIDES` into run_dir (its MLflow store beside it); the run's metrics per step."""
+    args = ["tracking.log_samples=0", f"tracking.uri=sqlite:///{run_dir.parent}/mlflow.db",
+            f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} seed {seed} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+        raise RuntimeError(f"launch.py {' '.join(overrides)} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
     metrics: dict[int, dict] = {}
     for line in (run_dir / "mlflow" / "journal.jsonl").read_text().splitlines():
         entry = json.loads(line)

@@ -1,0 +1,50 @@
+"""What Ray actors cost a GRPO step on the CPU: the default experiment in-process and with Ray on, side
+by side (issue 28's target: the Ray step <= 1.15x the in-process step; docs/benchmarks.md).
+
+    .venv/bin/python benchmarks/ray_share.py --steps 23 --repeats 1
+
+Each mode runs `launch.py ray.enabled=<false|true> warm_start.enabled=false` (random init: the speed,
+not the learning) for the same steps and seed, modes alternating per repeat. Reported: medians of
+`perf/step_time_s`, `perf/rollout_time_s` and `perf/train_time_s` over the steps after the first
+three (warm-up), and what the step spends outside rollout and training (weight sync and the calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from async_rollout import launch_metrics
+
+TIMES = ("perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s")
+
+
+def medians(metrics: dict[int, dict]) -> dict[str, float]:
+    return {k: statistics.median(m[k] for s, m in metrics.items() if s > 3 and k in m) for k in TIMES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=23)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="more launch.py overrides, for both modes")
+    args = parser.parse_args()
+    base = [f"steps={args.steps}", "warm_start.enabled=false", f"eval.interval={args.steps + 1}", *args.overrides]
+    print("| repeat | mode | step s | rollout s | train s | rest s | x in-process |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            inprocess = None
+            for ray in ("false", "true"):
+                m = medians(launch_metrics([*base, f"ray.enabled={ray}"], Path(tmp) / f"ray_{ray}_{repeat}"))
+                step, rollout, train = (m[k] for k in TIMES)
+                inprocess = inprocess or step
+                mode = "Ray actors" if ray == "true" else "in-process"
+                print(f"| {repeat} | {mode} | {step:.3f} | {rollout:.3f} | {train:.3f} | {step - rollout - train:.3f} | "
+                      f"{step / inprocess:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
