@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,8 +40,9 @@ from miles.precision.recipe import NONE, Recipe
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron.arch import megatron_spec
+from miles.trainer.megatron.specs import decoder_block_spec
 from miles.trainer.megatron.weights import from_megatron, to_megatron
-from miles.trainer.packing import MicroBatch, plan_micro_batches
+from miles.trainer.packing import MicroBatch, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import TrainBatch
@@ -142,13 +142,12 @@ class MegatronTrainer(TorchTrainer):
     def _build(self, state: dict[str, torch.Tensor]):
         """A GPTModel of `self.arch` on this GPU holding `state` (Megatron names)."""
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         from megatron.core.transformer import TransformerConfig
 
         spec = megatron_spec(self.arch, self.bf16, self.cfg.recompute, max(self.cfg.tp, 1), max(self.cfg.ep, 1))
         kwargs = dict(spec.transformer, params_dtype=getattr(torch, spec.transformer["params_dtype"]))
         self.megatron_config = TransformerConfig(**kwargs, activation_func=F.silu, perform_initialization=False)
-        layers = get_gpt_decoder_block_spec(self.megatron_config, use_transformer_engine=self.te, **spec.layer_spec)
+        layers = decoder_block_spec(self.megatron_config, self.te, spec.layer_spec)
         model = GPTModel(self.megatron_config, layers, **spec.model).to(self.device)
         dtype = kwargs["params_dtype"]
         missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
@@ -180,9 +179,10 @@ class MegatronTrainer(TorchTrainer):
     def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
         # Padded rows: GPTModel's local attention takes no packed layout (TE's would need
         # PackedSeqParams); each sample from column 0 under the causal mask, its padding after it.
-        cfg = replace(self.cfg, pack_sequences=False)
-        return plan_micro_batches(batch, None, cfg, self.device,
-                                  torch.bfloat16 if self.bf16 else torch.float32)
+        if len(batch.images):
+            raise ValueError(f"trainer=megatron trains text models; the batch carries images ({self.arch.family}): "
+                             "use trainer=torch")
+        return [mb.to(self.device) for mb in padded_micro_batches(batch, self.cfg.micro_batch_size)]
 
     def _causal_mask(self, length: int) -> torch.Tensor:
         """[1, 1, L, L] bool, True above the diagonal (the positions a query must not see)."""
@@ -205,7 +205,7 @@ class MegatronTrainer(TorchTrainer):
         return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
 
     # ----------------------------------------------------------------------------- optimizer step
-    def _step(self, items: list[tuple], loss_fn) -> dict[str, torch.Tensor]:
+    def _step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
         """One optimizer step, as TorchTrainer's: a backward per item into Megatron's gradient
         buffers, then their reduction and the distributed optimizer's clipped step."""
         from megatron.core.distributed import finalize_model_grads
