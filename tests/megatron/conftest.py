@@ -16,9 +16,9 @@ import torch
 
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 collect_ignore_glob = [] if HAS_MEGATRON else ["test_*.py"]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the contract suite
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))  # the H200 tier's helpers
+if HAS_MEGATRON:
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent), str(here.parent / "gpu")]  # cuda_on_cpu, the contract suite, the H200 tier's helpers
 
 
 @pytest.fixture(scope="session", autouse=True)

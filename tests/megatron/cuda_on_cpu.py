@@ -33,6 +33,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # Megatron's dtype check
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
@@ -40,6 +42,14 @@ class _CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], _cpu(args[1]), *args[2:])
         return func(*args, **kwargs)
+
+
+class _Event:
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
 
 
 class _Stream:
@@ -55,7 +65,7 @@ class _Stream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _Event()
 
     def synchronize(self):
         pass

@@ -128,6 +128,7 @@ class MegatronTrainer(TorchTrainer):
         self.bf16 = precision.train_dtype == DType.bf16
         self.te = _has_transformer_engine()
         state = to_megatron(native.state_dict(), self.arch, te=self.te)
+        self._native_names = list(native.state_dict())  # get_weights' order: the native model's
         del native
         self.model = self._ddp(self._build(state))
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
@@ -225,8 +226,10 @@ class MegatronTrainer(TorchTrainer):
 
     # ----------------------------------------------------------------------------- weights, state
     def _policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors in native names (what the engines load), on this GPU."""
-        return from_megatron(self.model.module.state_dict(), self.arch, te=self.te)
+        """The policy's tensors in native names (what the engines load), on this GPU, in the native
+        model's order."""
+        state = from_megatron(self.model.module.state_dict(), self.arch, te=self.te)
+        return {name: state[name] for name in self._native_names}
 
     def save(self, path: str) -> None:
         """The policy as an HF-format dir."""
