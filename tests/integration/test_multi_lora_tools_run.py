@@ -1,4 +1,5 @@
-"""Two LoRA adapters with multi-turn tools in one run (trainer.lora.adapters + task.tools, in-process):
+"""Two LoRA adapters with multi-turn tools in one run (trainer.lora.adapters + task.tools; in-process,
+and with the engine and the trainer as Ray actors):
 a tiny chat model SFT-trained to call the calculator (as tests/unit/rollout/test_multi_turn.py trains
 it) is the run's checkpoint; its prompt file routes half the records to `add`, half to `mul`. The
 trajectories call the tool, every turn is generated with its prompt's adapter, each adapter logs its
@@ -19,7 +20,8 @@ from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.loop import sft_batch
 from miles.rollout.tools import build_toolbox
 from miles.trainer.torch_trainer import TorchTrainer
-from runs import journal_metrics, run_inprocess
+from ray_runs import WITH_AND_WITHOUT_RAY, run_with
+from runs import journal_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +60,15 @@ def tool_caller(tmp_path_factory):
     return out
 
 
-def test_two_adapters_with_tools_route_every_turn(tmp_path, monkeypatch, compose, tool_caller):
+@WITH_AND_WITHOUT_RAY
+def test_two_adapters_with_tools_route_every_turn(tmp_path, monkeypatch, compose, tool_caller, ray):
     monkeypatch.chdir(tmp_path)
     rng = random.Random(1)
     for split, count in (("train", 32), ("test", 8)):
         records = [{"prompt": f"{a}*{b}", "label": str(a * b), "adapter": ("add", "mul")[i % 2]}
                    for i, (a, b) in enumerate((rng.randint(10, 99), rng.randint(10, 99)) for _ in range(count))]
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    run_inprocess(compose, [
+    run_with(compose, [
         f"model.hf_checkpoint={tool_caller}", "warm_start.enabled=false", "precision=fp32", "steps=2",
         "task.name=tools", "task.kind=file", f"task.train_file={tmp_path / 'train.jsonl'}",
         f"task.eval_file={tmp_path / 'test.jsonl'}", "task.apply_chat_template=true", "task.tools=[calculator]",
@@ -73,7 +76,7 @@ def test_two_adapters_with_tools_route_every_turn(tmp_path, monkeypatch, compose
         "task.eval_size=8", "tracking.log_samples=0", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
         "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "algo.entropy_coef=0.01",
         "trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.lora.adapters=[add,mul]",
-        "trainer.lora.adapter_key=adapter"], tmp_path / "run")
+        "trainer.lora.adapter_key=adapter"], tmp_path / "run", ray)
     metrics = journal_metrics(tmp_path / "run")
     for step in (1, 2):
         m = metrics[step]
