@@ -147,7 +147,4 @@ def adapter_problems(cfg: RunCfg) -> list[str]:
                         "(miles/rollout/spec_decode.py, spec_slots.py) run the policy's verify forwards without a "
                         "per-row adapter route, so a row would be accepted under another adapter than the one "
                         "its loss trains: set rollout.speculative.kind=none")
-    if cfg.algo.advantage == "gae":
-        problems.append("trainer.lora.adapters with algo.advantage=gae: the critic is one model for every "
-                        "adapter: use a critic-free estimator (e.g. algo.advantage=grpo)")
     return problems

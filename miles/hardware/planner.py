@@ -198,6 +198,9 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
             usage[item] = usage.get(item, 0.0) + value
     if cfg.algo.kl_coef > 0:  # frozen reference policy (tower included), sharded like the weights
         usage["reference"] = (embed + dense + routed) * w + tower.get("weights", 0.0)
+    # The critic is a whole value model, fully trained under LoRA too (miles/trainer/critic.py): counted
+    # as the policy's full fine-tuning.
+    critic = usage["weights"] + usage["gradients"] + usage["optimizer"]
     if t.lora.rank > 0:  # LoRA: a frozen base in the training dtype; fp32 adapters with gradients and AdamW
         from miles.hardware.lora_footprint import lora_params, quantized_base
 
@@ -216,7 +219,8 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
         usage["gradients"] = adapters * 4
         usage["optimizer"] = 0.0 if layout.offload else adapters * 8
     if cfg.algo.name == getattr(AlgoName, "ppo", None):  # the critic: a second trained model
-        usage["critic"] = usage["weights"] + usage["gradients"] + usage["optimizer"]
+        # Several LoRA adapters: a critic each (miles.trainer.critic.Critics).
+        usage["critic"] = critic * (max(1, len(t.lora.adapters)) if t.lora.rank > 0 else 1)
     return usage
 
 

@@ -51,7 +51,7 @@ class LoopContext:
     on_samples: Callable[[list[Sample], int], None] = lambda samples, step: None
     task_name: str = "task"
     eval_max_new_tokens: int = 8
-    critic: Handle | None = None  # handle to a TorchCritic (algo.advantage=gae), else None
+    critic: Handle | None = None  # a TorchCritic (algo.advantage=gae; Critics with named adapters), else None
     # Set by miles.orchestrate.supervise (resume, checkpoints, signals) and miles.orchestrate.debug.
     start_step: int = 0  # the step a resumed run continues after (0: a fresh run, evaluated at step 0)
     after_step: Callable[[int], None] = lambda step: None  # after each step is logged

@@ -4,7 +4,8 @@
         model/       the trainer's policy, HF format (loadable with model.hf_checkpoint=...)
         trainer.pt   optimizer state, torch RNG of the trainer's process
         engine.pt    the engine's sampling generator, torch RNG of its process
-        critic.pt    PPO only: the value model's weights and optimizer state, torch RNG
+        critic.pt    PPO only: the value model's weights and optimizer state, torch RNG (with several
+                     LoRA adapters a critic each: critic-<adapter>.pt)
         driver.pt    Python / NumPy / torch RNG of the driver
         meta.json    step, data position (PromptSource.state), last eval, the run's flattened config;
                      written last
@@ -138,6 +139,10 @@ def save_component_state(component, path: str, name: str) -> None:
     (`draft` not None) adds its state, key "draft" (optimizer; a separate draft model's weights)."""
     from miles.models import CausalLM, save_pretrained
 
+    if hasattr(component, "parts"):  # a component per adapter (miles.trainer.critic.Critics): a file each
+        for key, part in component.parts.items():
+            save_component_state(part, path, f"{name}-{key}")
+        return
     if hasattr(component, "save_state"):  # a trainer (miles.trainer.protocol): model/ and its own files
         component.save_state(path)
         return
@@ -160,6 +165,10 @@ def save_component_state(component, path: str, name: str) -> None:
 def load_component_state(component, path: str, name: str) -> None:
     from miles.models import from_pretrained
 
+    if hasattr(component, "parts"):  # see save_component_state
+        for key, part in component.parts.items():
+            load_component_state(part, path, f"{name}-{key}")
+        return
     if hasattr(component, "load_state"):  # a trainer (see save_component_state)
         component.load_state(path)
         return

@@ -6,7 +6,9 @@ last token and need the critic's values; their advantages are whitened over the 
 returns become the critic's targets. With `algo.kl_in_reward` the trainer's per-token KL to the
 reference is charged to the reward instead of the loss: per token for GAE, summed over the response
 for sequence estimators (as REINFORCE-style methods do). Several LoRA adapters: a sequence estimator
-runs on each adapter's samples alone, so no batch statistic (REINFORCE++'s whitening) mixes them.
+runs on each adapter's samples alone, so no batch statistic (REINFORCE++'s whitening) mixes them;
+GAE takes each sample's values from its adapter's critic (miles.trainer.critic.Critics) and whitens
+each adapter's advantages on their own.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def make_train_batch(ctx, cfg, samples: list[Sample]) -> tuple[TrainBatch, dict[
         advantages, returns = get(TOKEN_ADVANTAGES, "advantage estimator", a.advantage)(
             token_rewards, values, mask, a.gamma, a.lam
         )
-        return replace(batch, advantages=masked_whiten(advantages, mask), values=values, returns=returns), metrics
+        return replace(batch, advantages=_whiten(advantages, mask, batch.adapter_ids), values=values,
+                       returns=returns), metrics
 
     if kl is not None:
         rewards = rewards - a.kl_coef * kl.sum(-1)
@@ -56,3 +59,14 @@ def make_train_batch(ctx, cfg, samples: list[Sample]) -> tuple[TrainBatch, dict[
     else:
         advantages = estimator(rewards, groups, norm_by_std=a.norm_adv_by_std)
     return replace(batch, advantages=advantages.unsqueeze(1) * mask), metrics
+
+
+def _whiten(advantages: torch.Tensor, mask: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
+    """GAE's batch whitening; with several adapters over each adapter's samples alone."""
+    if not len(adapter_ids):
+        return masked_whiten(advantages, mask)
+    out = torch.zeros_like(advantages)
+    for adapter in adapter_ids.unique().tolist():
+        rows = (adapter_ids == adapter).nonzero().squeeze(1)
+        out[rows] = masked_whiten(advantages[rows], mask[rows])
+    return out

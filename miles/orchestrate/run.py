@@ -152,9 +152,10 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 
 def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, draft_dir: Path | None = None):
     """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
-    or in-process objects; the critic is None when the advantages need none."""
+    or in-process objects; the critic is None when the advantages need none, a `Critics` (one value
+    model per adapter, one actor) with named LoRA adapters."""
     from miles.rollout.router import EngineFleet
-    from miles.trainer.critic import TorchCritic
+    from miles.trainer.critic import Critics, TorchCritic
 
     use_ray, hw = cfg.ray.enabled, cfg.hardware
     with_critic = cfg.algo.advantage in TOKEN_ADVANTAGES
@@ -196,8 +197,12 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
         engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
     critic = None
     if with_critic:
-        critic = spawn(TorchCritic, use_ray, str(init_dir), cfg.critic, cfg.trainer, cfg.precision,
-                       cfg.algo.num_steps_per_rollout, hw.device, hw.cpu_threads, cfg.seed, num_gpus=gpu)
+        critic_args = (str(init_dir), cfg.critic, cfg.trainer, cfg.precision, cfg.algo.num_steps_per_rollout,
+                       hw.device, hw.cpu_threads, cfg.seed)
+        # Several LoRA adapters: a critic each, as separate policies would have, in one component.
+        adapters = list(cfg.trainer.lora.adapters) if cfg.trainer.lora.rank > 0 else []
+        critic = spawn(Critics, use_ray, adapters, *critic_args, num_gpus=gpu) if adapters else \
+            spawn(TorchCritic, use_ray, *critic_args, num_gpus=gpu)
     return engine, trainer, critic
 
 

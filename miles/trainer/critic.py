@@ -6,6 +6,10 @@ linear head on the final hidden states, the way verl and OpenRLHF build theirs. 
 scores a rollout batch before any update (GAE needs them); `train(batch)` fits `batch.returns`,
 clipping around `batch.values`. Plain class, like the trainer: `miles.orchestrate` spawns it as a
 Ray actor or calls it in-process.
+
+With several LoRA adapters (`trainer.lora.adapters`) `Critics` holds one TorchCritic per adapter, as
+separate policies would have, behind the same `values` / `train` calls: each sample is scored and
+fitted by its own adapter's critic (routed by `TrainBatch.adapter_ids`).
 """
 
 from __future__ import annotations
@@ -117,7 +121,53 @@ class TorchCritic:
                 self.optimizer.step()
                 sums["grad_norm"] += grad_norm / steps
         metrics = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
-        mask = batch.loss_mask
-        metrics["value_mean"] = float(masked_sum(batch.values, mask) / mask.sum().clamp(min=1))
-        metrics["explained_var"] = float(explained_variance(batch.values, batch.returns, mask))
-        return {f"critic/{k}": v for k, v in metrics.items()}
+        return {**{f"critic/{k}": v for k, v in metrics.items()}, **judged_values(batch)}
+
+
+def judged_values(batch: TrainBatch) -> dict[str, float]:
+    """How good the values GAE used were (`batch.values`, before this step's update)."""
+    mask = batch.loss_mask
+    return {"critic/value_mean": float(masked_sum(batch.values, mask) / mask.sum().clamp(min=1)),
+            "critic/explained_var": float(explained_variance(batch.values, batch.returns, mask))}
+
+
+class Critics:
+    """One TorchCritic per named LoRA adapter (`parts`, by name, in the adapters' order). A step's
+    samples are routed by `batch.adapter_ids` (the adapter's number); a critic with no sample in the
+    batch is not called, so its weights and optimizer state stay as they were. Checkpoints keep a
+    file per part (miles/orchestrate/resume.py)."""
+
+    def __init__(self, adapters: list[str], *args, **kwargs):
+        """`args` / `kwargs`: TorchCritic's, the same for every adapter's critic."""
+        self.names = list(adapters)
+        self.parts = {name: TorchCritic(*args, **kwargs) for name in self.names}
+
+    def _routes(self, batch: TrainBatch) -> list[tuple[str, torch.Tensor]]:
+        """(adapter name, its rows of `batch`) for each adapter present."""
+        if len(batch.adapter_ids) != len(batch):
+            raise ValueError(f"a critic per adapter ({self.names}): the batch does not name each sample's "
+                             "adapter (TrainBatch.adapter_ids, from Sample.adapter)")
+        return [(self.names[k], (batch.adapter_ids == k).nonzero().squeeze(1))
+                for k in sorted(set(batch.adapter_ids.tolist()))]
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        values = torch.zeros(batch.loss_mask.shape)
+        for name, rows in self._routes(batch):
+            values[rows] = self.parts[name].values(select(batch, rows))
+        return values
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """Each present adapter's critic trains on its own samples. Metrics: `critic/<m>/<adapter>`,
+        and `critic/<m>` the adapters' values weighted by their loss tokens, except `value_mean` and
+        `explained_var`, which judge the whole batch's values (each sample's from its own critic)."""
+        metrics: dict[str, float] = {}
+        tokens: dict[str, float] = {}
+        for name, rows in self._routes(batch):
+            for key, v in self.parts[name].train(select(batch, rows)).items():
+                metrics[f"{key}/{name}"] = v
+            tokens[name] = float(batch.loss_mask[rows].sum())
+        total = sum(tokens.values()) or 1.0
+        for key in {k.rsplit("/", 1)[0] for k in metrics}:
+            metrics[key] = sum(metrics[f"{key}/{name}"] * n for name, n in tokens.items()) / total
+        return {**metrics, **judged_values(batch)}

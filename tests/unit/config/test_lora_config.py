@@ -27,6 +27,9 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     assert _lora(validate(compose(["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[add,mul]",
                                    "trainer.lora.adapter_key=adapter", "trainer=fsdp"]))) == []
     assert validate(compose(["trainer.lora.rank=16", "trainer.lora.adapters=[only]"])) == []
+    # PPO: a critic per adapter (miles.trainer.critic.Critics).
+    assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
+                             "trainer.lora.adapter_key=adapter", "algo=ppo"])) == []
     for engine in ("vllm", "sglang"):  # several adapters in one batch on the external engines too
         assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
                                  "trainer.lora.adapter_key=adapter", f"rollout={engine}"])) == []
@@ -61,8 +64,6 @@ def test_off_by_default_and_a_lora_run_validates(compose):
      "task.kind=arithmetic has no record fields: use a prompt file"),
     (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k",
       "rollout.speculative.kind=mtp"], "set rollout.speculative.kind=none"),
-    (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k", "algo=ppo"],
-     "the critic is one model for every adapter"),
 ])
 def test_what_does_not_combine_is_named(compose, overrides, needle):
     problems = _lora(validate(compose(overrides)))
