@@ -168,6 +168,6 @@ class Critics:
                 metrics[f"{key}/{name}"] = v
             tokens[name] = float(batch.loss_mask[rows].sum())
         total = sum(tokens.values()) or 1.0
-        for key in {k.rsplit("/", 1)[0] for k in metrics}:
+        for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in metrics):  # in the parts' order
             metrics[key] = sum(metrics[f"{key}/{name}"] * n for name, n in tokens.items()) / total
         return {**metrics, **judged_values(batch)}

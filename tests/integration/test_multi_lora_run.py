@@ -1,8 +1,9 @@
 """Two LoRA adapters in one run (trainer.lora.adapters; in-process, the shipped two-task prompt file
 whose records name their adapter): every step logs each adapter's reward and sample count and the
 trainer's per-adapter metrics; a run stopped after 2 steps and resumed to 3 logs what a straight
-3-step run logs and ends with the same adapters, bit for bit. A record that names no adapter of the
-run stops launch.py before anything starts (exit 2), naming the file, the record and the adapters."""
+3-step run logs and ends with the same adapters, bit for bit; PPO trains a critic per adapter and
+resumes them. A record that names no adapter of the run stops launch.py before anything starts
+(exit 2), naming the file, the record and the adapters."""
 
 import pytest
 
@@ -42,6 +43,33 @@ def test_two_adapters_log_their_own_metrics_and_resume_exactly(tmp_path, monkeyp
     for name in ("model.safetensors", *(f"adapter/{a}/adapter_model.safetensors" for a in ("add", "mul"))):
         straight_file, resumed_file = (tmp_path / run / "checkpoint" / name for run in ("straight", "second"))
         assert file_digest(resumed_file) == file_digest(straight_file)
+
+
+def test_ppo_trains_a_critic_per_adapter_and_resumes_them(tmp_path, monkeypatch, compose):
+    monkeypatch.chdir(tmp_path)
+    # The overlong penalty gives the random policy's long responses nonzero rewards: the critics learn.
+    ppo = [*TINY, *TWO, "algo=ppo", "algo.overlong_buffer=4"]
+    run_inprocess(compose, [*ppo, "steps=2"], tmp_path / "straight")
+    ckpt = tmp_path / "ckpt"
+    run_inprocess(compose, [*ppo, "steps=1", f"checkpoint.dir={ckpt}"], tmp_path / "first")
+    assert sorted(p.name for p in (ckpt / "step_000001").glob("critic*")) == ["critic-add.pt", "critic-mul.pt"]
+    run_inprocess(compose, [*ppo, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "second")
+
+    straight = without_timing(journal_metrics(tmp_path / "straight"))
+    assert straight[1]["train/ppo_kl"] == 0.0  # the first update's ratios are against the same weights
+    for step in (1, 2):
+        m = straight[step]
+        print(step, {k: v for k, v in m.items() if k.startswith(("critic/", "train/ppo_kl", "rollout/samples/"))})
+        present = [name for name in ("add", "mul") if m.get(f"rollout/samples/{name}", 0.0)]
+        for name in present:
+            for key in ("value_loss", "grad_norm", "vf_clipfrac", "value_mean", "explained_var"):
+                assert f"critic/{key}/{name}" in m, (step, name, key)
+            assert f"train/ppo_kl/{name}" in m
+        for name in {"add", "mul"} - set(present):  # an adapter without samples in the step: its critic untouched
+            assert f"critic/value_loss/{name}" not in m
+        assert m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0
+    second = without_timing(journal_metrics(tmp_path / "second"))
+    assert second[2] == straight[2]
 
 
 def test_a_record_without_a_known_adapter_exits_2(tmp_path):
