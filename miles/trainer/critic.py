@@ -96,9 +96,10 @@ class TorchCritic:
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """`critic.updates_per_step` passes over the batch, each split into `num_steps_per_rollout`
-        optimizer steps like the policy's. Metrics are means over the optimizer steps, except
+        optimizer steps like the policy's (at most one a sample: an adapter's share of a batch,
+        `Critics`, can be smaller). Metrics are means over the optimizer steps, except
         `value_mean` and `explained_var`, which judge the values GAE used (before this update)."""
-        n_steps = self.num_steps_per_rollout
+        n_steps = min(self.num_steps_per_rollout, len(batch))
         bounds = [round(s * len(batch) / n_steps) for s in range(n_steps + 1)]
         plans = [self._plan(batch.slice(bounds[s], bounds[s + 1])) for s in range(n_steps)]
         dev = batch_to(batch, self.device)

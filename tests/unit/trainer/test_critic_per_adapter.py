@@ -80,6 +80,13 @@ def test_a_critic_without_samples_is_left_as_it_was(ckpt, batch):
     assert not any(k.endswith("/b") for k in metrics) and "critic/value_loss/a" in metrics
 
 
+def test_an_adapter_with_fewer_samples_than_optimizer_steps(ckpt, batch):
+    """algo.num_steps_per_rollout=2 and one "b" sample in the step: "b"'s critic takes one step."""
+    critics = Critics(["a", "b"], *args(ckpt), num_steps_per_rollout=2)
+    critics.train(select(batch, torch.tensor([0, 1, 3, 4, 5])))  # a, b, a, a, a
+    assert [{int(v["step"]) for v in critics.parts[n].optimizer.state.values()} for n in "ab"] == [{2}, {1}]
+
+
 def test_values_come_from_each_samples_critic(ckpt, batch):
     critics = Critics(["a", "b"], *args(ckpt, lr=5e-2))
     critics.train(select(batch, rows(1)))  # "b" learns returns 1; "a" still predicts 0
