@@ -87,6 +87,16 @@ class FlatWeights:
             owned[name].data = view
         return flat
 
+    @classmethod
+    def refill(cls, flat: "FlatWeights | None", tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: torch.device | str) -> "FlatWeights":
+        """`tensors` cast into `flat`, or into a new buffer laid out for them when `flat` is None: a
+        trainer's in-process weight sync keeps one buffer across syncs (and across steps)."""
+        if flat is None:
+            flat = cls.like(FlatLayout.of(tensors, dtype), device)
+        flat.fill_from(tensors)
+        return flat
+
     def views(self) -> dict[str, torch.Tensor]:
         lay = self.layout
         return {name: self.buffer[off: off + _prod(shape)].view(shape)

@@ -1,4 +1,5 @@
-"""The RL trainer on Megatron-core: the policy is a megatron `GPTModel`, everything else is TorchTrainer's.
+"""The RL trainer on Megatron-core: the policy is a megatron `GPTModel`; the RL update is the one every
+trainer holds (miles/trainer/rl_update.py), over this backend's plan / forward / step.
 
     trainer = MegatronTrainer(checkpoint_dir, algo, trainer_cfg, precision, device="cuda")
     metrics = trainer.train_rl(batch)        # the same losses, corrections, metrics as TorchTrainer
@@ -42,9 +43,12 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.specs import decoder_block_spec
 from miles.trainer.megatron.weights import from_megatron, to_megatron
+from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
-from miles.trainer.torch_trainer import TorchTrainer
+from miles.trainer.rl_update import RLUpdate
+from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
+from miles.transport.flat import FlatWeights
 from miles.types import TrainBatch
 
 
@@ -79,7 +83,12 @@ def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-class MegatronTrainer(TorchTrainer):
+class MegatronTrainer:
+    # What the RL update reads of its backend (rl_update.PolicyBackend) and this one does not have.
+    teacher = None
+    lora = None
+    draft = None
+
     def __init__(
         self,
         checkpoint_dir: str,
@@ -98,9 +107,9 @@ class MegatronTrainer(TorchTrainer):
         speculative: SpeculativeCfg | None = None,
         draft_dir: str | None = None,
     ):
-        """TorchTrainer's arguments; refused here (validation refuses them first): a teacher, true
-        on-policy, fake-quantizing or quantized-rollout recipes, MoE routing replay, an online-trained
-        speculative draft, a CPU device."""
+        """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
+        them first): a teacher, true on-policy, fake-quantizing or quantized-rollout recipes, MoE
+        routing replay, an online-trained speculative draft, a CPU device."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
@@ -113,7 +122,7 @@ class MegatronTrainer(TorchTrainer):
         torch.manual_seed(seed)
         self.algo, self.cfg, self.precision = algo, cfg, precision
         self.parallel = SingleProcess()  # one process: Megatron's own groups are all of size 1
-        self.true_on_policy, self.max_response_len = False, max_response_len
+        self.max_response_len = max_response_len
         self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(device)
@@ -132,12 +141,11 @@ class MegatronTrainer(TorchTrainer):
         del native
         self.model = self._ddp(self._build(state))
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
-        self.teacher = None
-        self.routing_layers, self.key_layers = [], []
+        self.routing_layers, self.key_layers = [], []  # routing replay is refused (rules.py)
         self.optimizer = self._megatron_optimizer()
-        self._flat_sync = None
-        self.offloaded: set[str] = set()
+        self._flat_sync: FlatWeights | None = None
         self._masks: dict[int, torch.Tensor] = {}
+        self.update = RLUpdate(self)
 
     # ----------------------------------------------------------------------------- building
     def _build(self, state: dict[str, torch.Tensor]):
@@ -177,7 +185,7 @@ class MegatronTrainer(TorchTrainer):
         return get_megatron_optimizer(config, [self.model])
 
     # ----------------------------------------------------------------------------- forward
-    def _plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
+    def plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
         # Padded rows: GPTModel's local attention takes no packed layout (TE's would need
         # PackedSeqParams); each sample from column 0 under the causal mask, its padding after it.
         if len(batch.images):
@@ -192,7 +200,7 @@ class MegatronTrainer(TorchTrainer):
             self._masks[length] = torch.triu(ones, diagonal=1)[None, None]
         return self._masks[length]
 
-    def _forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
+    def forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
                  record: dict | None = None):
         """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1]: GPTModel to the final
         hidden states, then the chunked LM head at the loss positions (as TorchTrainer's forward)."""
@@ -206,8 +214,8 @@ class MegatronTrainer(TorchTrainer):
         return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
 
     # ----------------------------------------------------------------------------- optimizer step
-    def _step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
-        """One optimizer step, as TorchTrainer's: a backward per item into Megatron's gradient
+    def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step (`adapters`: LoRA is refused here), as TorchTrainer's: a backward per item into Megatron's gradient
         buffers, then their reduction and the distributed optimizer's clipped step."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -224,7 +232,41 @@ class MegatronTrainer(TorchTrainer):
         sums["grad_norm"] = torch.as_tensor(grad_norm, device=self.device, dtype=torch.float32)
         return sums
 
+    # ----------------------------------------------------------------------------- the RL update (rl_update.py)
+    def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        return self.update.train_rl(batch)
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        return self.update.train_sft(batch)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.update.logprobs(batch)
+
+    @torch.no_grad()
+    def kl_to_ref(self, batch: TrainBatch) -> torch.Tensor:
+        return self.update.kl_to_ref(batch)
+
     # ----------------------------------------------------------------------------- weights, state
+    def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor] | FlatWeights, str]:
+        """The policy in precision.rollout_dtype under the native names with its checksum; `in_process`:
+        as a FlatWeights on this device (one buffer kept across syncs), checked there."""
+        state = self._policy_state()
+        if in_process:
+            self._flat_sync = FlatWeights.refill(self._flat_sync, state, TORCH_DTYPES[self.precision.rollout_dtype],
+                                                 self.device)
+            return self._flat_sync, self._flat_sync.checksum()
+        weights = to_dtype(state, self.precision.rollout_dtype)
+        return weights, checksum(weights)
+
+    def get_draft_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+        raise ValueError("get_draft_weights: trainer=megatron trains no speculative draft "
+                         "(rollout.speculative.train_online=true needs trainer=torch)")
+
+    def save_draft(self, path: str) -> None:
+        raise ValueError("save_draft: trainer=megatron trains no speculative draft "
+                         "(rollout.speculative.train_online=true needs trainer=torch)")
+
     def _policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's tensors in native names (what the engines load), on this GPU, in the native
         model's order."""
@@ -276,6 +318,10 @@ class MegatronTrainer(TorchTrainer):
                                   "set trainer.offload=false")
 
     onload = offload
+
+    def offload_bytes(self) -> dict[str, int]:
+        """Nothing offloads here (offload is refused): 0 per tag."""
+        return {tag: 0 for tag in off.TRAINER_TAGS}
 
 
 @functools.cache

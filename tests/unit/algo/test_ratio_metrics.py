@@ -8,7 +8,7 @@ import torch
 
 from miles.algo.corrections import ratio_stats
 from miles.config.schema import AlgoCfg, AlgoName
-from miles.trainer.torch_trainer import TorchTrainer
+from miles.trainer.rl_update import RLUpdate
 from miles.types import TrainBatch
 
 
@@ -52,7 +52,7 @@ def _correct(tis: str = "none", mis: str = "none", mis_low: float = 0.6, mis_hig
                        advantages=torch.ones_like(mask), rollout_logprobs=rollout)
     algo = AlgoCfg(name=AlgoName.grpo, tis=tis, tis_clip=3.0, mis=mis, mis_low=mis_low, mis_high=mis_high)
     trainer = SimpleNamespace(algo=algo, device=torch.device("cpu"))
-    return TorchTrainer._correct(trainer, batch, old)
+    return RLUpdate(trainer)._correct(batch, old)
 
 
 def test_correct_logs_ratio_stats_with_or_without_a_correction():

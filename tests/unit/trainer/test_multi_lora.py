@@ -74,8 +74,8 @@ def test_an_adapter_without_samples_is_left_as_it_is(ckpt, mixed):
     only_add = replace(mixed, adapter_ids=torch.zeros(16, dtype=torch.long))
     # The loss of "add"'s rows gives "mul" an exactly zero gradient (its rows route through it alone).
     two.optimizer.zero_grad()
-    plan = two._plan(only_add, two.model)
-    sum(two._forward(two.model, mb)[0].sum() for mb in plan).backward()
+    plan = two.plan(only_add, two.model)
+    sum(two.forward(two.model, mb)[0].sum() for mb in plan).backward()
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in two.lora.adapter_parameters(0))
     assert all(p.grad is None or not p.grad.any() for p in two.lora.adapter_parameters(1))
     m = two.train_rl(only_add)

@@ -182,7 +182,7 @@ def test_merged_export_is_the_dequantized_base_plus_the_adapter(ckpt, batch, tmp
 def test_kl_reference_is_the_quantized_base(ckpt, batch):
     t = trainer(ckpt, recipe("fp8"), kl_coef=0.1)
     assert any(isinstance(m, FrozenQuantLinear) for m in t.ref_model.modules())
-    assert torch.equal(t._full_logprobs(t.ref_model, batch), t.logprobs(batch))  # a fresh adapter: the base
+    assert torch.equal(t.update.full_logprobs(t.ref_model, batch), t.logprobs(batch))  # a fresh adapter: the base
 
 
 def test_merging_into_a_quantized_engine_base_is_refused(ckpt):

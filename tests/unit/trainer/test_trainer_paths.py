@@ -123,7 +123,7 @@ def test_varlen_layout_one_row_per_micro_batch_equals_padded(ckpt, rollout_batch
         monkeypatch.setattr(module, "uses_varlen", lambda *_: True)
     monkeypatch.setattr(packed, "_varlen_attn", lambda: _blockwise_varlen)
     trainer = TorchTrainer(ckpt, algo, cfg(True, recompute=True), FP32, max_response_len=5)
-    assert all(mb.input_ids.shape[0] == 1 for mb in trainer._plan(rollout_batch, trainer.model))
+    assert all(mb.input_ids.shape[0] == 1 for mb in trainer.plan(rollout_batch, trainer.model))
     varlen = trainer.train_rl(rollout_batch), params_and_grads(trainer.model)
     assert_same(varlen, padded)
 
