@@ -27,6 +27,7 @@ its config translation and weight mapping are pure functions tested on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -49,13 +50,30 @@ from miles.trainer.parallel import SingleProcess
 from miles.trainer.rl_update import RLUpdate
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
 from miles.transport.flat import FlatWeights
-from miles.types import TrainBatch
+from miles.types import TrainBatch, moe_layers
 
 
 def _hidden_and_output_weight(hidden_states, output_layer, output_weight, **_):
     """GPTModel's output_processor: the final hidden states [S, B, H] and the output matrix [V, H]
     (the embedding when tied), instead of the whole-vocabulary logits."""
     return hidden_states, output_weight if output_weight is not None else output_layer.weight
+
+
+def _router_replays(model) -> dict:
+    """`model`'s MoE routers' RouterReplay hooks by the project's layer index (0-based)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return {router.layer_number - 1: router.router_replay for router in model.modules()
+            if isinstance(router, TopKRouter) and router.router_replay is not None}
+
+
+def _distinct(experts: torch.Tensor) -> torch.Tensor:
+    """[n, T, k] experts with the tokens whose k are not distinct (padding: the engine recorded nothing
+    there, zeros) given experts 0..k-1: Megatron's dispatcher sends each token to k different experts,
+    and padding comes after every sample's own tokens, so under the causal mask it moves no log-prob."""
+    k = experts.shape[-1]
+    repeated = (experts.sort(-1).values.diff(dim=-1) == 0).any(-1)
+    return torch.where(repeated[..., None], torch.arange(k, device=experts.device), experts)
 
 
 def _free_port() -> int:
@@ -108,12 +126,12 @@ class MegatronTrainer:
         draft_dir: str | None = None,
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
-        them first): a teacher, true on-policy, fake-quantizing or quantized-rollout recipes, MoE
-        routing replay, an online-trained speculative draft, a CPU device."""
+        them first): a teacher, true on-policy, fake-quantizing or quantized-rollout recipes, an
+        online-trained speculative draft, a CPU device."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
-                       "true_on_policy": true_on_policy, "algo.routing_replay": algo.routing_replay != "none",
+                       "true_on_policy": true_on_policy,
                        "rollout.speculative.train_online=true": drafts}
         if bad := [what for what, on in unsupported.items() if on]:
             raise ValueError(f"trainer=megatron does not support {', '.join(bad)}: use trainer=torch")
@@ -141,7 +159,10 @@ class MegatronTrainer:
         del native
         self.model = self._ddp(self._build(state))
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
-        self.routing_layers, self.key_layers = [], []  # routing replay is refused (rules.py)
+        self.routing_layers, self.key_layers = moe_layers(self.arch), []  # DSA families are not mapped
+        if algo.routing_replay != "none" and not self.routing_layers:
+            raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
+                             f"{self.arch.family} has no MoE layer")
         self.optimizer = self._megatron_optimizer()
         self._flat_sync: FlatWeights | None = None
         self._masks: dict[int, torch.Tensor] = {}
@@ -155,6 +176,9 @@ class MegatronTrainer:
 
         spec = megatron_spec(self.arch, self.bf16, self.cfg.recompute, max(self.cfg.tp, 1), max(self.cfg.ep, 1))
         kwargs = dict(spec.transformer, params_dtype=getattr(torch, spec.transformer["params_dtype"]))
+        # MoE: megatron-core's RouterReplay hooks, idle unless a forward replays or records (R3 / R2,
+        # the routing diagnostics against the engine's experts)
+        kwargs["moe_enable_routing_replay"] = self.arch.moe is not None
         self.megatron_config = TransformerConfig(**kwargs, activation_func=F.silu, perform_initialization=False)
         layers = decoder_block_spec(self.megatron_config, self.te, spec.layer_spec)
         model = GPTModel(self.megatron_config, layers, **spec.model).to(self.device)
@@ -201,17 +225,50 @@ class MegatronTrainer:
         return self._masks[length]
 
     def forward(self, model, mb: MicroBatch, with_entropy: bool = False, replay: dict | None = None,
-                 record: dict | None = None):
+                record: dict | None = None):
         """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1]: GPTModel to the final
-        hidden states, then the chunked LM head at the loss positions (as TorchTrainer's forward)."""
+        hidden states, then the chunked LM head at the loss positions (as TorchTrainer's forward).
+        replay / record: MoE routing (layer -> experts [n, T, k] in mb's input layout) to route by /
+        to fill, through megatron-core's RouterReplay hooks."""
         rows, length = mb.input_ids.shape
         positions = torch.arange(length, device=self.device).expand(rows, length)
-        hidden, weight = model(mb.input_ids, positions, self._causal_mask(length),
-                               output_processor=_hidden_and_output_weight)
+        with self._routing(model, rows, length, replay, record):
+            hidden, weight = model(mb.input_ids, positions, self._causal_mask(length),
+                                   output_processor=_hidden_and_output_weight)
         hidden = hidden.transpose(0, 1).reshape(rows * length, -1).index_select(0, mb.src)
         logp, entropy = hidden_logprobs(hidden, weight, mb.targets, self.temperature, with_entropy,
                                         self.logits_chunk_tokens)
         return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
+
+    @contextlib.contextmanager
+    def _routing(self, model, rows: int, length: int, replay: dict | None, record: dict | None):
+        """Route `model`'s MoE layers by `replay` and / or write their choices into `record` for one
+        forward. GPTModel's tokens run sequence-major ([T, n] flattened), the project's row-major
+        ([n, T]): transposed both ways. Routers replay forward only (no recomputing backward here)."""
+        if replay is None and record is None:
+            yield
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        hooks = _router_replays(model)
+        for layer, hook in hooks.items():
+            hook.clear_indices()
+            if replay is not None:
+                experts = _distinct(replay[layer].to(self.device, torch.long))
+                hook.set_target_indices(experts.transpose(0, 1).reshape(rows * length, -1))
+                hook.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            else:
+                hook.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            yield
+            if record is not None:
+                for layer, hook in hooks.items():
+                    record[layer] = (replay[layer].to(self.device) if replay is not None
+                                     else hook.get_recorded_indices().reshape(length, rows, -1).transpose(0, 1))
+        finally:
+            for hook in hooks.values():
+                hook.clear_indices()
+                hook.clear_router_replay_action()
 
     # ----------------------------------------------------------------------------- optimizer step
     def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
