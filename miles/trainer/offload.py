@@ -38,6 +38,14 @@ def check_tags(tags, who: str) -> tuple[str, ...]:
     return tags
 
 
+def require_onloaded(offloaded: set[str], what: str, needed: tuple[str, ...] = (PARAMS, OPTIMIZER)) -> None:
+    """A RuntimeError naming onload when any of `needed` is in `offloaded` (`what` needs them)."""
+    missing = tuple(t for t in needed if t in offloaded)
+    if missing:
+        raise RuntimeError(f"{what}: the trainer's {' and '.join(missing)} are offloaded to host memory "
+                           f"(colocation): call onload({missing}) first")
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor

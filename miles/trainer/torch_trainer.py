@@ -441,7 +441,4 @@ class TorchTrainer:
                 off.OPTIMIZER: off.state_bytes(on_device(state))}
 
     def _require_onloaded(self, what: str, needed: tuple[str, ...] = (off.PARAMS, off.OPTIMIZER)) -> None:
-        missing = tuple(t for t in needed if t in self.offloaded)
-        if missing:
-            raise RuntimeError(f"{what}: the trainer's {' and '.join(missing)} are offloaded to host memory "
-                               f"(colocation): call onload({missing}) first")
+        off.require_onloaded(self.offloaded, what, needed)

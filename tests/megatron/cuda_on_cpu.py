@@ -2,12 +2,14 @@
 
 megatron-core 0.19.2 (the GPU machine's version) builds GPTModel, its DistributedDataParallel and
 its distributed optimizer with CUDA hard-coded in a few places (`torch.cuda.current_device()` as a
-device, `device='cuda'` buffers, a CUDA RNG tracker around dropout, a `torch.cuda.FloatTensor`
-type check). `cuda_on_cpu()` maps those to the CPU while it is active: factory calls and `.to` /
-`.cuda` with a CUDA device go to the CPU, `Tensor.type()` names the CUDA type, the RNG tracker's
-fork is a no-op (the tiny models have no dropout), streams are no-ops (the CPU runs in order), `torch.cuda.{get,set}_rng_state` use the CPU
-generator. The trainer's own code runs unchanged, on gloo instead of NCCL (`init_parallel_gloo`).
-Everything else (the model, Megatron's optimizer and grad buffers, the project's losses) is real."""
+device, `device='cuda'` buffers, a CUDA RNG tracker around dropout, CUDA streams and events, a
+`torch.cuda.FloatTensor` type check, pinned host copies). `cuda_on_cpu()` maps those to the CPU
+while it is active: factory calls and `.to` / `.cuda` with a CUDA device go to the CPU,
+`pin_memory` makes an (unpinned) copy as it does on CUDA, `Tensor.type()` names the CUDA type, the
+RNG tracker's fork is a no-op (the tiny models have no dropout), streams and events are no-ops (the
+CPU runs in order), `torch.cuda.{get,set}_rng_state` use the CPU generator. The trainer's own code
+runs unchanged, on gloo instead of NCCL (`init_parallel_gloo`). Everything else (the model,
+Megatron's optimizer, gradient buffers and router hooks, the project's losses) is real."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.record_stream:
             return None
+        if func is torch.Tensor.pin_memory:  # a page-locked copy, as on CUDA (the page-locking is CUDA's)
+            return args[0].clone()
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # Megatron's dtype check
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:

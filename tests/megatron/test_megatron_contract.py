@@ -2,12 +2,25 @@
 (CUDA mapped to the CPU: tests/megatron/cuda_on_cpu.py), against the torch trainer in the same process.
 The same suite runs on the H200 in tests/gpu/test_trainer_contract_cuda.py."""
 
+import contextlib
+
 import pytest
 
 pytest.register_assert_rewrite("trainer_contract")
 
 from trainer_contract import *  # noqa: E402,F401,F403  (the suite's tests and fixtures)
 from trainer_contract import Contract  # noqa: E402
+
+
+@contextlib.contextmanager
+def force_copy():
+    from miles.trainer import offload
+
+    offload.FORCE_COPY = True
+    try:
+        yield
+    finally:
+        offload.FORCE_COPY = False
 
 
 @pytest.fixture(scope="module")
@@ -22,4 +35,6 @@ def contract(ckpt, megatron_on_this_device):
 
     # Megatron's own Adam (fp32 main parameters), its grad buffers and norm, padded micro-batches:
     # other reduction orders than the torch trainer's.
-    return Contract("megatron", ckpt, build, MegatronTrainer, device=device, tol=1e-4, drafts=False, offloads=False)
+    # offload on the CPU: the buffers' storage really goes and comes back; FORCE_COPY moves the Adam moments too
+    return Contract("megatron", ckpt, build, MegatronTrainer, device=device, tol=1e-4, drafts=False,
+                    moves=force_copy)

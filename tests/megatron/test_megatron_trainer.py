@@ -80,3 +80,29 @@ def test_save_and_resume_continue_the_same_training(tmp_path, megatron_on_this_d
     assert got["train/loss"] == expected["train/loss"]
     assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
     assert from_pretrained(tmp_path / "hf").config.num_layers == first.arch.num_layers
+
+
+def test_bf16_offload_onload_continues_bit_for_bit(tmp_path, megatron_on_this_device):
+    """bf16: the fp32 main parameters are the optimizer's own tensors (not views of the parameter
+    buffers, as in fp32): offloading every tag and onloading gives the next step of a trainer that
+    never offloaded, bit for bit; offload_bytes counts each tag, 0 once offloaded."""
+    from miles.trainer import offload
+
+    ckpt = _checkpoint("qwen3_moe_tiny", tmp_path)
+    plain, _ = _trainers(ckpt, megatron_on_this_device, kl_coef=0.1, dtype="bf16")
+    moved, _ = _trainers(ckpt, megatron_on_this_device, kl_coef=0.1, dtype="bf16")
+    batch = _batch(plain.arch.vocab_size)
+    plain.train_rl(batch), moved.train_rl(batch)
+    sizes = moved.offload_bytes()
+    assert all(sizes[tag] > 0 for tag in ("params", "grads", "optimizer")), sizes
+    offload.FORCE_COPY = True  # the Adam moments move on the CPU too
+    try:
+        moved.offload()
+        assert moved.offload_bytes() == {"params": 0, "grads": 0, "optimizer": 0}
+        with pytest.raises(RuntimeError, match="onload"):
+            moved.train_rl(batch)
+        moved.onload()
+    finally:
+        offload.FORCE_COPY = False
+    assert moved.train_rl(batch) == plain.train_rl(batch)
+    assert all(torch.equal(a, b) for a, b in zip(moved.get_weights()[0].values(), plain.get_weights()[0].values()))

@@ -3,6 +3,7 @@
   arch.py     ArchConfig -> TransformerConfig / layer spec / GPTModel arguments, and what is not mapped
   weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts
   rules.py    what trainer=megatron combines with (config validation)
+  offload.py  colocation offload through megatron-core's buffers (params, grads, optimizer)
   specs.py    the decoder block spec (which modules megatron-core builds per layer)
   trainer.py  MegatronTrainer: TorchTrainer's RL step with a GPTModel policy and Megatron's optimizer
 

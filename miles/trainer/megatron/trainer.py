@@ -17,12 +17,14 @@ MIS of `miles.algo`, the old-log-prob reuse (first-step ppo_kl == 0), and every 
 Weights: loaded from the HF-format checkpoint through `miles.models.from_pretrained` and mapped by
 miles.trainer.megatron.weights; exported the same way back (`get_weights`, `save`). A KL reference is
 a second, frozen GPTModel. `save_state` / `load_state` write and read the Megatron parameters, the
-optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume.
+optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume. MoE routing replay
+(R3 / R2) goes through megatron-core's RouterReplay hooks; colocation offload through its buffers'
+storage (miles/trainer/megatron/offload.py).
 
 One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
 with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
-RoPE, RNG tracker and gradient buffers allocate there), so this class is exercised by tests/gpu;
-its config translation and weight mapping are pure functions tested on the CPU.
+RoPE, RNG tracker and gradient buffers allocate there): tests/gpu runs this class on the H200, and
+tests/megatron on the CPU with those CUDA calls mapped to the CPU (tests/megatron/cuda_on_cpu.py).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ import torch.nn.functional as F
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, save_pretrained
 from miles.precision.recipe import NONE, Recipe
+from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron.arch import megatron_spec
+from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.specs import decoder_block_spec
 from miles.trainer.megatron.weights import from_megatron, to_megatron
-from miles.trainer import offload as off
 from miles.trainer.packing import MicroBatch, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
 from miles.trainer.rl_update import RLUpdate
@@ -164,6 +167,7 @@ class MegatronTrainer:
             raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
                              f"{self.arch.family} has no MoE layer")
         self.optimizer = self._megatron_optimizer()
+        self.offloading = MegatronOffload(self.model, self.ref_model, self._optimizers(), self.device)
         self._flat_sync: FlatWeights | None = None
         self._masks: dict[int, torch.Tensor] = {}
         self.update = RLUpdate(self)
@@ -272,11 +276,12 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- optimizer step
     def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
-        """One optimizer step (`adapters`: LoRA is refused here), as TorchTrainer's: a backward per item into Megatron's gradient
-        buffers, then their reduction and the distributed optimizer's clipped step."""
+        """One optimizer step (`adapters`: LoRA is refused here), as TorchTrainer's: a backward per item
+        into Megatron's gradient buffers, then their reduction and the distributed optimizer's clipped step."""
         from megatron.core.distributed import finalize_model_grads
 
         sums: dict[str, torch.Tensor] = {}
+        self.offloading.restore_grads()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         for item in items:
@@ -291,23 +296,28 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- the RL update (rl_update.py)
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
+        off.require_onloaded(self.offloading.offloaded, "train_rl")
         return self.update.train_rl(batch)
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        off.require_onloaded(self.offloading.offloaded, "train_sft")
         return self.update.train_sft(batch)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        off.require_onloaded(self.offloading.offloaded, "logprobs", (off.PARAMS,))
         return self.update.logprobs(batch)
 
     @torch.no_grad()
     def kl_to_ref(self, batch: TrainBatch) -> torch.Tensor:
+        off.require_onloaded(self.offloading.offloaded, "kl_to_ref", (off.PARAMS,))
         return self.update.kl_to_ref(batch)
 
     # ----------------------------------------------------------------------------- weights, state
     def get_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor] | FlatWeights, str]:
         """The policy in precision.rollout_dtype under the native names with its checksum; `in_process`:
         as a FlatWeights on this device (one buffer kept across syncs), checked there."""
+        off.require_onloaded(self.offloading.offloaded, "get_weights", (off.PARAMS,))
         state = self._policy_state()
         if in_process:
             self._flat_sync = FlatWeights.refill(self._flat_sync, state, TORCH_DTYPES[self.precision.rollout_dtype],
@@ -370,15 +380,16 @@ class MegatronTrainer:
         torch.cuda.set_rng_state(state["cuda_rng"].cpu())
 
     # ----------------------------------------------------------------------------- colocation
-    def offload(self, tags=()) -> None:
-        raise NotImplementedError("trainer.offload with trainer=megatron is not supported yet: "
-                                  "set trainer.offload=false")
+    def offload(self, tags=off.TRAINER_TAGS) -> None:
+        """Free this trainer's device memory for the engine's turn (miles/trainer/megatron/offload.py)."""
+        self.offloading.offload(tags)
+        self._flat_sync = None
 
-    onload = offload
+    def onload(self, tags=off.TRAINER_TAGS) -> None:
+        self.offloading.onload(tags)
 
     def offload_bytes(self) -> dict[str, int]:
-        """Nothing offloads here (offload is refused): 0 per tag."""
-        return {tag: 0 for tag in off.TRAINER_TAGS}
+        return self.offloading.bytes()
 
 
 @functools.cache
