@@ -4,6 +4,7 @@
   weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts
   rules.py    what trainer=megatron combines with (config validation)
   offload.py  colocation offload through megatron-core's buffers (params, grads, optimizer)
+  quant.py    the precision recipes: INT4 QAT fake quantization by row masks, quantized sync payloads
   specs.py    the decoder block spec (which modules megatron-core builds per layer)
   trainer.py  MegatronTrainer: TorchTrainer's RL step with a GPTModel policy and Megatron's optimizer
 

@@ -40,19 +40,20 @@ import torch.nn.functional as F
 
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, save_pretrained
-from miles.precision.recipe import NONE, Recipe
+from miles.precision.recipe import FP8, NONE, Recipe
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
+from miles.trainer.megatron.quant import fake_quantized, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
 from miles.trainer.rl_update import RLUpdate
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
-from miles.transport.flat import FlatWeights
+from miles.transport.flat import FlatWeights, tensors_checksum
 from miles.types import TrainBatch, moe_layers
 
 
@@ -129,8 +130,8 @@ class MegatronTrainer:
         draft_dir: str | None = None,
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
-        them first): a teacher, true on-policy, fake-quantizing or quantized-rollout recipes, an
-        online-trained speculative draft, a CPU device."""
+        them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
+        forward_weights=rollout, an online-trained speculative draft, a CPU device."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
@@ -152,13 +153,17 @@ class MegatronTrainer:
         native = from_pretrained(checkpoint_dir, dtype=torch.float32)
         self.arch = native.config
         self.recipe = Recipe.from_cfg(precision, self.arch.num_layers)
-        if self.recipe.train_quant != NONE or self.recipe.rollout_quant != "none":
-            raise ValueError(f"trainer=megatron trains the bf16 / fp32 recipes; precision={precision.name} "
-                             "quantizes: use trainer=torch")
+        if self.recipe.train_quant == FP8 or self.recipe.forward_dtype is not None:
+            raise ValueError(f"trainer=megatron does not train precision={precision.name} (FP8 GEMMs in the "
+                             "forward need Transformer Engine; forward_weights=rollout is the torch trainer's): "
+                             "use trainer=torch")
         self.bf16 = precision.train_dtype == DType.bf16
         self.te = _has_transformer_engine()
         state = to_megatron(native.state_dict(), self.arch, te=self.te)
         self._native_names = list(native.state_dict())  # get_weights' order: the native model's
+        self._qat_rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
+        with torch.device("meta"):  # the native structure: which Linear layers a quantized engine holds
+            self._skeleton = CausalLM(self.arch)
         del native
         self.model = self._ddp(self._build(state))
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
@@ -236,9 +241,11 @@ class MegatronTrainer:
         to fill, through megatron-core's RouterReplay hooks."""
         rows, length = mb.input_ids.shape
         positions = torch.arange(length, device=self.device).expand(rows, length)
+        fake_quant = fake_quantized(model, self._qat_rows, self.recipe, "module." if model is self.model else "")
         with self._routing(model, rows, length, replay, record):
-            hidden, weight = model(mb.input_ids, positions, self._causal_mask(length),
-                                   output_processor=_hidden_and_output_weight)
+            hidden, weight = torch.func.functional_call(
+                model, fake_quant, (mb.input_ids, positions, self._causal_mask(length)),
+                {"output_processor": _hidden_and_output_weight}, strict=False)
         hidden = hidden.transpose(0, 1).reshape(rows * length, -1).index_select(0, mb.src)
         logp, entropy = hidden_logprobs(hidden, weight, mb.targets, self.temperature, with_entropy,
                                         self.logits_chunk_tokens)
@@ -319,9 +326,15 @@ class MegatronTrainer:
         as a FlatWeights on this device (one buffer kept across syncs), checked there."""
         off.require_onloaded(self.offloading.offloaded, "get_weights", (off.PARAMS,))
         state = self._policy_state()
+        dtype = TORCH_DTYPES[self.precision.rollout_dtype]
+        if self.recipe.rollout_quant != NONE and in_process:  # quantized where the weights are, checked there
+            payload = self.recipe.sync_payload(state)
+            return payload, tensors_checksum(self.recipe.expected_tensors(payload, self._skeleton, dtype))
+        if self.recipe.rollout_quant != NONE:
+            payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in state.items()})
+            return payload, self.recipe.expected_checksum(payload, self._skeleton, dtype)
         if in_process:
-            self._flat_sync = FlatWeights.refill(self._flat_sync, state, TORCH_DTYPES[self.precision.rollout_dtype],
-                                                 self.device)
+            self._flat_sync = FlatWeights.refill(self._flat_sync, state, dtype, self.device)
             return self._flat_sync, self._flat_sync.checksum()
         weights = to_dtype(state, self.precision.rollout_dtype)
         return weights, checksum(weights)
