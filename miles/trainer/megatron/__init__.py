@@ -6,7 +6,7 @@
   offload.py  colocation offload through megatron-core's buffers (params, grads, optimizer)
   quant.py    the precision recipes: INT4 QAT fake quantization by row masks, quantized sync payloads
   specs.py    the decoder block spec (which modules megatron-core builds per layer)
-  trainer.py  MegatronTrainer: TorchTrainer's RL step with a GPTModel policy and Megatron's optimizer
+  trainer.py  MegatronTrainer: the shared RL update (rl_update.py) over a GPTModel policy and Megatron's optimizer
 
 arch, weights and rules are pure (no megatron import: CPU tests); trainer imports megatron-core lazily.
 """
