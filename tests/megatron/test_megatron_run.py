@@ -17,7 +17,8 @@ def test_grpo_run_through_megatron_follows_the_torch_run(compose, tmp_path, monk
     # entropy_coef: a random policy solves nothing (all advantages 0), the entropy bonus still moves it
     common = ["precision=fp32", f"steps={STEPS}", "algo.entropy_coef=0.01", "warm_start.enabled=false", "eval.interval=100",
               "task.eval_size=8", "rollout.batch_size=8", "trainer.global_batch_size=64",
-              "trainer.micro_batch_size=32", "trainer.pack_sequences=false", "hardware.cpu_threads=1"]
+              "trainer.micro_batch_size=32", "trainer.pack_sequences=false", "hardware.cpu_threads=1",
+              *([] if megatron_on_this_device == "cpu" else ["hardware=gpu"])]
     runs = {}
     for backend in ("megatron", "torch"):
         (tmp_path / backend).mkdir()

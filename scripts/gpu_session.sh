@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU machine's work list, in parts that each fit one 600 s device call; logs under $OUT (or ./gpu-logs).
+#   bash scripts/gpu_session.sh 1        # on the GPU node, from the repo root, wheelhouse/ carried
+# Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
+# going after a failing step (each step's exit status is in its log's last line), so one failure
+# does not cost the rest of a call. Parts, most urgent first:
+#   1  the GPU tests of the code that has never run on CUDA (fused projections, decode attention,
+#      MLA slot decode, MoE decode graphs, Megatron: its CPU tier on CUDA and the contract suite)
+#   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
+#   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
+#   4  the GRPO step per recipe on the 4B shape (fp8 <= 0.8x bf16, the mismatch), decode profile
+set -u
+PART=${1:?usage: gpu_session.sh PART (1-4)}
+LOGS=$(realpath -m "${OUT:-gpu-logs}")
+mkdir -p "$LOGS"
+rm -rf /tmp/tmp* 2>/dev/null  # a warm machine keeps the previous call's temporaries
+python3 -m pip install -q --no-index --find-links wheelhouse -r requirements/gpu-node.txt > "$LOGS/pip.log" 2>&1
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the exit status
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T))"
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    echo "exit $rc" >> "$LOGS/$name.log"
+    echo "   exit $rc, $(tail -n 3 "$LOGS/$name.log" | head -n 2 | tr '\n' ' ')"
+}
+
+case $PART in
+1)
+    step new_kernels 240 python3 -m pytest -q tests/gpu/test_fused_projections_cuda.py \
+        tests/gpu/test_decode_attention_cuda.py tests/gpu/test_mla_slot_decode_cuda.py \
+        tests/gpu/test_moe_graph_decode_cuda.py tests/unit/models/test_moe_grouped.py
+    step megatron 240 python3 -m pytest -q tests/megatron tests/gpu/test_megatron_cuda.py \
+        tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
+    ;;
+2)
+    step engine_cuda 560 python3 -m pytest -q tests/gpu/test_rollout_cuda.py tests/gpu/test_determinism_cuda.py \
+        tests/gpu/test_true_on_policy_cuda.py tests/gpu/test_multi_lora_cuda.py
+    ;;
+3)
+    step decode_moe 150 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
+        --rows 64 256 --repeats 2 --skip-hf
+    step decode_mla 150 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l \
+        --rows 64 256 --repeats 2 --skip-hf
+    (cd benchmarks && step decode_recipes 250 python3 precision_decode.py --model qwen3_4b --rows 64 \
+        --recipes bf16 fp8_w8a16 int4 --variants triton fused --repeats 2)
+    ;;
+4)
+    (cd benchmarks && step grpo_4b 420 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 --steps 2)
+    (cd benchmarks && step decode_profile 150 python3 decode_profile.py --model qwen3_4b --rows 64)
+    ;;
+*)
+    echo "unknown part $PART (1-4)" >&2
+    exit 2
+    ;;
+esac
