@@ -1,0 +1,89 @@
+"""The project's core attention for megatron-core specs: `DotProductAttention`'s interface, PyTorch SDPA inside.
+
+Why: Transformer Engine cannot be installed on the GPU machine, and megatron-core's local
+`DotProductAttention` (the non-TE spec's) materialises the [b * heads, L, L] scores in one buffer
+(16 x 2048 tokens: 79 GB) and takes no `k_channels` / `v_channels`, so megatron-core's
+`MLASelfAttention` (qk head dim != v head dim) cannot be built without TE. This module takes both,
+and `scaled_dot_product_attention` picks FlashAttention / cuDNN / memory-efficient kernels on CUDA
+(causal masks through `is_causal`, which keeps the flash kernel), so nothing of [L, L] is stored.
+
+Layout as megatron-core's: query [sq, b, heads, k], key [sk, b, groups, k], value [sk, b, groups, v]
+(GQA / MQA: groups divide heads), output [sq, b, heads * v]. Masks as megatron-core's:
+- causal: the mask type says what the mask is, so a passed mask is not read (as Transformer
+  Engine's attention does) and SDPA's `is_causal` applies it without building one;
+- padding / arbitrary: the boolean mask, True where a query must not see a key (Megatron's sense,
+  the inverse of SDPA's), broadcastable to [b, heads, sq, sk];
+- padding_causal: both; no_mask: none.
+Packed sequences (`packed_seq_params`, THD) are refused: the trainer hands padded rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPACoreAttention(MegatronModule):
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config)
+        refused = {"context parallelism (context_parallel_size > 1)": config.context_parallel_size > 1,
+                   f"softmax_type={config.softmax_type}": config.softmax_type != "vanilla",
+                   "sliding-window attention (window_size)": config.window_size is not None}
+        if bad := [what for what, on in refused.items() if on]:
+            raise NotImplementedError(f"SDPACoreAttention does not implement {', '.join(bad)}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type, self.attention_type = attn_mask_type, attention_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = divide(config.num_attention_heads, tp)  # this tensor-parallel rank's
+        self.groups = divide(config.num_query_groups, tp)
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        # apply_query_key_layer_scaling divides the scores by layer_number and the local softmax
+        # multiplies them back (in fp32): no net effect, so the plain scale is the scale.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _mask(self, mask_type: AttnMaskType, attention_mask, sq: int, sk: int, device):
+        """(SDPA's boolean attn_mask, True = attend, or None; is_causal)."""
+        if mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal) and sq != sk:
+            raise NotImplementedError(f"SDPACoreAttention: a causal mask needs sq == sk (got {sq}, {sk})")
+        if mask_type == AttnMaskType.causal or (mask_type == AttnMaskType.padding_causal and attention_mask is None):
+            return None, sq > 1
+        if mask_type == AttnMaskType.no_mask or attention_mask is None:
+            return None, False
+        keep = ~attention_mask
+        if mask_type == AttnMaskType.padding_causal:
+            keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+        return keep, False
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention takes padded rows, not packed sequences (packed_seq_params)")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention takes no attention_bias")
+        sq, b = query.shape[:2]
+        mask, causal = self._mask(attn_mask_type or self.attn_mask_type, attention_mask, sq, key.shape[0],
+                                  query.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+        dropout = self.dropout if self.training else 0.0
+        # dropout draws from Megatron's model-parallel RNG stream, as the local attention's does
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout and not self.config.sequence_parallel
+               else contextlib.nullcontext())
+        with rng:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.v_channels)

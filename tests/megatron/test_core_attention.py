@@ -1,0 +1,109 @@
+"""The project's core attention (miles/trainer/megatron/core_attention.py) against megatron-core's own
+local `DotProductAttention` (fp32, random inputs, forward and gradients) and, for MLA's qk head dim !=
+v head dim that the local one cannot take, against softmax attention written out by hand."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def parallel(megatron_on_this_device):
+    import miles.trainer.megatron.trainer as megatron_trainer
+
+    megatron_trainer.init_parallel(torch.device("cuda"))  # gloo on the CPU (cuda_on_cpu maps it)
+    return megatron_on_this_device
+
+
+def _config(heads: int, groups: int, channels: int):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=heads * channels, num_attention_heads=heads,
+                             num_query_groups=groups, kv_channels=channels, attention_dropout=0.0,
+                             attention_softmax_in_fp32=True, masked_softmax_fusion=False)
+
+
+def _qkv(s, b, heads, groups, k, v, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(s, b, heads, k), (s, b, groups, k), (s, b, groups, v)]
+    return [torch.randn(shape, generator=g).to(device).requires_grad_() for shape in shapes]
+
+
+def _both(mask_type, heads, groups):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+
+    config = _config(heads, groups, 8)
+    return (SDPACoreAttention(config, 1, mask_type, "self"), DotProductAttention(config, 1, mask_type, "self"))
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
+def test_causal_equals_megatron_dot_product_attention(heads, groups, parallel):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    ours, theirs = _both(AttnMaskType.causal, heads, groups)
+    s, b = 12, 3
+    causal = torch.ones(s, s, dtype=torch.bool, device=parallel).triu(1)[None, None]  # what the trainer passes
+    q, k, v = _qkv(s, b, heads, groups, 8, 8, parallel)
+    got, want = ours(q, k, v, causal), theirs(q, k, v, causal)
+    assert got.shape == want.shape == (s, b, heads * 8)
+    assert float((got - want).abs().max()) < 1e-5
+    grads = [torch.autograd.grad(out, (q, k, v), torch.ones_like(out)) for out in (got, want)]
+    assert max(float((a - b).abs().max()) for a, b in zip(*grads)) < 1e-5
+    assert float((ours(q, k, v, None) - want).abs().max()) < 1e-5  # causal without a mask tensor
+
+
+def test_padding_mask_equals_megatron_dot_product_attention(parallel):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    ours, theirs = _both(AttnMaskType.padding, 4, 2)
+    s, b = 10, 2
+    g = torch.Generator().manual_seed(1)
+    masked = torch.rand(b, 1, s, s, generator=g) < 0.4
+    masked[..., 0] = False  # every query sees at least one key
+    masked = masked.to(parallel)
+    q, k, v = _qkv(s, b, 4, 2, 8, 8, parallel, seed=2)
+    assert float((ours(q, k, v, masked) - theirs(q, k, v, masked)).abs().max()) < 1e-5
+
+
+def test_mla_head_dims_equal_softmax_attention_by_hand(parallel):
+    """k_channels 12 (qk nope + rope), v_channels 8, the MLA softmax scale: as MLASelfAttention builds it."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+
+    heads, s, b, kd, vd, scale = 4, 9, 2, 12, 8, 0.37
+    attn = SDPACoreAttention(_config(heads, heads, 8), 1, AttnMaskType.causal, "self", softmax_scale=scale,
+                             k_channels=kd, v_channels=vd)
+    q, k, v = _qkv(s, b, heads, heads, kd, vd, parallel, seed=3)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=parallel).triu(1), float("-inf"))
+    want = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(s, b, heads * vd)
+    got = attn(q, k, v, None)
+    assert got.shape == (s, b, heads * vd)
+    assert float((got - want).abs().max()) < 1e-5
+
+
+def test_packed_sequences_are_refused_by_name(parallel):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    ours, _ = _both(AttnMaskType.causal, 4, 4)
+    q, k, v = _qkv(6, 1, 4, 4, 8, 8, parallel)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="packed"):
+        ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+
+
+def test_the_local_decoder_spec_builds_the_projects_core_attention(parallel):
+    """Every layer of the non-TE block spec (dense and MoE layers alike) swaps DotProductAttention out."""
+    from megatron.core.transformer import TransformerConfig
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+    from miles.trainer.megatron.specs import decoder_block_spec
+
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                               moe_layer_freq=[0, 1, 1], moe_ffn_hidden_size=16)
+    block = decoder_block_spec(config, te=False, layer_spec={"normalization": "RMSNorm"})
+    cores = [layer.submodules.self_attention.submodules.core_attention for layer in block.layer_specs]
+    assert cores == [SDPACoreAttention] * 3
