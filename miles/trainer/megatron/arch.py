@@ -1,16 +1,18 @@
 """The project's `ArchConfig` as Megatron-core arguments: pure functions, no megatron import.
 
     spec = megatron_spec(arch, bf16=True, recompute=False)
-    TransformerConfig(**spec.transformer, activation_func=F.silu)      # ACTIVATIONS[spec.activation]
+    config = CONFIG_CLASSES[spec.config_class](**spec.transformer, activation_func=F.silu)  # ACTIVATIONS[spec.activation]
     get_gpt_decoder_block_spec(config, use_transformer_engine=te, **spec.layer_spec)
     GPTModel(config, layer_spec, **spec.model)
 
-Mapped families: qwen3 and qwen2 (dense GQA, RoPE, RMSNorm, SwiGLU; QK-norm or q/k/v bias) and
-qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`).
+Mapped families: qwen3 and qwen2 (dense GQA, RoPE, RMSNorm, SwiGLU; QK-norm or q/k/v bias),
+qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`) and
+deepseek_v3 (DeepSeek-V3 / R1, Kimi K2: MLA with q LoRA and YaRN through megatron-core's
+MLASelfAttention, built without Transformer Engine because the spec's core attention is the
+project's, miles/trainer/megatron/core_attention.py; `first_k_dense_replace` dense layers; the
+DeepSeek router: sigmoid scores, correction bias, group-limited top-k, routed scaling, shared experts).
 `problems(arch)` names what a config needs that the mapping does not cover yet, so validation refuses
-it before any start. DeepSeek-V3 (MLA, sigmoid router with bias, shared experts) is among them: the
-MLA attention of megatron-core 0.19.2 exists only in its Transformer Engine spec, and TE cannot be
-installed on the GPU machine this was built on, so a mapping could not be run.
+it before any start.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe")
+MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass
@@ -28,27 +30,67 @@ class MegatronSpec:
     model: dict[str, Any]  # GPTModel keyword arguments (config and layer spec apart)
     activation: str = "silu"  # TransformerConfig.activation_func, by name
     moe_layers: list[int] = field(default_factory=list)  # decoder layers whose MLP is routed experts
+    config_class: str = "TransformerConfig"  # or "MLATransformerConfig" (megatron.core.transformer)
+
+
+# transformers builds DeepSeek's q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps
+# says (miles/models/mla.py); megatron-core's MLA normalizes the latents with layernorm_epsilon.
+LATENT_NORM_EPS = 1e-6
+
+# Families that are not mapped, and why, where there is more to say than "not yet".
+_UNMAPPED_WHY = {
+    "glm4_moe_lite": "its latent norms' eps (1e-6) differs from its decoder norms' (1e-5), and megatron-core's "
+                     "MLA gives both one layernorm_epsilon",
+    "deepseek_v32": "its DSA indexer and top-k sparse attention are not mapped",
+    "glm_moe_dsa": "its DSA indexer and top-k sparse attention are not mapped",
+}
+
+
+def _mla_problems(arch) -> list[str]:
+    m, rs, out = arch.mla, arch.rope_scaling, []
+    if not m.rope_interleave:
+        out.append("trainer=megatron: megatron-core's MLA rotates adjacent rope pairs only (mla.rope_interleave=true)")
+    if arch.rms_norm_eps != LATENT_NORM_EPS:
+        out.append(f"trainer=megatron: MLA with rms_norm_eps={arch.rms_norm_eps} (megatron-core normalizes the "
+                   f"latents with it; the checkpoint's latent norms use {LATENT_NORM_EPS})")
+    if arch.attention_bias:
+        out.append("trainer=megatron: MLA projections with biases are not mapped")
+    if arch.mtp_layers:
+        out.append("trainer=megatron: multi-token-prediction layers are not mapped yet: set model.mtp_layers=0 "
+                   "(the checkpoint's MTP layers are then skipped on load)")
+    if rs is not None and (rs.type != "yarn" or not rs.truncate or rs.attention_factor
+                           or (rs.mscale_all_dim and not rs.mscale)):
+        # megatron-core's YaRN: whole-dim correction range, attention factor
+        # mscale(f, mscale) / mscale(f, mscale_all_dim)
+        out.append("trainer=megatron: MLA maps YaRN with truncate=true, no attention_factor, and mscale set "
+                   "wherever mscale_all_dim is")
+    return out
 
 
 def problems(arch) -> list[str]:
     """What keeps `arch` from training through Megatron-core here, one message per problem."""
     if arch.family not in MAPPED_FAMILIES:
-        # MLA (DeepSeek-V3, Kimi K2, GLM-4.7-Flash / GLM-5): megatron-core 0.19.2 builds its attention
-        # from Transformer Engine only; the local spec's DotProductAttention takes no k_channels.
-        why = " (its MLA needs Transformer Engine in megatron-core)" if arch.mla is not None else ""
+        why = f" ({_UNMAPPED_WHY[arch.family]})" if arch.family in _UNMAPPED_WHY else ""
         return [f"trainer=megatron maps the {', '.join(MAPPED_FAMILIES)} families; {arch.family} "
                 f"is not mapped yet{why}: use trainer=torch"]
     out = []
-    if arch.rope_scaling is not None or arch.partial_rotary_factor != 1.0:
-        out.append("trainer=megatron: RoPE scaling and partial rotary are not mapped yet")
+    if arch.mla is not None:
+        out += _mla_problems(arch)
+    elif arch.rope_scaling is not None or arch.partial_rotary_factor != 1.0:
+        out.append("trainer=megatron: RoPE scaling and partial rotary are not mapped yet (MLA's YaRN apart)")
     if arch.qk_norm and arch.qk_norm_type != "head":
         out.append(f"trainer=megatron: qk_norm_type={arch.qk_norm_type} is not mapped (per-head only)")
     moe = arch.moe
-    if moe is not None:
-        if moe.scoring != "softmax" or moe.score_correction_bias or moe.n_group > 1:
-            out.append("trainer=megatron maps the softmax top-k router only (no sigmoid, bias or groups)")
-        if moe.num_shared_experts or moe.shared_expert_gate or moe.routed_scaling_factor != 1.0:
-            out.append("trainer=megatron: shared experts and routed scaling are not mapped yet")
+    if moe is not None and any(moe_layer_pattern(arch)):
+        if moe.scoring == "softmax" and (moe.score_correction_bias or moe.n_group > 1):
+            out.append("trainer=megatron: a softmax router with a correction bias or expert groups is not mapped")
+        if moe.scoring == "sigmoid" and not moe.norm_topk_prob and moe.num_experts_per_tok > 1:
+            out.append("trainer=megatron: megatron-core renormalizes sigmoid top-k weights (norm_topk_prob=false "
+                       "is not mapped)")
+        if moe.scoring not in ("softmax", "sigmoid"):
+            out.append(f"trainer=megatron: router scoring={moe.scoring} is not mapped")
+        if moe.shared_expert_gate:
+            out.append("trainer=megatron: gated shared experts (Qwen2-MoE / Qwen3-Next) are not mapped yet")
     return out
 
 
@@ -101,23 +143,10 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
     if recompute:
         transformer.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     pattern = moe_layer_pattern(arch)
-    if arch.moe is not None:
-        transformer.update(
-            num_moe_experts=arch.moe.num_experts,
-            moe_router_topk=arch.moe.num_experts_per_tok,
-            moe_ffn_hidden_size=arch.moe.moe_intermediate_size,
-            moe_layer_freq=pattern,
-            # softmax over the top-k logits equals the top-k of the full softmax renormalized
-            # (norm_topk_prob); without renormalization the softmax comes first.
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not arch.moe.norm_topk_prob,
-            moe_router_dtype="fp32",
-            moe_router_load_balancing_type="none",  # the project's losses have no auxiliary term
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,  # one linear pair per expert: the local spec's SequentialMLP
-            moe_permute_fusion=False,
-        )
+    if any(pattern):
+        transformer.update(_moe(arch.moe), moe_layer_freq=pattern)
+    if arch.mla is not None:
+        transformer.update(_mla(arch))
     layer_spec = dict(normalization="RMSNorm")
     model = dict(
         vocab_size=arch.vocab_size,
@@ -128,4 +157,63 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         parallel_output=True,
     )
-    return MegatronSpec(transformer, layer_spec, model, "silu", [i for i, m in enumerate(pattern) if m])
+    return MegatronSpec(transformer, layer_spec, model, "silu", [i for i, m in enumerate(pattern) if m],
+                        "MLATransformerConfig" if arch.mla is not None else "TransformerConfig")
+
+
+def _moe(moe) -> dict[str, Any]:
+    """The routed (and shared) experts' TransformerConfig fields."""
+    out = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.num_experts_per_tok,
+        moe_ffn_hidden_size=moe.moe_intermediate_size,
+        moe_router_score_function=moe.scoring,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",  # the project's losses have no auxiliary term
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,  # one linear pair per expert: the local spec's SequentialMLP
+        moe_permute_fusion=False,
+    )
+    if moe.scoring == "softmax":
+        # softmax over the top-k logits equals the top-k of the full softmax renormalized
+        # (norm_topk_prob); without renormalization the softmax comes first.
+        out["moe_router_pre_softmax"] = not moe.norm_topk_prob
+    if moe.score_correction_bias:
+        # The bias steers selection only and stays what the checkpoint says: the native trainer
+        # does not train it, so Megatron's aux-loss-free update (finalize_model_grads) is off.
+        out.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if moe.n_group > 1:
+        # read by the project's router (miles/trainer/megatron/router.py), which ranks groups by
+        # their two best experts as DeepSeek-V3 does, where megatron-core's own takes topk / group_topk
+        out.update(moe_router_num_groups=moe.n_group, moe_router_group_topk=moe.topk_group)
+    if moe.routed_scaling_factor != 1.0:
+        out["moe_router_topk_scaling_factor"] = moe.routed_scaling_factor
+    shared = moe.shared_expert_intermediate_size or moe.moe_intermediate_size * moe.num_shared_experts
+    if shared:
+        out["moe_shared_expert_intermediate_size"] = shared
+    return out
+
+
+def _mla(arch) -> dict[str, Any]:
+    """MLATransformerConfig's fields: the latent ranks, the head dims, RoPE (YaRN) on the rope dims."""
+    m, rs = arch.mla, arch.rope_scaling
+    out: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank or None,  # None: one q_proj (linear_q_proj)
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        qk_layernorm=True,  # MLA's q / kv latent norms (q_a_layernorm, kv_a_layernorm)
+        rotary_base=arch.rope_theta,
+        rope_type="rope" if rs is None else "yarn",
+    )
+    if rs is not None:
+        # the attention factor is mscale(f, mscale) / mscale(f, mscale_all_dim) in both; where the
+        # native has neither it is mscale(f, 1): mscale 1 over mscale_all_dim 0 (mscale(f, 0) = 1)
+        both = bool(rs.mscale and rs.mscale_all_dim)
+        out.update(rotary_scaling_factor=rs.factor, original_max_position_embeddings=rs.original_max_position_embeddings,
+                   beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale if both else 1.0,
+                   mscale_all_dim=rs.mscale_all_dim if both else 0.0)
+    return out

@@ -2,11 +2,14 @@
 
 Without Transformer Engine the spec is megatron-core's local one with the core attention swapped for
 the project's (miles/trainer/megatron/core_attention.py: PyTorch SDPA instead of the local
-DotProductAttention's materialised [heads, L, L] scores; it takes MLA's k / v head dims too).
+DotProductAttention's materialised [heads, L, L] scores; it takes MLA's k / v head dims too). With
+expert groups (DeepSeek-V3) the MoE layers' router is the project's, with either spec
+(miles/trainer/megatron/router.py: DeepSeek's group ranking, which megatron-core's differs from).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 
@@ -22,6 +25,18 @@ def _with_core_attention(layer, core_attention):
     return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
 
 
+def _with_router(layer, router):
+    """A copy of a TransformerLayer spec whose MoE layer builds `router` (a dense layer as it is)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    mlp = layer.submodules.mlp
+    if not (isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer)):
+        return layer
+    mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords,
+                                                    "submodules": replace(mlp.keywords["submodules"], router=router)})
+    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
+
+
 def decoder_block_spec(config, te: bool, layer_spec: dict):
     """megatron-core's GPT decoder block spec for `config` (a TransformerConfig, or an
     MLATransformerConfig): Transformer Engine's modules when `te`, else the local (plain torch) ones
@@ -29,11 +44,24 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, **layer_spec)
-    if te:
-        return block
-    from miles.trainer.megatron.core_attention import SDPACoreAttention
+    swaps = []
+    if not te:
+        from miles.trainer.megatron.core_attention import SDPACoreAttention
 
-    swapped: dict[int, object] = {}  # the local spec shares one layer spec among its dense (or MoE) layers
-    layers = [swapped.setdefault(id(layer), _with_core_attention(layer, SDPACoreAttention))
-              for layer in block.layer_specs]
-    return replace(block, layer_specs=layers)
+        swaps.append(functools.partial(_with_core_attention, core_attention=SDPACoreAttention))
+    if (config.moe_router_num_groups or 1) > 1:
+        from miles.trainer.megatron.router import GroupLimitedRouter
+
+        swaps.append(functools.partial(_with_router, router=GroupLimitedRouter))
+    swapped: dict[int, object] = {}  # the spec shares one layer spec among its dense (or MoE) layers
+    for layer in block.layer_specs:
+        if id(layer) not in swapped:
+            swapped[id(layer)] = functools.reduce(lambda spec, swap: swap(spec), swaps, layer)
+    return replace(block, layer_specs=[swapped[id(layer)] for layer in block.layer_specs])
+
+
+def transformer_config(config_class: str, **kwargs):
+    """megatron-core's `TransformerConfig`, or `MLATransformerConfig` for MLA: `MegatronSpec.config_class`."""
+    from megatron.core.transformer import transformer_config as configs
+
+    return getattr(configs, config_class)(**kwargs)

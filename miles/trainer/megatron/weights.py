@@ -10,9 +10,16 @@ engines take in weight sync), experts fused as transformers 5 holds them: `exper
   (the same for the q/k/v biases of qwen2);
 - `linear_fc1` [2I, H]: gate rows then up rows (SwiGLU), per dense MLP and per expert
   (`experts.local_experts.<e>`, the local spec's SequentialMLP);
-- tied embeddings: no `output_layer.weight` (the output layer reads the embedding).
+- tied embeddings: no `output_layer.weight` (the output layer reads the embedding);
+- MLA (MLASelfAttention): renames only, the row layouts are HF's: q_a_proj / q_b_proj (or q_proj)
+  -> linear_q_down_proj / linear_q_up_proj (linear_q_proj), kv_a_proj_with_mqa ([latent | rope key])
+  -> linear_kv_down_proj, kv_b_proj (per head [k_nope | v]) -> linear_kv_up_proj, the latent norms
+  -> q_layernorm / kv_layernorm;
+- DeepSeek MoE: the shared experts' SwiGLU as a dense MLP (`mlp.shared_experts.linear_fc1` [gate; up]),
+  the router's correction bias `gate.e_score_correction_bias` -> `router.expert_bias`.
 `te=True` names the norms as Transformer Engine's spec fuses them: the attention's input norm into
-`linear_qkv.layer_norm_weight` and a dense MLP's pre-norm into `linear_fc1.layer_norm_weight`.
+`linear_qkv.layer_norm_weight`, a dense MLP's pre-norm into `linear_fc1.layer_norm_weight`, and
+MLA's latent norms into `linear_q_up_proj` / `linear_kv_up_proj`'s `layer_norm_weight`.
 """
 
 from __future__ import annotations
@@ -40,21 +47,50 @@ def _qkv_split(qkv: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, tor
     return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
 
 
-def _layer_names(i: int, moe: bool, te: bool) -> dict[str, str]:
+_MLA_NAMES = {  # native self_attn.<name> -> Megatron self_attention.<name>, unfused spec / TE spec
+    "q_proj.weight": ("linear_q_proj.weight",) * 2,
+    "q_a_proj.weight": ("linear_q_down_proj.weight",) * 2,
+    "q_a_layernorm.weight": ("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight"),
+    "q_b_proj.weight": ("linear_q_up_proj.weight",) * 2,
+    "kv_a_proj_with_mqa.weight": ("linear_kv_down_proj.weight",) * 2,
+    "kv_a_layernorm.weight": ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"),
+    "kv_b_proj.weight": ("linear_kv_up_proj.weight",) * 2,
+}
+
+
+def _layer_names(i: int, moe: bool, te: bool, mla: bool) -> dict[str, str]:
     """Native -> Megatron names of layer i's unfused tensors."""
     n, m = f"layers.{i}.", f"decoder.layers.{i}."
+    fused_input_norm = te and not mla  # TE's MLA spec keeps the input norm apart (the down projections are plain)
     out = {
         n + "input_layernorm.weight":
-            m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
+            m + ("self_attention.linear_qkv.layer_norm_weight" if fused_input_norm else "input_layernorm.weight"),
         n + "self_attn.o_proj.weight": m + "self_attention.linear_proj.weight",
-        n + "self_attn.q_norm.weight": m + "self_attention.q_layernorm.weight",
-        n + "self_attn.k_norm.weight": m + "self_attention.k_layernorm.weight",
         n + "post_attention_layernorm.weight":
             m + ("mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight"),
         n + "mlp.down_proj.weight": m + "mlp.linear_fc2.weight",
         n + "mlp.gate.weight": m + "mlp.router.weight",
+        n + "mlp.gate.e_score_correction_bias": m + "mlp.router.expert_bias",
+        n + "mlp.shared_experts.down_proj.weight": m + "mlp.shared_experts.linear_fc2.weight",
     }
+    if mla:  # its q_layernorm is the q latent's norm
+        out.update({n + "self_attn." + native: m + "self_attention." + names[te] for native, names in _MLA_NAMES.items()})
+    else:
+        out.update({n + "self_attn.q_norm.weight": m + "self_attention.q_layernorm.weight",
+                    n + "self_attn.k_norm.weight": m + "self_attention.k_layernorm.weight"})
     return out
+
+
+def _gate_up(state: Tensors, prefix: str, take) -> torch.Tensor | None:
+    """[gate; up] rows of the SwiGLU at `prefix` (its gate_proj / up_proj taken from state), or None."""
+    if prefix + "gate_proj.weight" not in state:
+        return None
+    return torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
+
+
+def _gate_up_split(fc1: torch.Tensor, prefix: str) -> Tensors:
+    gate, up = fc1.chunk(2)
+    return {prefix + "gate_proj.weight": gate.contiguous(), prefix + "up_proj.weight": up.contiguous()}
 
 
 def to_megatron(state: Tensors, arch, te: bool = False) -> Tensors:
@@ -69,7 +105,7 @@ def to_megatron(state: Tensors, arch, te: bool = False) -> Tensors:
     for i, moe in enumerate(moe_layer_pattern(arch)):
         n, m = f"layers.{i}.", f"decoder.layers.{i}."
         attn = n + "self_attn."
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if arch.mla is None else ():
             if attn + f"q_proj.{kind}" in state:
                 out[m + f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(
                     take(attn + f"q_proj.{kind}"), take(attn + f"k_proj.{kind}"), take(attn + f"v_proj.{kind}"),
@@ -79,10 +115,12 @@ def to_megatron(state: Tensors, arch, te: bool = False) -> Tensors:
             for e in range(gate_up.shape[0]):
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+            shared = _gate_up(state, n + "mlp.shared_experts.", take)
+            if shared is not None:
+                out[m + "mlp.shared_experts.linear_fc1.weight"] = shared
         else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([take(n + "mlp.gate_proj.weight"),
-                                                         take(n + "mlp.up_proj.weight")])
-        for native, mega in _layer_names(i, moe, te).items():
+            out[m + "mlp.linear_fc1.weight"] = _gate_up(state, n + "mlp.", take)
+        for native, mega in _layer_names(i, moe, te, arch.mla is not None).items():
             if native in state:
                 out[mega] = take(native)
     if state:
@@ -110,7 +148,7 @@ def from_megatron(mstate: Tensors, arch, te: bool = False) -> Tensors:
         experts.setdefault(int(layer), {}).setdefault(kind, {})[int(e)] = take(name)
     for i, moe in enumerate(moe_layer_pattern(arch)):
         n, m = f"layers.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if arch.mla is None else ():
             fused = m + f"self_attention.linear_qkv.{kind}"
             if fused in mstate:
                 q, k, v = _qkv_split(take(fused), arch)
@@ -121,10 +159,11 @@ def from_megatron(mstate: Tensors, arch, te: bool = False) -> Tensors:
             count = len(parts["linear_fc1"])
             out[n + "mlp.experts.gate_up_proj"] = torch.stack([parts["linear_fc1"][e] for e in range(count)])
             out[n + "mlp.experts.down_proj"] = torch.stack([parts["linear_fc2"][e] for e in range(count)])
+            if m + "mlp.shared_experts.linear_fc1.weight" in mstate:
+                out.update(_gate_up_split(take(m + "mlp.shared_experts.linear_fc1.weight"), n + "mlp.shared_experts."))
         else:
-            gate, up = take(m + "mlp.linear_fc1.weight").chunk(2)
-            out[n + "mlp.gate_proj.weight"], out[n + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
-        for native, mega in _layer_names(i, moe, te).items():
+            out.update(_gate_up_split(take(m + "mlp.linear_fc1.weight"), n + "mlp."))
+        for native, mega in _layer_names(i, moe, te, arch.mla is not None).items():
             if mega in mstate:
                 out[native] = take(mega)
     if mstate or experts:

@@ -1,0 +1,95 @@
+"""The MLA families through Megatron-core on the CPU (CUDA mapped to the CPU: tests/megatron/cuda_on_cpu.py):
+DeepSeek-V3's MLA (q LoRA, YaRN, interleaved rope pairs) built from megatron-core's MLASelfAttention with
+the project's core attention, dense layers and the DeepSeek MoE (sigmoid router, correction bias, expert
+groups, routed scaling, a shared expert): log-probs equal to the native trainer's, get_weights the
+checkpoint's tensors bit for bit, and the first step the native one."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_megatron_cuda import MEAN_TOL, TOL, _batch, _diff, _model_cfg  # noqa: E402  (tests/gpu helpers)
+from test_megatron_trainer import _trainers
+
+
+@pytest.fixture(autouse=True)
+def mla_config(monkeypatch):
+    """MegatronTrainer._build names TransformerConfig; MLA needs MLATransformerConfig (the trainer's
+    one-line change: build it with specs.transformer_config(spec.config_class, ...))."""
+    import megatron.core.transformer
+
+    from miles.trainer.megatron.specs import transformer_config
+
+    monkeypatch.setattr(megatron.core.transformer, "TransformerConfig", lambda **kw: transformer_config(
+        "MLATransformerConfig" if kw.get("multi_latent_attention") else "TransformerConfig", **kw))
+
+
+def _checkpoint(name: str, tmp_path, seed: int = 0, **moe_changes) -> str:
+    """A random checkpoint of conf/model/<name>.yaml with `moe_changes`, its routers' correction
+    biases random too (a fresh model's are zeros, which would leave them untested)."""
+    from miles.data.tokenizer import DEFAULT_ALPHABET
+    from miles.models import from_pretrained, save_pretrained
+    from miles.orchestrate.checkpoints import random_checkpoint
+
+    cfg = _model_cfg(name)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe_changes))
+    out = random_checkpoint(cfg, DEFAULT_ALPHABET, seed=seed, out=tmp_path / name)
+    model = from_pretrained(out, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if key.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) * 0.5)
+    save_pretrained(model, out)
+    return str(out)
+
+
+CASES = {  # deepseek_v3_tiny: 1 dense + 2 MoE layers, 8 experts in 4 groups, top-2 of 2 groups
+    "dense": dict(first_k_dense=3),  # every layer dense: MLA alone
+    "moe": {},
+    "moe_ungrouped": dict(n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logprobs_equal_the_native_trainer(case, tmp_path, megatron_on_this_device):
+    mega, native = _trainers(_checkpoint("deepseek_v3_tiny", tmp_path, **CASES[case]), megatron_on_this_device)
+    batch = _batch(mega.arch.vocab_size)
+    worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
+    print(f"\ndeepseek_v3_tiny {case} fp32: max |dlogp| {worst:.3g}, mean {mean:.3g}")
+    assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
+
+
+def test_weights_round_trip_and_the_first_step(tmp_path, megatron_on_this_device):
+    """The GPTModel is megatron-core's MLA with the project's core attention and router; get_weights
+    returns the checkpoint's tensors (correction biases included) bit for bit; the first step has
+    ppo_kl == 0 and the native trainer's loss, grad norm and updated weights (Adam, fp32)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from miles.models import from_pretrained
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+    from miles.trainer.megatron.router import GroupLimitedRouter
+
+    ckpt = _checkpoint("deepseek_v3_tiny", tmp_path)
+    mega, native = _trainers(ckpt, megatron_on_this_device)
+    kinds = [type(m) for m in mega.model.modules()]
+    assert (kinds.count(MLASelfAttention), kinds.count(SDPACoreAttention), kinds.count(GroupLimitedRouter)) == (3, 3, 2)
+    weights, _ = mega.get_weights()
+    reference = from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    assert set(weights) == set(reference)
+    assert all(torch.equal(weights[k].cpu(), reference[k]) for k in reference)
+    batch = _batch(mega.arch.vocab_size)
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/ppo_kl"] == 0.0 and m["train/pg_clipfrac"] == 0.0
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)
+    after, _ = mega.get_weights()
+    moved = native.model.state_dict()
+    assert all(torch.equal(after[k].cpu(), moved[k].cpu()) for k in moved if k.endswith("e_score_correction_bias"))
+    diffs = torch.cat([(after[k].cpu() - moved[k].cpu()).abs().flatten() for k in moved])
+    print(f"\nfirst step: loss {m['train/loss']:.6g} vs {n['train/loss']:.6g}, grad norm {m['train/grad_norm']:.6g} "
+          f"vs {n['train/grad_norm']:.6g}, weights max {float(diffs.max()):.3g} mean {float(diffs.mean()):.3g}")
+    # Adam's first step moves each weight by ~lr * sign(grad): where a gradient is ~0 its sign may
+    # differ between the two (fp32 rounding), a step of at most 2 lr; everywhere else they agree.
+    assert float(diffs.max()) <= 2.5e-4 and float(diffs.mean()) < 1e-7, (float(diffs.max()), float(diffs.mean()))
