@@ -93,3 +93,17 @@ def test_weights_round_trip_and_the_first_step(tmp_path, megatron_on_this_device
     # Adam's first step moves each weight by ~lr * sign(grad): where a gradient is ~0 its sign may
     # differ between the two (fp32 rounding), a step of at most 2 lr; everywhere else they agree.
     assert float(diffs.max()) <= 2.5e-4 and float(diffs.mean()) < 1e-7, (float(diffs.max()), float(diffs.mean()))
+
+
+@pytest.mark.parametrize("case", ["moe", "dense"])
+def test_glm4_7_flash_logprobs_equal_the_native_trainer(case, tmp_path, megatron_on_this_device):
+    """GLM-4.7-Flash: decoder norms' eps 1e-5, latent norms' 1e-6 (the spec's latent_norm_eps), v head dim
+    24 = qk head dim, no expert groups."""
+    changes = {"first_k_dense": 3} if case == "dense" else {}
+    mega, native = _trainers(_checkpoint("glm4_7_flash_tiny", tmp_path, **changes), megatron_on_this_device)
+    norms = {m.eps for name, m in mega.model.module.named_modules() if name.endswith(("q_layernorm", "kv_layernorm"))}
+    assert norms == {1e-6} and mega.megatron_config.layernorm_epsilon == 1e-5
+    batch = _batch(mega.arch.vocab_size)
+    worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
+    print(f"\nglm4_7_flash_tiny {case} fp32: max |dlogp| {worst:.3g}, mean {mean:.3g}")
+    assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)

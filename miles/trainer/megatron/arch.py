@@ -1,16 +1,17 @@
 """The project's `ArchConfig` as Megatron-core arguments: pure functions, no megatron import.
 
     spec = megatron_spec(arch, bf16=True, recompute=False)
-    config = CONFIG_CLASSES[spec.config_class](**spec.transformer, activation_func=F.silu)  # ACTIVATIONS[spec.activation]
-    get_gpt_decoder_block_spec(config, use_transformer_engine=te, **spec.layer_spec)
-    GPTModel(config, layer_spec, **spec.model)
+    config = specs.transformer_config(spec.config_class, **spec.transformer, activation_func=F.silu)
+    layers = specs.decoder_block_spec(config, te, spec.layer_spec)       # megatron-core's, with the project's swaps
+    GPTModel(config, layers, **spec.model)
 
 Mapped families: qwen3 and qwen2 (dense GQA, RoPE, RMSNorm, SwiGLU; QK-norm or q/k/v bias),
-qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`) and
-deepseek_v3 (DeepSeek-V3 / R1, Kimi K2: MLA with q LoRA and YaRN through megatron-core's
-MLASelfAttention, built without Transformer Engine because the spec's core attention is the
-project's, miles/trainer/megatron/core_attention.py; `first_k_dense_replace` dense layers; the
-DeepSeek router: sigmoid scores, correction bias, group-limited top-k, routed scaling, shared experts).
+qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`),
+deepseek_v3 (DeepSeek-V3 / R1, Kimi K2) and glm4_moe_lite (GLM-4.7-Flash): MLA with q LoRA and YaRN
+through megatron-core's MLASelfAttention, built without Transformer Engine because the spec's core
+attention is the project's (miles/trainer/megatron/core_attention.py); `first_k_dense_replace` dense
+layers; the DeepSeek router (sigmoid scores, correction bias, group-limited top-k, routed scaling,
+shared experts).
 `problems(arch)` names what a config needs that the mapping does not cover yet, so validation refuses
 it before any start.
 """
@@ -20,13 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3")
+MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 @dataclass
 class MegatronSpec:
     transformer: dict[str, Any]  # TransformerConfig keyword arguments (activation_func apart)
-    layer_spec: dict[str, Any]  # get_gpt_decoder_block_spec keyword arguments (it reads the layers' kinds from the config)
+    # get_gpt_decoder_block_spec keyword arguments (it reads the layers' kinds from the config), and
+    # the project's own: latent_norm_eps (MLA; specs.py)
+    layer_spec: dict[str, Any]
     model: dict[str, Any]  # GPTModel keyword arguments (config and layer spec apart)
     activation: str = "silu"  # TransformerConfig.activation_func, by name
     moe_layers: list[int] = field(default_factory=list)  # decoder layers whose MLP is routed experts
@@ -34,13 +37,12 @@ class MegatronSpec:
 
 
 # transformers builds DeepSeek's q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps
-# says (miles/models/mla.py); megatron-core's MLA normalizes the latents with layernorm_epsilon.
+# says (miles/models/mla.py); megatron-core's MLA normalizes the latents with layernorm_epsilon, so the
+# spec gives them this one (specs.py, `latent_norm_eps`).
 LATENT_NORM_EPS = 1e-6
 
 # Families that are not mapped, and why, where there is more to say than "not yet".
 _UNMAPPED_WHY = {
-    "glm4_moe_lite": "its latent norms' eps (1e-6) differs from its decoder norms' (1e-5), and megatron-core's "
-                     "MLA gives both one layernorm_epsilon",
     "deepseek_v32": "its DSA indexer and top-k sparse attention are not mapped",
     "glm_moe_dsa": "its DSA indexer and top-k sparse attention are not mapped",
 }
@@ -50,9 +52,6 @@ def _mla_problems(arch) -> list[str]:
     m, rs, out = arch.mla, arch.rope_scaling, []
     if not m.rope_interleave:
         out.append("trainer=megatron: megatron-core's MLA rotates adjacent rope pairs only (mla.rope_interleave=true)")
-    if arch.rms_norm_eps != LATENT_NORM_EPS:
-        out.append(f"trainer=megatron: MLA with rms_norm_eps={arch.rms_norm_eps} (megatron-core normalizes the "
-                   f"latents with it; the checkpoint's latent norms use {LATENT_NORM_EPS})")
     if arch.attention_bias:
         out.append("trainer=megatron: MLA projections with biases are not mapped")
     if arch.mtp_layers:
@@ -145,9 +144,10 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
     pattern = moe_layer_pattern(arch)
     if any(pattern):
         transformer.update(_moe(arch.moe), moe_layer_freq=pattern)
+    layer_spec: dict[str, Any] = dict(normalization="RMSNorm")
     if arch.mla is not None:
         transformer.update(_mla(arch))
-    layer_spec = dict(normalization="RMSNorm")
+        layer_spec["latent_norm_eps"] = LATENT_NORM_EPS
     model = dict(
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -213,7 +213,8 @@ def _mla(arch) -> dict[str, Any]:
         # the attention factor is mscale(f, mscale) / mscale(f, mscale_all_dim) in both; where the
         # native has neither it is mscale(f, 1): mscale 1 over mscale_all_dim 0 (mscale(f, 0) = 1)
         both = bool(rs.mscale and rs.mscale_all_dim)
-        out.update(rotary_scaling_factor=rs.factor, original_max_position_embeddings=rs.original_max_position_embeddings,
+        out.update(rotary_scaling_factor=rs.factor,
+                   original_max_position_embeddings=rs.original_max_position_embeddings,
                    beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale if both else 1.0,
                    mscale_all_dim=rs.mscale_all_dim if both else 0.0)
     return out

@@ -36,7 +36,8 @@ class GroupLimitedRouter(TopKRouter):
             bias = torch.zeros_like(choice) if self.expert_bias is None else self.expert_bias.float().expand_as(choice)
             grouped = (choice + bias).view(logits.shape[0], self.groups, -1)
             strength = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(strength, dtype=torch.bool).scatter_(1, strength.topk(self.group_topk, -1).indices, True)
+            best = strength.topk(self.group_topk, dim=-1).indices
+            keep = torch.zeros_like(strength, dtype=torch.bool).scatter_(1, best, True)
             outside = torch.zeros_like(strength).masked_fill_(~keep, float("-inf"))
             return bias + outside.repeat_interleave(grouped.shape[-1], dim=1)
 

@@ -5,6 +5,8 @@ the project's (miles/trainer/megatron/core_attention.py: PyTorch SDPA instead of
 DotProductAttention's materialised [heads, L, L] scores; it takes MLA's k / v head dims too). With
 expert groups (DeepSeek-V3) the MoE layers' router is the project's, with either spec
 (miles/trainer/megatron/router.py: DeepSeek's group ranking, which megatron-core's differs from).
+MLA's latent norms take `latent_norm_eps` (a `layer_spec` key of the project's): megatron-core builds
+them with the decoder's layernorm_epsilon, and GLM-4.7-Flash's checkpoints differ there (1e-6 / 1e-5).
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ def _with_core_attention(layer, core_attention):
         raise ValueError(f"the local spec's core attention is {attention.submodules.core_attention}, "
                          "not the DotProductAttention this swap replaces")
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=core_attention))
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
+
+
+def _with_latent_norm_eps(layer, latent_eps: float):
+    """A copy of an MLA layer spec whose q / kv latent norms use `latent_eps`, whatever eps MLA passes them."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def norm(hidden_size, config, eps=None):  # MLASelfAttention passes the decoder's eps: not this one
+        return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=latent_eps)
+
+    attention = layer.submodules.self_attention
+    attention = replace(attention, submodules=replace(attention.submodules, q_layernorm=norm, kv_layernorm=norm))
     return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
 
 
@@ -43,12 +57,19 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
     with the project's core attention; `layer_spec` from miles.trainer.megatron.arch."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    layer_spec = dict(layer_spec)
+    latent_eps = layer_spec.pop("latent_norm_eps", None)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, **layer_spec)
     swaps = []
     if not te:
         from miles.trainer.megatron.core_attention import SDPACoreAttention
 
         swaps.append(functools.partial(_with_core_attention, core_attention=SDPACoreAttention))
+    if latent_eps is not None and latent_eps != config.layernorm_epsilon:
+        if te:  # TE's MLA spec fuses the latent norms into the up projections, with layernorm_epsilon
+            raise ValueError(f"MLA latent norms with eps {latent_eps} != layernorm_epsilon "
+                             f"{config.layernorm_epsilon} need the local spec (no Transformer Engine)")
+        swaps.append(functools.partial(_with_latent_norm_eps, latent_eps=latent_eps))
     if (config.moe_router_num_groups or 1) > 1:
         from miles.trainer.megatron.router import GroupLimitedRouter
 

@@ -74,7 +74,8 @@ def _layer_names(i: int, moe: bool, te: bool, mla: bool) -> dict[str, str]:
         n + "mlp.shared_experts.down_proj.weight": m + "mlp.shared_experts.linear_fc2.weight",
     }
     if mla:  # its q_layernorm is the q latent's norm
-        out.update({n + "self_attn." + native: m + "self_attention." + names[te] for native, names in _MLA_NAMES.items()})
+        out.update({n + "self_attn." + native: m + "self_attention." + names[te]
+                    for native, names in _MLA_NAMES.items()})
     else:
         out.update({n + "self_attn.q_norm.weight": m + "self_attention.q_layernorm.weight",
                     n + "self_attn.k_norm.weight": m + "self_attention.k_layernorm.weight"})

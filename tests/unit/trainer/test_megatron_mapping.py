@@ -61,8 +61,8 @@ def test_dense_layers_inside_a_moe_model():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("glm4_7_flash_tiny", "glm4_moe_lite is not mapped yet (its latent norms' eps"),
     ("glm5_tiny", "glm_moe_dsa is not mapped yet (its DSA indexer"),
+    ("deepseek_v3_2_tiny", "deepseek_v32 is not mapped yet (its DSA indexer"),
     ("glm4_moe_tiny", "glm4_moe is not mapped yet"),
     ("llama4_tiny", "llama4_text is not mapped yet"),
 ])
@@ -90,11 +90,13 @@ def test_deepseek_v3_translates_to_mla_and_the_deepseek_router(arch_of):
     assert (t["moe_router_num_groups"], t["moe_router_group_topk"], t["moe_router_topk_scaling_factor"]) == (8, 4, 2.5)
     assert t["moe_shared_expert_intermediate_size"] == 2048
     assert t["moe_layer_freq"] == [0, 0, 0] + [1] * 58 and spec.moe_layers == list(range(3, 61))
+    # the latent norms' eps of DeepSeek's checkpoints, whatever rms_norm_eps says (specs.py applies it)
+    assert spec.layer_spec == {"normalization": "RMSNorm", "latent_norm_eps": 1e-6}
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "deepseek_r1", "kimi_k2", "kimi_k2_thinking",
-                                  "kimi_k2_5"])
-def test_deepseek_v3_family_checkpoints_are_mapped(name, arch_of):
+                                  "kimi_k2_5", "glm4_7_flash_tiny", "glm4_7_flash"])
+def test_mla_family_checkpoints_are_mapped(name, arch_of):
     arch = arch_of(name)
     arch.mtp_layers = 0  # DeepSeek-V3 / R1 ship an MTP layer: refused below
     assert problems(arch) == []
@@ -102,7 +104,6 @@ def test_deepseek_v3_family_checkpoints_are_mapped(name, arch_of):
 
 def test_what_mla_does_not_map_is_named(arch_of):
     cases = [("mtp_layers", 1, "set model.mtp_layers=0"),
-             ("rms_norm_eps", 1e-5, "latent norms use 1e-06"),
              ("attention_bias", True, "projections with biases")]
     for field, value, message in cases:
         arch = arch_of("deepseek_v3_tiny")
@@ -153,7 +154,7 @@ def test_mlp_and_expert_layouts():
 
 @pytest.mark.parametrize("te", [False, True])
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "qwen3_0_6b", "deepseek_v3_tiny",
-                                  "deepseek_v3_tiny_q_proj"])
+                                  "deepseek_v3_tiny_q_proj", "glm4_7_flash_tiny"])
 def test_round_trip_is_bitwise(name, te, arch_of):
     arch = arch_of(name.removesuffix("_q_proj"))
     if name == "qwen3_0_6b":  # the published dims at two layers (the mapping is per layer)
