@@ -107,3 +107,24 @@ def test_glm4_7_flash_logprobs_equal_the_native_trainer(case, tmp_path, megatron
     worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
     print(f"\nglm4_7_flash_tiny {case} fp32: max |dlogp| {worst:.3g}, mean {mean:.3g}")
     assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
+
+
+@pytest.mark.parametrize("scramble", [False, True])
+def test_r3_replays_the_engine_experts_through_the_group_limited_router(scramble, tmp_path,
+                                                                        megatron_on_this_device):
+    """R3 through the project's router: the engine's experts (or experts shifted by one, many outside
+    the groups the router would keep) give the native trainer's log-probs, step and routing agreement."""
+    from test_megatron_routing import _engine_batch
+    from test_megatron_routing import _trainers as _replaying_trainers
+
+    ckpt = _checkpoint("deepseek_v3_tiny", tmp_path)
+    mega, native = _replaying_trainers(ckpt, megatron_on_this_device, "r3")
+    batch = _engine_batch(ckpt, scramble)
+    worst, _ = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
+    assert worst < TOL["fp32"], worst
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)
+    agree = m["mismatch/routing_agreement"]
+    print(f"\nR3 scramble={scramble}: max |dlogp| {worst:.3g}, routing agreement {agree}")
+    assert agree == n["mismatch/routing_agreement"]
