@@ -84,15 +84,32 @@ def test_mla_head_dims_equal_softmax_attention_by_hand(parallel):
     assert float((got - want).abs().max()) < 1e-5
 
 
-def test_packed_sequences_are_refused_by_name(parallel):
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_sequences_equal_each_sequence_alone(padded, parallel):
+    """THD: three sequences (lengths 5, 1, 4) packed, GQA, MLA-like k / v dims; with `padded` each
+    sequence starts at a multiple of 4 (cu_seqlens_q_padded) and the gaps come back as zeros."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    ours, _ = _both(AttnMaskType.causal, 4, 4)
-    q, k, v = _qkv(6, 1, 4, 4, 8, 8, parallel)
-    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="packed"):
-        ours(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+
+    heads, groups, kd, vd = 4, 2, 12, 8
+    attn = SDPACoreAttention(_config(heads, groups, 8), 1, AttnMaskType.padding_causal, "self", k_channels=kd,
+                             v_channels=vd)
+    lengths, starts = [5, 1, 4], ([0, 8, 12, 16] if padded else [0, 5, 6, 10])
+    q, k, v = (t[:, 0] for t in _qkv(starts[-1], 1, heads, groups, kd, vd, parallel, seed=4))  # [t, h, d]
+    cu = torch.tensor([0, 5, 6, 10], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=torch.tensor(starts, dtype=torch.int32) if padded else None,
+                             cu_seqlens_kv_padded=torch.tensor(starts, dtype=torch.int32) if padded else None)
+    got = attn(q, k, v, None, packed_seq_params=params)
+    assert got.shape == (starts[-1], heads * vd)
+    filled = torch.zeros(starts[-1], dtype=torch.bool)
+    for start, n in zip(starts, lengths):
+        alone = attn(*(t[start:start + n, None] for t in (q, k, v)), None, attn_mask_type=AttnMaskType.causal)
+        assert float((got[start:start + n] - alone[:, 0]).abs().max()) < 1e-6
+        filled[start:start + n] = True
+    assert not got[~filled].any()  # the gaps between padded sequences (none unpadded)
 
 
 def test_the_local_decoder_spec_builds_the_projects_core_attention(parallel):

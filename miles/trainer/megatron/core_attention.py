@@ -14,7 +14,11 @@ Layout as megatron-core's: query [sq, b, heads, k], key [sk, b, groups, k], valu
 - padding / arbitrary: the boolean mask, True where a query must not see a key (Megatron's sense,
   the inverse of SDPA's), broadcastable to [b, heads, sq, sk];
 - padding_causal: both; no_mask: none.
-Packed sequences (`packed_seq_params`, THD) are refused: the trainer hands padded rows.
+Packed sequences (`packed_seq_params`, THD: query [t, heads, k] holding the sequences at
+`cu_seqlens_q_padded`, or `cu_seqlens_q`, each `cu_seqlens_q` long): one SDPA per sequence, causal
+within it for the causal mask types; output [t, heads * v], zeros in the padding between sequences.
+(MLA pads THD values to the query's head dim and trims the output after: the value's own width is
+the output's.)
 """
 
 from __future__ import annotations
@@ -69,21 +73,39 @@ class SDPACoreAttention(MegatronModule):
             keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
         return keep, False
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
-                attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention takes padded rows, not packed sequences (packed_seq_params)")
-        if attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention takes no attention_bias")
-        sq, b = query.shape[:2]
-        mask, causal = self._mask(attn_mask_type or self.attn_mask_type, attention_mask, sq, key.shape[0],
-                                  query.device)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+    def _sdpa(self, q, k, v, mask, causal: bool):
+        """q [b, heads, sq, k], k / v [b, groups, sk, k or v] -> [b, heads, sq, v]."""
         dropout = self.dropout if self.training else 0.0
         # dropout draws from Megatron's model-parallel RNG stream, as the local attention's does
         rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout and not self.config.sequence_parallel
                else contextlib.nullcontext())
         with rng:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                 scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.v_channels)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                  scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
+
+    def _packed(self, query, key, value, params, mask_type: AttnMaskType):
+        """THD: one attention per packed sequence (see the module docstring)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPACoreAttention: packed qkv_format={params.qkv_format} (thd only)")
+        if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise NotImplementedError("SDPACoreAttention: packed queries and keys of different lengths")
+        starts = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+        for start, n in zip(starts[:-1].tolist(), params.cu_seqlens_q.diff().tolist()):  # one host sync
+            q, k, v = (t[start:start + n].transpose(0, 1)[None] for t in (query, key, value))  # [1, h, n, d]
+            out[start:start + n] = self._sdpa(q, k, v, None, causal and n > 1)[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention takes no attention_bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, mask_type)
+        sq, b = query.shape[:2]
+        mask, causal = self._mask(mask_type, attention_mask, sq, key.shape[0], query.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+        out = self._sdpa(q, k, v, mask, causal)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
