@@ -52,13 +52,16 @@ CASES = {  # deepseek_v3_tiny: 1 dense + 2 MoE layers, 8 experts in 4 groups, to
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_logprobs_equal_the_native_trainer(case, tmp_path, megatron_on_this_device):
-    mega, native = _trainers(_checkpoint("deepseek_v3_tiny", tmp_path, **CASES[case]), megatron_on_this_device)
+@pytest.mark.parametrize("case, dtype", [(case, "fp32") for case in CASES] + [("moe", "bf16")])
+def test_logprobs_equal_the_native_trainer(case, dtype, tmp_path, megatron_on_this_device):
+    """fp32: equal within fp32 rounding. bf16: Megatron's bf16 parameters against the native fp32
+    weights under autocast differ by design, within the H200 tier's bf16 bounds."""
+    ckpt = _checkpoint("deepseek_v3_tiny", tmp_path, **CASES[case])
+    mega, native = _trainers(ckpt, megatron_on_this_device, dtype=dtype)
     batch = _batch(mega.arch.vocab_size)
     worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
-    print(f"\ndeepseek_v3_tiny {case} fp32: max |dlogp| {worst:.3g}, mean {mean:.3g}")
-    assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
+    print(f"\ndeepseek_v3_tiny {case} {dtype}: max |dlogp| {worst:.3g}, mean {mean:.3g}")
+    assert worst < TOL[dtype] and mean < MEAN_TOL[dtype], (worst, mean)
 
 
 def test_weights_round_trip_and_the_first_step(tmp_path, megatron_on_this_device):
