@@ -53,8 +53,8 @@ class SDPACoreAttention(MegatronModule):
         tp = pg_collection.tp.size()
         self.heads = divide(config.num_attention_heads, tp)  # this tensor-parallel rank's
         self.groups = divide(config.num_query_groups, tp)
+        # v_channels needs no keeping: the output's head width is the value's (MLA's THD pads it)
         self.k_channels = k_channels if k_channels is not None else config.kv_channels
-        self.v_channels = v_channels if v_channels is not None else config.kv_channels
         # apply_query_key_layer_scaling divides the scores by layer_number and the local softmax
         # multiplies them back (in fp32): no net effect, so the plain scale is the scale.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
