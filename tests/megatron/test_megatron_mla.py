@@ -13,18 +13,6 @@ from test_megatron_cuda import MEAN_TOL, TOL, _batch, _diff, _model_cfg  # noqa:
 from test_megatron_trainer import _trainers
 
 
-@pytest.fixture(autouse=True)
-def mla_config(monkeypatch):
-    """MegatronTrainer._build names TransformerConfig; MLA needs MLATransformerConfig (the trainer's
-    one-line change: build it with specs.transformer_config(spec.config_class, ...))."""
-    import megatron.core.transformer
-
-    from miles.trainer.megatron.specs import transformer_config
-
-    monkeypatch.setattr(megatron.core.transformer, "TransformerConfig", lambda **kw: transformer_config(
-        "MLATransformerConfig" if kw.get("multi_latent_attention") else "TransformerConfig", **kw))
-
-
 def _checkpoint(name: str, tmp_path, seed: int = 0, **moe_changes) -> str:
     """A random checkpoint of conf/model/<name>.yaml with `moe_changes`, its routers' correction
     biases random too (a fresh model's are zeros, which would leave them untested)."""

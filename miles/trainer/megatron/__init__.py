@@ -1,5 +1,7 @@
 """Megatron-core trainer backend (`trainer=megatron`, docs/megatron.md).
 
+  core_attention.py  the project's core attention for the spec (PyTorch SDPA, MLA's k / v channels)
+  router.py   DeepSeek's group-limited router (groups ranked by their top two scores)
   arch.py     ArchConfig -> TransformerConfig / layer spec / GPTModel arguments, and what is not mapped
   weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts
   rules.py    what trainer=megatron combines with (config validation)

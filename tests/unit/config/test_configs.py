@@ -209,9 +209,8 @@ MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1",
     (["trainer=fsdp", "algo.routing_replay=r3", "model=qwen3_moe_tiny"], "use trainer=torch"),
     (["trainer=megatron"], "runs on CUDA only"),
     (["trainer=megatron", "trainer.num_ranks=2"], "use trainer=fsdp"),
-    ([*MEGATRON_GPU, "model=deepseek_v3_tiny"], "deepseek_v3 is not mapped yet"),
-    ([*MEGATRON_GPU, "model=qwen3_moe_tiny", "algo.routing_replay=r3"], "use trainer=torch"),
-    ([*MEGATRON_GPU, "precision=fp8"], "does not support precision=fp8"),
+    ([*MEGATRON_GPU, "model=glm5_tiny"], "glm_moe_dsa is not mapped yet"),
+    ([*MEGATRON_GPU, "precision=fp8"], "FP8 training needs Transformer Engine"),
     ([*MEGATRON_GPU, "trainer.tp=2"], "set trainer.tp, pp, ep, cp to 1"),
     (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
     (["rollout.weight_sync=shared_memory", "ray.enabled=false"], "set ray.enabled=true"),
@@ -245,6 +244,11 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
     assert validate(compose(["rollout.num_engines=2", "rollout.weight_sync=shared_memory"])) == []
     assert validate(compose(["rollout=sglang", "rollout.sglang.url=http://10.0.0.5:30000"])) == []
     assert validate(compose([*MEGATRON_GPU, "model=qwen3_moe_tiny", "precision=fp32"])) == []
+    # Megatron: R3, offload, INT4 QAT and quantized rollouts, the MLA families (tests/megatron runs them)
+    assert validate(compose([*MEGATRON_GPU, "model=qwen3_moe_tiny", "algo.routing_replay=r3", "trainer.offload=true",
+                             "precision=int4_qat"])) == []
+    assert validate(compose([*MEGATRON_GPU, "precision=bf16_train_fp8_rollout"])) == []
+    assert validate(compose([*MEGATRON_GPU, "model=deepseek_v3_tiny", "model.mtp_layers=0"])) == []
     gpu = ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "rollout.offload=true", "trainer.offload=true"]
     assert validate(compose(gpu)) == []
     assert any("set rollout.colocate=true" in p for p in validate(compose([*gpu, "rollout.colocate=false"])))
