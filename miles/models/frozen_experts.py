@@ -12,6 +12,16 @@ the same product. The stack is never dequantized whole. A state dict shows the d
 tensors (checkpoints and the merged export stay plain HF weights), and loading one checks it equals
 what is held (as `FrozenQuantLinear` does).
 
+Backward, as `FrozenQuantLinear`'s: an expert's dequantized slice is not kept from its forward to its
+backward. The expert loop (miles.models.moe / miles.models.llama4) multiplies the slice
+`expert_weight` gives it by F.linear or @, which would make autograd save it (or autocast's copy of
+it) as the matmul's operand: every routed expert's dense slice alive until the layer's backward.
+`expert_weight` hands the loop a `_HeldExpert` instead, the same tensor tagged with where it came
+from, whose product runs through `_ExpertProduct`: it saves nothing (the base gets no weight
+gradient, so not even the input) and rebuilds the slice from the codes in backward for
+grad_x = grad_y @ W_e, the product autograd's matmul backward computes, in the same dtype, so the
+gradients are bit for bit those of the kept slice. The adapters' own products are untouched.
+
 Two layouts, one holder (`FrozenStacks`): miles.models.moe.Experts ([E, 2I, H], [E, H, I]: F.linear)
 -> FrozenQuantExperts; Llama 4's transposed stacks (miles.models.llama4.Llama4Experts, [E, H, 2I] and
 [E, I, H]: x @ W_e) -> FrozenQuantLlama4Experts. The payload is the stack as it is stored, so it
@@ -25,6 +35,7 @@ codes are the engine's, bit for bit, which is what the trainer has to multiply.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts
@@ -34,6 +45,53 @@ from miles.precision.recipe import FP8, W8A16, Recipe
 from miles.precision.rollout_format import rollout_format
 
 STACKED = ("gate_up_proj", "down_proj")
+
+
+class _ExpertProduct(torch.autograd.Function):
+    """One expert's product with its tokens, x [c, in] -> [c, out]: F.linear(x, W_e) on [out, in]
+    stacks, x @ W_e on Llama 4's [in, out] ones, W_e the dequantized slice; what the expert loop's own
+    call computes (under the caller's autocast). Backward: grad_x = grad_y @ W_e (@ W_e^T transposed),
+    W_e rebuilt from the codes and dropped; no gradient for the base."""
+
+    @staticmethod
+    def forward(ctx, x, weight, holder, name, e, transposed):
+        y = x @ weight if transposed else F.linear(x, weight)
+        # The matmul ran in y's dtype: the slice as dequantized (weight.dtype), cast by autocast if it
+        # was on; x's gradient goes back in x's dtype, as autocast's cast of x passes it.
+        ctx.source = holder, name, e, weight.dtype, y.dtype, x.dtype, transposed
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        holder, name, e, dequantized, compute, x_dtype, transposed = ctx.source
+        weight = holder._dequantize(name, e, dequantized).to(compute)
+        grad_x = grad @ (weight.t() if transposed else weight)
+        return grad_x.to(x_dtype), None, None, None, None, None
+
+
+# The expert loops' products of x by an expert's slice -> whether the slice is [in, out] (x @ W).
+_PRODUCTS = {F.linear: False, torch.Tensor.matmul: True}  # `x @ W` reaches __torch_function__ as matmul
+
+
+class _HeldExpert(torch.Tensor):
+    """Expert e's dequantized slice as `expert_weight` gives it to the expert loop (the same storage):
+    its product with the tokens runs through _ExpertProduct, which does not keep it for backward. Any
+    other use sees the plain tensor."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, holder: "FrozenStacks", name: str, e: int):
+        held = torch.Tensor._make_subclass(cls, weight)
+        held.dense, held.source = weight, (holder, name, e)
+        return held
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS and not kwargs and len(args) == 2 and isinstance(args[1], cls) \
+                and not isinstance(args[0], cls):
+            x, held = args
+            return _ExpertProduct.apply(x, held.dense, *held.source, _PRODUCTS[func])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 class FrozenStacks:
@@ -75,7 +133,7 @@ class FrozenStacks:
             device = self._code().device.type
             if torch.is_autocast_enabled(device):
                 dtype = torch.get_autocast_dtype(device)
-        return self._dequantize(name, e, dtype)
+        return _HeldExpert(self._dequantize(name, e, dtype), self, name, e)
 
     def dequantized(self, name: str) -> torch.Tensor:
         """The whole stacked tensor in the master dtype, as stored (state dicts, exports)."""
