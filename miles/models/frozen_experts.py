@@ -76,7 +76,8 @@ _PRODUCTS = {F.linear: False, torch.Tensor.matmul: True}  # `x @ W` reaches __to
 class _HeldExpert(torch.Tensor):
     """Expert e's dequantized slice as `expert_weight` gives it to the expert loop (the same storage):
     its product with the tokens runs through _ExpertProduct, which does not keep it for backward. Any
-    other use sees the plain tensor."""
+    other use sees the plain tensor. A tensor subclass, so that the expert loops stay the dense
+    experts' own code: only what the holder hands them changes how they multiply it."""
 
     @staticmethod
     def __new__(cls, weight: torch.Tensor, holder: "FrozenStacks", name: str, e: int):

@@ -11,6 +11,7 @@ under bf16 autocast (where the saved operand is autocast's bf16 copy of the slic
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from miles.config.schema import DType, PrecisionCfg, Quant
 from miles.models.frozen_experts import HOLDER
@@ -110,3 +111,25 @@ def test_backward_rebuilds_the_expert_instead_of_keeping_it(kind, quant, autocas
     print(f"\n{kind.__name__} {quant} {'bf16 autocast' if autocast else 'fp32'}: saved for backward "
           f"{sum(b for _, _, b in before)} B over plain stacks (the holder before), {sum(b for _, _, b in after)} B "
           f"by the holder")
+
+
+@pytest.mark.parametrize("kind", [Experts, Llama4Experts], ids=["stacked", "llama4"])
+def test_no_dequantized_slice_outlives_the_forward(kind, monkeypatch):
+    """Not only autograd's saved tensors: nothing (a Function's ctx included) holds the memory of a slice
+    dequantized in the forward once it has returned (its storage, which a saved view would keep:
+    before, all 2E were alive here); backward dequantizes each used expert's two slices once more."""
+    held, _ = layers(kind, "int4")
+    made = []
+    dequantize = held.experts._dequantize
+
+    def tracked(*args):
+        t = dequantize(*args)
+        made.append(StorageWeakRef(t.untyped_storage()))
+        return t
+
+    monkeypatch.setattr(held.experts, "_dequantize", tracked)
+    x = torch.randn(N, H, requires_grad=True)
+    y = held.experts(x, torch.tensor([[t % E, (t + 1) % E] for t in range(N)]), torch.rand(N, K))
+    assert len(made) == 2 * E and all(ref.expired() for ref in made)
+    y.sum().backward()
+    assert len(made) == 4 * E and x.grad is not None
