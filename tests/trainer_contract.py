@@ -40,7 +40,7 @@ from miles.config.schema import (AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCf
                                  TrainerCfg)
 
 __all__ = [
-    "Contract", "ckpt", "batches", "draft_ckpt",
+    "Contract", "ckpt", "batches", "draft_ckpt", "force_copy",
     "test_is_a_trainer",
     "test_steps_match_the_torch_trainer",
     "test_first_step_of_each_rollout_has_zero_ppo_kl",
@@ -87,6 +87,19 @@ class Contract:
     offloads: bool = True
     moves: Callable[[], contextlib.AbstractContextManager] | None = None
     extra: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def force_copy():
+    """Offload into fresh host tensors on the CPU too (miles/trainer/offload.py FORCE_COPY), so the round
+    trip moves: a `Contract.moves`."""
+    from miles.trainer import offload
+
+    offload.FORCE_COPY = True
+    try:
+        yield
+    finally:
+        offload.FORCE_COPY = False
 
 
 @contextlib.contextmanager

@@ -2,25 +2,12 @@
 (CUDA mapped to the CPU: tests/megatron/cuda_on_cpu.py), against the torch trainer in the same process.
 The same suite runs on the H200 in tests/gpu/test_trainer_contract_cuda.py."""
 
-import contextlib
-
 import pytest
 
 pytest.register_assert_rewrite("trainer_contract")
 
 from trainer_contract import *  # noqa: E402,F401,F403  (the suite's tests and fixtures)
-from trainer_contract import Contract  # noqa: E402
-
-
-@contextlib.contextmanager
-def force_copy():
-    from miles.trainer import offload
-
-    offload.FORCE_COPY = True
-    try:
-        yield
-    finally:
-        offload.FORCE_COPY = False
+from trainer_contract import Contract, force_copy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

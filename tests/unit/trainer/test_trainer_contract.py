@@ -1,10 +1,9 @@
 """The trainer protocol's contract suite (tests/trainer_contract.py) in-process on the CPU: the native torch
 trainer, and the FSDP2 trainer as one gloo rank in this process (its collectives over one rank: the
 sharding, the reductions and the rank-0 paths run; the 2-rank split of the batch runs in Ray actors in
-tests/integration/test_trainer_contract_ray.py). Megatron runs the suite on CUDA
-(tests/gpu/test_trainer_contract_cuda.py)."""
+tests/integration/test_trainer_contract_ray.py). Megatron runs the suite in
+tests/megatron (CPU, `make test`) and on CUDA (tests/gpu/test_trainer_contract_cuda.py)."""
 
-import contextlib
 import socket
 
 import pytest
@@ -12,19 +11,7 @@ import pytest
 pytest.register_assert_rewrite("trainer_contract")
 
 from trainer_contract import *  # noqa: E402,F401,F403  (the suite's tests and fixtures)
-from trainer_contract import Contract  # noqa: E402
-
-
-@contextlib.contextmanager
-def force_copy():
-    """Offload into fresh host tensors on the CPU too (miles/trainer/offload.py), so the round trip moves."""
-    from miles.trainer import offload
-
-    offload.FORCE_COPY = True
-    try:
-        yield
-    finally:
-        offload.FORCE_COPY = False
+from trainer_contract import Contract, force_copy  # noqa: E402
 
 
 def _free_port() -> int:
