@@ -35,6 +35,10 @@ JOURNAL, STATE = "journal.jsonl", "state.json"
 # Fail fast inside MLflow's client (its default retries for minutes per call); the thread retries.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 MAX_BACKOFF_S = 10.0
+# The upload thread gathers what is logged for this long after an entry, then sends consecutive
+# steps' metrics in one request: one step's MLflow log_batch into SQLite costs ~5 ms of CPU (2-core
+# machine, 25 metrics), 20 steps' together ~1.5 ms a step, and that CPU is taken from training.
+GATHER_S = 2.0
 
 
 def transient(error: Exception) -> bool:
@@ -92,13 +96,27 @@ class Uploader:
             self.state["run_id"] = self.logger.run_id
             self.journal.save_state(self.state)
 
-    def send(self, entry: dict) -> None:
+    @staticmethod
+    def groups(entries: list[dict]) -> list[list[dict]]:
+        """`entries` in order as what goes up in one request each: a run of consecutive metrics
+        entries together, any other entry alone."""
+        out: list[list[dict]] = []
+        for entry in entries:
+            if out and entry["op"] == "metrics" and out[-1][-1]["op"] == "metrics":
+                out[-1].append(entry)
+            else:
+                out.append([entry])
+        return out
+
+    def send(self, entries: list[dict]) -> None:
+        """One entry, or several metrics entries (one request)."""
         self.ensure_run()
-        op, lg = entry["op"], self.logger
+        entry, lg = entries[-1], self.logger
+        op = entry["op"]
         if op == "params":
             lg.log_params(entry["params"])
         elif op == "metrics":
-            lg.log_metrics(entry["metrics"], entry["step"], entry["time_ms"])
+            lg.log_metric_steps([(e["metrics"], e["step"], e["time_ms"]) for e in entries])
         elif op == "artifact":
             lg.log_artifact(entry["path"], entry["artifact_path"])
         elif op == "table":
@@ -195,27 +213,43 @@ class JournaledTracker:
             self.log(f"MLflow unreachable at {self.uri} ({reason(error)}); training goes on, metrics are "
                      f"kept in {self.journal.path} and uploaded when it answers")
 
+    def _gather(self) -> list[dict]:
+        """The next entry and what follows it within GATHER_S (up to the final status)."""
+        entries = [self._queue.get()]
+        deadline = time.time() + GATHER_S
+        while entries[-1]["op"] != "finish" and (left := deadline - time.time()) > 0:
+            try:
+                entries.append(self._queue.get(timeout=left))
+            except queue.Empty:
+                break
+        return entries
+
     def _work(self) -> None:
         while not self._give_up.is_set():
-            entry = self._queue.get()
-            backoff = 0.5
-            while not self._give_up.is_set():
-                try:
-                    self.uploader.send(entry)
-                    break
-                except Exception as error:
-                    if not transient(error):
-                        self.log(f"MLflow refused a {entry['op']} entry ({reason(error)}); skipped, it stays in the journal")
-                        break
-                    self._went_offline(error)
-                    self._give_up.wait(backoff)
-                    backoff = min(2 * backoff, MAX_BACKOFF_S)
+            entries = self._gather()
+            for group in self.uploader.groups(entries):
+                self._send(group)
             if self.offline_since is not None and not self._give_up.is_set():
                 self.log(f"MLflow reachable again after {time.time() - self.offline_since:.0f}s; "
                          "uploading the backlog")
                 self.offline_since = None
-            if entry["op"] == "finish":
+            if entries[-1]["op"] == "finish":
                 return
+
+    def _send(self, group: list[dict]) -> None:
+        """One request, retried with backoff while the server is unreachable (until finish gives up)."""
+        backoff = 0.5
+        while not self._give_up.is_set():
+            try:
+                self.uploader.send(group)
+                return
+            except Exception as error:
+                if not transient(error):
+                    self.log(f"MLflow refused a {group[0]['op']} entry ({reason(error)}); skipped, it stays in the journal")
+                    return
+                self._went_offline(error)
+                self._give_up.wait(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
 
     def _report_backlog(self) -> None:
         uploaded = self.uploader.state["uploaded"]
@@ -233,8 +267,8 @@ def upload(run_dir: str | Path, connect: Callable = MlflowLogger) -> int:
     state = journal.state()
     uploader = Uploader(journal, state, connect, uri_key="store")
     pending = [e for e in journal.entries() if e["seq"] > state["uploaded"]]
-    for entry in pending:
-        uploader.send(entry)
+    for group in uploader.groups(pending):
+        uploader.send(group)
     return len(pending)
 
 

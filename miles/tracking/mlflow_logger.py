@@ -90,10 +90,14 @@ class MlflowLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
         """`timestamp_ms`: when the values were measured (a delayed upload keeps it); default now."""
+        self.log_metric_steps([(metrics, step, timestamp_ms or int(time.time() * 1000))])
+
+    def log_metric_steps(self, rows: list[tuple[dict[str, float], int, int]]) -> None:
+        """Several steps' metrics, (metrics, step, timestamp_ms) each, in as few requests as MLflow
+        takes (1000 values each): one SQLite transaction costs ~5 ms of CPU whatever it holds."""
         from mlflow.entities import Metric
 
-        now = timestamp_ms or int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        items = [Metric(k, float(v), time_ms, step) for metrics, step, time_ms in rows for k, v in metrics.items()]
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
 

@@ -28,6 +28,7 @@ class FakeServer:
         self.metrics: list[tuple[int, dict, int]] = []
         self.status = None
         self.runs = 0
+        self.requests = 0  # metrics requests
 
     def logger(self, cfg, run_name, tags, run_id=None):
         server = self
@@ -46,9 +47,10 @@ class FakeServer:
             def log_params(self, params):
                 check()
 
-            def log_metrics(self, metrics, step, time_ms):
+            def log_metric_steps(self, rows):
                 check()
-                server.metrics.append((step, metrics, time_ms))
+                server.requests += 1
+                server.metrics.extend((step, metrics, time_ms) for metrics, step, time_ms in rows)
 
             def log_artifact(self, path, artifact_path):
                 check()
@@ -82,6 +84,16 @@ def test_backlog_uploads_in_order_when_the_server_returns(tmp_path):
     assert [s for s, _, _ in server.metrics] == [1, 2, 3, 4, 5]
     assert server.status == "FINISHED" and server.runs == 1
     assert any("unreachable" in m for m in messages) and any("reachable again" in m for m in messages)
+
+
+def test_steps_logged_together_go_up_in_one_request(tmp_path):
+    server = FakeServer()
+    tracker = JournaledTracker(tracking(), "r", {}, tmp_path, connect=server.logger)
+    for step in range(1, 6):  # within GATHER_S of each other: one log_batch, at finish at the latest
+        tracker.log_metrics({"x": float(step)}, step)
+    tracker.finish("FINISHED")
+    assert [(s, m) for s, m, _ in server.metrics] == [(s, {"x": float(s)}) for s in range(1, 6)]
+    assert server.requests == 1 and server.status == "FINISHED"
 
 
 def test_unreachable_at_the_end_is_reported_then_uploaded_later(tmp_path):
