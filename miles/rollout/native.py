@@ -505,7 +505,10 @@ class NativeEngine:
             if held != (expected_checksum or ""):
                 raise WeightSyncError(f"engine weights checksum {held[:20]} != trainer's {expected_checksum[:20]}")
             return held
-        if self.recipe.rollout_quant == "none":
+        if self.flat is not None:  # one foreach copy into the parameters' buffer (load_state_dict walks the modules)
+            _check_shapes(weights, self.flat)
+            self.flat.fill_from(weights)
+        elif self.recipe.rollout_quant == "none":
             self.model.load_state_dict(weights, strict=True)
         else:
             self.recipe.load_engine(self.model, weights, self.dtype)
@@ -514,6 +517,8 @@ class NativeEngine:
             return ""
         if expected_checksum.startswith(DEVICE_DIGEST):  # an in-process quantized payload: checked on the device
             held = tensors_checksum(self.recipe.held_tensors(self.model))
+        elif self.flat is not None:  # the state dict's names, tensors and bytes, without building it
+            held = checksum(self.flat.views())
         else:
             held = checksum(self.model.state_dict()) if self.recipe.rollout_quant == "none" else \
                 self.recipe.held_checksum(self.model)
@@ -599,6 +604,13 @@ class NativeEngine:
         if self.weights_memory.stale:
             raise RuntimeError(f"{what}: the engine's weights were released without a host copy "
                                "(keep_weights=False): load them with update_weights(...) first")
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], flat: FlatWeights) -> None:
+    """What load_state_dict refuses and a copy would broadcast: a tensor of another shape."""
+    for name, shape in zip(flat.layout.names, flat.layout.shapes):
+        if name in weights and tuple(weights[name].shape) != shape:
+            raise ValueError(f"update_weights: {name} has shape {tuple(weights[name].shape)}, the engine's {shape}")
 
 
 def _select(cache, index: torch.Tensor):
