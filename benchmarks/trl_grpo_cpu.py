@@ -9,6 +9,7 @@ Set-up (a venv of its own; the project's .venv is not touched) and the run:
 
     [--shapes 8x8x8,64x8x8] [--warmup 3] [--steps 10]   # prompts x samples x tokens; steps timed per side
     [--trl-micro-batch N]                              # TRL's per-device batch (default 128, as Miles')
+    [--ray] [--settle-ms MS]                           # Miles' components as Ray actors (the default experiment's)
 
 Both sides start from the same random checkpoint of the default experiment's model (`qwen3_tiny`,
 written by `random_checkpoint`; TRL loads it with `AutoModelForCausalLM`, Miles with its own
@@ -25,7 +26,11 @@ below.
 A Miles step is what `miles.orchestrate.loop.rl_loop` does in-process (`ray.enabled=false`), with the
 components `miles.orchestrate.run` builds from the composed default config: `collect_rollout`
 (NativeEngine.generate + reward) = rollout, `make_train_batch` + `TorchTrainer.train_rl` = train,
-`sync_weights` (get_weights + update_weights with the checksum check) = sync.
+`sync_weights` (get_weights + update_weights with the checksum check) = sync. With `--ray` the engine
+and the trainer are Ray actors (`ray.enabled=true`, the default experiment's setting: the weights go
+through Ray's object store, SHA-256 checked); each side's step then starts after an untimed `--settle-ms` pause (default 100),
+so that the other side's idle OpenMP threads, in another process now, have stopped spinning on the
+cores.
 A TRL step is one optimizer step of `trl.GRPOTrainer.train()` (transformers `generate`, no vLLM),
 timed between consecutive `on_step_end` callbacks, so it includes everything TRL does per step
 (data loading, generation, scoring, loss, optimizer, its metric bookkeeping). Its generation +
@@ -98,8 +103,8 @@ class FixedSource:
         return batch
 
 
-def miles_cfg(p: int, n: int, t: int, threads: int):
-    """The default experiment's composed RunCfg at this shape, in-process."""
+def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False):
+    """The default experiment's composed RunCfg at this shape, in-process or (ray) as Ray actors."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -110,7 +115,7 @@ def miles_cfg(p: int, n: int, t: int, threads: int):
     overrides = [
         f"rollout.batch_size={p}", f"rollout.n_samples_per_prompt={n}", f"rollout.max_new_tokens={t}",
         f"trainer.global_batch_size={p * n}", f"trainer.micro_batch_size={min(128, p * n)}",
-        f"hardware.cpu_threads={threads}", "ray.enabled=false", "warm_start.enabled=false",
+        f"hardware.cpu_threads={threads}", f"ray.enabled={str(ray).lower()}", "warm_start.enabled=false",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
@@ -126,9 +131,9 @@ class MilesSide:
         from miles.orchestrate.run import _spawn_components
 
         self.cfg = cfg
-        engine, trainer, _ = _spawn_components(cfg, Path(ckpt), None)  # LocalHandles (ray.enabled=false)
+        engine, trainer, _ = _spawn_components(cfg, Path(ckpt), None)  # LocalHandles, or Ray actors
         # Benchmark only: no stop ids, so every sample has exactly T tokens (as TRL's min_new_tokens).
-        engine.obj.stop_ids = torch.tensor([], dtype=torch.long)
+        engine.apply(_no_stop_ids)
         self.ctx = LoopContext(engine=engine, trainer=trainer, source=FixedSource(examples),
                                tokenizer=TokenizerInfo.load(ckpt), reward_fn=get_reward_fn(cfg.task.reward),
                                log=lambda metrics, step: None)
@@ -153,6 +158,10 @@ class MilesSide:
         self.first_prompts.append(samples[0].prompt)
         return {"step": t3 - t0, "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2, "sync_fn": sync,
                 "loss": metrics.get("train/loss", float("nan"))}
+
+
+def _no_stop_ids(engine) -> None:
+    engine.stop_ids = torch.tensor([], dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- TRL side
@@ -224,11 +233,13 @@ def build_trl(ckpt: str, cfg, examples, steps_total: int, outdir: str, callback,
     return trainer, model, seen
 
 
-def make_callback(miles: MilesSide, threads: int):
+def make_callback(miles: MilesSide, threads: int, settle_s: float = 0.0):
     from transformers import TrainerCallback
 
     class Interleave(TrainerCallback):
-        """After each TRL optimizer step: one Miles step, then TRL's clock restarts."""
+        """After each TRL optimizer step: one Miles step, then TRL's clock restarts. `settle_s`: an
+        untimed pause before each side's step, so that the other side's idle OpenMP threads have
+        stopped spinning (with Ray the two sides compute in different processes)."""
 
         def __init__(self):
             self.resume = None
@@ -245,9 +256,11 @@ def make_callback(miles: MilesSide, threads: int):
             end = time.perf_counter()
             self.trl.append({"step": end - self.resume, "generate": self.trl_generate, "forwards": self.trl_forwards})
             assert torch.get_num_threads() == threads
+            time.sleep(settle_s)
             self.miles.append(miles.step())
             assert torch.get_num_threads() == threads
             self.trl_generate, self.trl_forwards = 0.0, 0
+            time.sleep(settle_s)
             self.resume = time.perf_counter()
 
     return Interleave()
@@ -272,19 +285,19 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
 
 
 def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
-              trl_micro: int | None = None) -> dict:
+              trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0) -> dict:
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
     from miles.orchestrate.checkpoints import random_checkpoint
 
     p, n, t = shape
     total = warmup + steps
-    cfg, overrides = miles_cfg(p, n, t, threads)
+    cfg, overrides = miles_cfg(p, n, t, threads, ray)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{workdir}/ckpt-{p}x{n}x{t}"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (total + 1), np.random.default_rng(0))
     torch.set_num_threads(threads)
     miles = MilesSide(ckpt, cfg, examples)
-    callback = make_callback(miles, threads)
+    callback = make_callback(miles, threads, settle_s)
     trl_micro = min(trl_micro or cfg.trainer.micro_batch_size, p * n)
     assert (p * n) % trl_micro == 0, "--trl-micro-batch must divide prompts x samples"
     trainer, hf_model, trl_prompts = build_trl(ckpt, cfg, examples, total, f"{workdir}/trl-{p}x{n}x{t}", callback,
@@ -300,7 +313,7 @@ def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int
     med = lambda rows, key: statistics.median(r[key] for r in rows)
     pair = [a["step"] / b["step"] for a, b in zip(trl_steps, miles_steps)]
     return {
-        "shape": f"{p}x{n}x{t}", "prompts": p, "samples": n, "new_tokens": t, "rows": p * n,
+        "shape": f"{p}x{n}x{t}", "ray": ray, "settle_s": settle_s, "prompts": p, "samples": n, "new_tokens": t, "rows": p * n,
         "micro_batch": cfg.trainer.micro_batch_size, "trl_micro_batch": trl_micro,
         "miles_trainer_cfg": str(cfg.trainer), "params": params, "overrides": overrides,
         "same_prompts": miles.first_prompts == [x.removeprefix("<bos>") for x in trl_prompts],
@@ -382,6 +395,10 @@ def main() -> None:
     ap.add_argument("--trl-micro-batch", type=int, default=None,
                     help="TRL's per_device_train_batch_size (gradient accumulation makes up the rest of the step); "
                          "default: Miles' trainer.micro_batch_size")
+    ap.add_argument("--ray", action="store_true", help="Miles' engine and trainer as Ray actors (the default "
+                    "experiment's ray.enabled=true); else in-process")
+    ap.add_argument("--settle-ms", type=float, default=None,
+                    help="untimed pause before each side's step (default: 100 with --ray, else 0)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -394,17 +411,24 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for text in args.shapes.split(","):
-            res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch)
+            settle = (args.settle_ms if args.settle_ms is not None else 100.0 if args.ray else 0.0) / 1000
+            res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch,
+                            args.ray, settle)
             print(f"{res['shape']}: miles {res['miles']['step']:.3f} s/step, trl {res['trl']['step']:.3f} s/step, "
                   f"trl/miles {res['ratio_trl_over_miles']:.2f}x; {res['params']:,} params; same prompts "
                   f"{res['same_prompts']}; max logit diff {res['max_logit_diff']:.1e}; TRL log-prob forwards per step "
                   f"{res['trl_logp_forwards_per_step']}; "
                   f"load {res['loadavg_before'][0]:.2f} -> {res['loadavg_after'][0]:.2f}", file=sys.stderr)
             results.append(res)
+            if args.ray:  # the next shape's actors need the CPUs these held
+                import ray
+
+                ray.shutdown()
     if args.out:
         Path(args.out).write_text(json.dumps({"env": env, "results": results}, indent=2) + "\n")
     print(f"\ntorch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
-          f"{args.threads} threads, {env['cpu']}; median of {args.steps} steps after {args.warmup} warm-up\n")
+          f"{args.threads} threads, {env['cpu']}; median of {args.steps} steps after {args.warmup} warm-up; "
+          f"Miles {'with Ray actors' if args.ray else 'in-process'}\n")
     print(table(results))
 
 
