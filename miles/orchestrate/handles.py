@@ -11,7 +11,6 @@ classes.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol, TypeVar
 
 C = TypeVar("C", covariant=True)  # the component behind the handle: a RolloutEngine, a Trainer
@@ -98,13 +97,15 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
     """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs.
     `runtime_env` applies to every worker process of this job (e.g. deterministic mode)."""
     import logging
+    import os
 
     import ray
 
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
-                              "runtime_env": with_openmp_spin(runtime_env or {})}
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     if address:
         kwargs["address"] = address
     else:
@@ -114,24 +115,6 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
         # The one-CPU actors (engine, trainer, PPO's critic) must fit even where Ray counts fewer cores.
         kwargs["num_cpus"] = num_cpus or max(num_actors, os.cpu_count() or 1)
     ray.init(**kwargs)
-
-
-# OpenMP worker threads of an idle actor stop spinning after this many iterations (libgomp's
-# default, 300000, keeps them busy for milliseconds after each parallel region). In one process the
-# engine and the trainer share one thread team; as actors each has its own, and on the CPU the team
-# of the component that just finished spun on the cores the next one computes on: 2 cores, 8x8x8,
-# the engine's generate right after a train step took 25.3 ms against 22.5 ms after a pause, and
-# 21.4 / 22.1 ms with 10000 (a few hundred microseconds: the gaps between one forward's ops stay
-# shorter, so the team still wakes without a sleep there). benchmarks/ray_share.py measures it.
-OPENMP_SPIN = {"GOMP_SPINCOUNT": "10000"}
-
-
-def with_openmp_spin(runtime_env: dict) -> dict:
-    """`runtime_env` whose env_vars also bound the actors' OpenMP spinning (OPENMP_SPIN), unless this
-    process's environment already chooses a wait policy or a spin count (the actors inherit it)."""
-    if any(k in os.environ for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
-        return runtime_env
-    return {**runtime_env, "env_vars": {**OPENMP_SPIN, **runtime_env.get("env_vars", {})}}
 
 
 def spawn(cls: type, use_ray: bool, *args: Any, num_gpus: float = 0.0, **kwargs: Any) -> LocalHandle | RayHandle:
