@@ -33,10 +33,15 @@ def test_logprobs_equal_the_native_trainer(name, tmp_path, megatron_on_this_devi
 def test_weights_round_trip_and_the_first_step(name, tmp_path, megatron_on_this_device):
     """get_weights returns the checkpoint's tensors bit for bit; the first step has ppo_kl == 0 and
     the native trainer's loss, grad norm and updated weights (Adam, fp32)."""
+    ckpt = _checkpoint(name, tmp_path)
+    assert_round_trip_and_first_step(ckpt, *_trainers(ckpt, megatron_on_this_device))
+
+
+def assert_round_trip_and_first_step(ckpt: str, mega, native) -> tuple[dict, dict]:
+    """get_weights gives the checkpoint bit for bit; the first step has ppo_kl == 0 and the native
+    trainer's loss, grad norm and updated weights. Returns both steps' metrics."""
     from miles.models import from_pretrained
 
-    ckpt = _checkpoint(name, tmp_path)
-    mega, native = _trainers(ckpt, megatron_on_this_device)
     weights, _ = mega.get_weights()
     reference = from_pretrained(ckpt, dtype=torch.float32).state_dict()
     assert set(weights) == set(reference)
@@ -52,6 +57,7 @@ def test_weights_round_trip_and_the_first_step(name, tmp_path, megatron_on_this_
     # Adam's first step moves each weight by ~lr * sign(grad): where a gradient is ~0 its sign may
     # differ between the two (fp32 rounding), a step of at most 2 lr; everywhere else they agree.
     assert float(diffs.max()) <= 2.5e-4 and float(diffs.mean()) < 1e-7, (float(diffs.max()), float(diffs.mean()))
+    return after, moved
 
 
 def test_kl_reference_is_a_frozen_copy_of_the_start(tmp_path, megatron_on_this_device):
