@@ -41,5 +41,4 @@ def contract(request, ckpt):
 
     # Megatron's own Adam (fp32 main parameters), its grad buffers and norm, padded micro-batches:
     # other reduction orders than the torch trainer's.
-    return Contract("megatron", ckpt, build_megatron, MegatronTrainer, device="cuda", tol=1e-4,
-                    drafts=False, offloads=False)
+    return Contract("megatron", ckpt, build_megatron, MegatronTrainer, device="cuda", tol=1e-4, drafts=False)

@@ -35,11 +35,11 @@ def test_int4_qat_forward_and_step_equal_the_native_trainer(name, tmp_path, mega
     mega, native = _trainers(ckpt, megatron_on_this_device, "int4_qat")
     assert mega._qat_rows, "no Megatron weight is fake-quantized"
     batch = _batch(mega.arch.vocab_size)
-    got, want = mega.logprobs(batch), native.logprobs(batch)
+    got, want = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
     assert float(((got - want).abs() * batch.loss_mask).max()) < 1e-4
     # the fake quantization acts: the recipe's log-probs are not the plain model's
     plain, _ = _trainers(ckpt, megatron_on_this_device, "fp32_train_int4_rollout")
-    assert float(((got - plain.logprobs(batch)).abs() * batch.loss_mask).max()) > 1e-3
+    assert float(((got - plain.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3
     m, n = mega.train_rl(batch), native.train_rl(batch)
     assert m["train/ppo_kl"] == 0.0
     assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
@@ -53,7 +53,7 @@ def test_kept_rows_stay_unquantized(tmp_path, megatron_on_this_device):
     assert not any(name.startswith("decoder.layers.0.") for name in mega._qat_rows)
     assert not any("router" in name or "embedding" in name or "output_layer" in name for name in mega._qat_rows)
     batch = _batch(mega.arch.vocab_size)
-    assert float(((mega.logprobs(batch) - native.logprobs(batch)).abs() * batch.loss_mask).max()) < 1e-4
+    assert float(((mega.logprobs(batch).cpu() - native.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) < 1e-4
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
