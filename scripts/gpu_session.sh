@@ -28,10 +28,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 
 case $PART in
 1)
-    step new_kernels 240 python3 -m pytest -q tests/gpu/test_fused_projections_cuda.py \
+    step new_kernels 400 python3 -m pytest -q -rf tests/gpu/test_fused_projections_cuda.py \
         tests/gpu/test_decode_attention_cuda.py tests/gpu/test_mla_slot_decode_cuda.py \
         tests/gpu/test_moe_graph_decode_cuda.py tests/unit/models/test_moe_grouped.py
-    step megatron 240 python3 -m pytest -q tests/megatron tests/gpu/test_megatron_cuda.py \
+    step megatron 150 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;
 2)
