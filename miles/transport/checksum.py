@@ -37,7 +37,9 @@ def hash_tensors(h, tensors: dict[str, torch.Tensor]) -> None:
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.flatten().view(torch.uint8).numpy().tobytes())
+        # The numpy view itself (buffer protocol): the same bytes hashed, without the bytes copy that
+        # .tobytes() made of every tensor (2.4 MB per side of a Ray sync of the default model).
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class WeightSyncError(RuntimeError):

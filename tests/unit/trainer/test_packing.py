@@ -94,3 +94,86 @@ def test_shared_prompt_plans_cover_the_same_loss_positions_with_each_prompt_once
     for mb in plans:  # prompts are branch 0 and restart at position 0; responses continue after them
         first_response = (mb.branch_ids > 0) & (torch.roll(mb.branch_ids, 1, 1) != mb.branch_ids)
         assert bool((mb.position_ids[first_response] > 0).all())
+
+
+def _reference_shared(batch, rows, last):
+    """packing._shared as it was before it was vectorised (per-token Python loops): the reference
+    the vectorised layout must reproduce tensor for tensor."""
+    width = batch.loss_mask.shape[1]
+    sizes = [[prompt + sum(last[i] + 1 - prompt for i in members) for prompt, members in row] for row in rows]
+    cols = max(sum(row) for row in sizes)
+    flat, sample, pos, segment, branch = [], [], [], [], []
+    samples, where = [], {}
+    for k, row in enumerate(rows):
+        start = k * cols
+        for j, ((prompt, members), size) in enumerate(zip(row, sizes[k])):
+            flat += range(start, start + prompt)
+            sample += [members[0]] * prompt
+            pos += range(prompt)
+            segment += [j + 1] * prompt
+            branch += [0] * prompt
+            offset = start + prompt
+            for b, i in enumerate(members, 1):
+                n = last[i] + 1 - prompt
+                flat += range(offset, offset + n)
+                sample += [i] * n
+                pos += range(prompt, prompt + n)
+                segment += [j + 1] * n
+                branch += [b] * n
+                where[i] = (start, offset, prompt)
+                samples.append(i)
+                offset += n
+            start += size
+    flat, sample, pos = torch.tensor(flat), torch.tensor(sample), torch.tensor(pos)
+    r = len(rows)
+    input_ids, position_ids = torch.zeros(r * cols, dtype=torch.long), torch.zeros(r * cols, dtype=torch.long)
+    segment_ids, branch_ids = torch.zeros(r * cols, dtype=torch.long), torch.zeros(r * cols, dtype=torch.long)
+    input_ids[flat], position_ids[flat] = batch.tokens[sample, pos], pos
+    segment_ids[flat], branch_ids[flat] = torch.tensor(segment), torch.tensor(branch)
+    src, dst, targets = [], [], []
+    for rank, i in enumerate(samples):
+        group, response, prompt = where[i]
+        for t in (batch.loss_mask[i] > 0).nonzero().squeeze(1).tolist():
+            src.append(group + t if t < prompt else response + t - prompt)
+            dst.append(rank * width + t)
+            targets.append(int(batch.tokens[i, t + 1]))
+    return dict(index=torch.tensor(samples), input_ids=input_ids.view(r, cols), src=torch.tensor(src),
+                dst=torch.tensor(dst), targets=torch.tensor(targets), segment_ids=segment_ids.view(r, cols),
+                position_ids=position_ids.view(r, cols), branch_ids=branch_ids.view(r, cols),
+                layout=(flat, sample, pos))
+
+
+def test_the_vectorised_shared_prompt_layout_equals_the_per_token_loops():
+    """Same tensors (values, dtypes, order) as the loops it replaced, on groups of varied prompt and
+    response lengths, single-target responses (no response token laid out) and several rows."""
+    from miles.trainer import packing
+
+    for seed in range(6):
+        rng = random.Random(seed)
+        samples = []
+        for g in range(rng.randrange(1, 9)):
+            prompt = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 7))]
+            for _ in range(rng.randrange(1, 5)):
+                response = [rng.randrange(1, 30) for _ in range(rng.randrange(0, 7))]
+                samples.append(Sample("", "", prompt, response, [-0.5] * len(response), group=g))
+        batch = build_train_batch(samples, torch.ones(len(samples)), pad_id=0)
+        calls = []
+        vectorised = packing._shared
+
+        def both(batch, rows, last):
+            calls.append((vectorised(batch, rows, last), _reference_shared(batch, rows, last)))
+            return calls[-1][0]
+
+        packing._shared = both
+        try:
+            for max_tokens in (8, 20, 512):
+                shared_prompt_micro_batches(batch, max_tokens)
+        finally:
+            packing._shared = vectorised
+        assert calls
+        for mb, ref in calls:
+            for name, want in ref.items():
+                got = getattr(mb, name)
+                pairs = zip(got, want) if name == "layout" else [(got, want)]
+                for a, b in pairs:
+                    assert a.dtype == b.dtype and torch.equal(a, b), (seed, name)
