@@ -144,11 +144,14 @@ class LoRA(nn.Module):
     `seed`: A's initialisation without touching the global RNG (adapter after adapter, so the first
     is the one a single-adapter LoRA of the same seed draws). `zero`: A = 0 too (an engine's
     adapters before the first sync: the same outputs as B = 0, nothing drawn). `adapters`: the
-    names of several adapters (see the module docstring); empty: one unnamed adapter."""
+    names of several adapters (see the module docstring); empty: one unnamed adapter. `device`: where
+    the adapters live (default: each target's weight's device); lets a meta-device model of the
+    native structure name, shape and seed adapters that hook elsewhere (the Megatron trainer's,
+    miles/trainer/megatron/lora.py)."""
 
     def __init__(self, model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  target_modules=ALL_PROJECTIONS, dtype: torch.dtype | None = None, seed: int | None = None,
-                 zero: bool = False, adapters: Sequence[str] = ()):
+                 zero: bool = False, adapters: Sequence[str] = (), device: torch.device | str | None = None):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0 (got {rank})")
@@ -176,6 +179,8 @@ class LoRA(nn.Module):
                 if not zero:  # PEFT's default: kaiming-uniform A (drawn on the CPU: the same on every device)
                     nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
                 kind = _placement(linear, dtype)
+                if device is not None:
+                    kind["device"] = device
                 self.lora_A.append(nn.Parameter(a.to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(linear.out_features, rank, **kind)))
             for m, attr in self._experts:
@@ -187,7 +192,7 @@ class LoRA(nn.Module):
                 held = held if held is not None else next(m.buffers())  # QLoRA's holder: its codes' device
                 if dtype is None and not held.is_floating_point():
                     raise ValueError("LoRA over quantized experts needs the adapters' dtype")
-                kind = dict(device=held.device, dtype=dtype or held.dtype)
+                kind = dict(device=held.device if device is None else device, dtype=dtype or held.dtype)
                 self.lora_A.append(nn.Parameter(a.view(num, rank, inp).to(**kind)))
                 self.lora_B.append(nn.Parameter(torch.zeros(num, out, rank, **kind)))
         for i, linear in enumerate(self._linears):

@@ -4,7 +4,8 @@ them (each parameter, each gradient, the fp32 main parameters that alias them) s
 
 - "params": DistributedDataParallel's parameter buffers go to pinned host copies and their storage is
   freed (megatron-core's `offload_to_cpu`, the hook it keeps for RL); the KL reference (a plain
-  GPTModel) moves like the torch trainer's models.
+  GPTModel) moves like the torch trainer's models, and so do the policy's frozen parameters, which no
+  buffer holds (the LoRA base: DDP buffers only what requires grad).
 - "grads": the gradient buffers' storage is freed, not copied (each step zeroes them first); they
   come back, zeroed, before the next step.
 - "optimizer": the Adam moments move like the torch trainer's; the fp32 main parameters that have a
@@ -24,6 +25,8 @@ class MegatronOffload:
         """`ddp_model`: the policy's DistributedDataParallel; `optimizers`: megatron-core's distributed
         optimizers (each with its torch optimizer in `.optimizer`)."""
         self.ddp, self.ref_model, self.optimizers, self.device = ddp_model, ref_model, optimizers, device
+        # Parameters outside DDP's buffers (frozen: the LoRA base); moved by .data like the reference.
+        self._frozen = [p for p in ddp_model.module.parameters() if not p.requires_grad]
         self.offloaded: set[str] = set()
         self._moments: list = []  # what off.offload_optimizer moved, to put back
         self._main_host: list[torch.Tensor] = []
@@ -57,6 +60,8 @@ class MegatronOffload:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             if self.ref_model is not None:
                 off.move_module(self.ref_model, self.device, host=True)
+            for p in self._frozen:
+                p.data = off.to_host(p.data)
             self.offloaded.add(off.PARAMS)
         off.free_device_memory(self.device)
 
@@ -68,6 +73,8 @@ class MegatronOffload:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
             if self.ref_model is not None:
                 off.move_module(self.ref_model, self.device, host=False)
+            for p in self._frozen:
+                p.data = off.to_device(p.data, self.device)
             self.offloaded.discard(off.PARAMS)
         if off.OPTIMIZER in tags and off.OPTIMIZER in self.offloaded:
             off.onload_optimizer(self._moments)
@@ -93,6 +100,7 @@ class MegatronOffload:
         here = lambda ts: [t for t in ts if off.same_device(t.device, self.device)  # noqa: E731
                            and t.untyped_storage().size() > 0]
         params = [b.param_data for b in self._buffers() if b.param_data is not None]
+        params += self._frozen
         if self.ref_model is not None:
             params += [*self.ref_model.parameters(), *self.ref_model.buffers()]
         grads = [b.grad_data for b in self._buffers() if b.grad_data is not None]

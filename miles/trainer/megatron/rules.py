@@ -1,5 +1,6 @@
 """What `trainer=megatron` combines with, checked before anything starts (miles/validate.py runs it
-with the config's own rules): one CUDA process, the families `arch.py` maps, the bf16 / fp32 recipes.
+with the config's own rules): one CUDA process, the families `arch.py` maps, the bf16 / fp32 recipes,
+LoRA with one adapter over a dense base.
 Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
 
 from __future__ import annotations
@@ -30,7 +31,23 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
     if t.lora.rank > 0:
-        problems.append(f"trainer.lora.rank={t.lora.rank} runs on trainer=torch or trainer=fsdp: Megatron-core's LoRA "
-                        "needs its Transformer Engine layers, which this backend does not build; set trainer=torch, "
-                        "trainer=fsdp or trainer.lora.rank=0")
+        problems += _lora_problems(cfg)
     return problems
+
+
+def _lora_problems(cfg: RunCfg) -> list[str]:
+    """LoRA on Megatron (miles/trainer/megatron/lora.py): one adapter, over a dense base, on the
+    local spec's linears."""
+    lo, p = cfg.trainer.lora, cfg.precision
+    problems = []
+    if len(lo.adapters) > 1:
+        problems.append(f"trainer.lora.adapters={list(lo.adapters)} on trainer=megatron: Megatron's distributed "
+                        "optimizer clips and steps all adapters as one group, and several adapters need each clipped "
+                        "on its own and left out of a step without its samples (built on trainer=torch / fsdp): "
+                        "set trainer=torch, trainer=fsdp or one adapter")
+    if p.train_quant.value == "int4":  # fp8 training is refused above for every Megatron run
+        problems.append(f"trainer.lora.rank={lo.rank} with precision={p.name} on trainer=megatron: QLoRA holds the "
+                        "frozen base as INT4 codes in the project's quantized layers, which Megatron's fused linears "
+                        "are not: set trainer=torch or trainer=fsdp (or precision=bf16)")
+    return problems
+

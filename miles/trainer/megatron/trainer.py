@@ -19,7 +19,9 @@ miles.trainer.megatron.weights; exported the same way back (`get_weights`, `save
 a second, frozen GPTModel. `save_state` / `load_state` write and read the Megatron parameters, the
 optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume. MoE routing replay
 (R3 / R2) goes through megatron-core's RouterReplay hooks; colocation offload through its buffers'
-storage (miles/trainer/megatron/offload.py).
+storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
+onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
+(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch.
 
 One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
 with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
@@ -40,10 +42,13 @@ import torch.nn.functional as F
 
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, save_pretrained
+from miles.models.lora import LoRA
 from miles.precision.recipe import FP8, NONE, Recipe
+from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.megatron import require_megatron
+from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import fake_quantized, quantized_rows
@@ -131,7 +136,8 @@ class MegatronTrainer:
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
         them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
-        forward_weights=rollout, an online-trained speculative draft, a CPU device."""
+        forward_weights=rollout, an online-trained speculative draft, a CPU device; with
+        cfg.lora.rank > 0, several adapters, QLoRA (int4_qat) and the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
@@ -164,8 +170,12 @@ class MegatronTrainer:
         self._qat_rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
         with torch.device("meta"):  # the native structure: which Linear layers a quantized engine holds
             self._skeleton = CausalLM(self.arch)
+        shapes = {name: t.shape for name, t in native.state_dict().items()}
         del native
-        self.model = self._ddp(self._build(state))
+        policy = self._build(state)
+        if cfg.lora.rank > 0:  # before DDP: its buffers and the optimizer then hold the adapters only
+            self.lora = self._attach_lora(policy, shapes, seed)
+        self.model = self._ddp(policy)
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self.routing_layers, self.key_layers = moe_layers(self.arch), []  # DSA families are not mapped
         if algo.routing_replay != "none" and not self.routing_layers:
@@ -216,6 +226,24 @@ class MegatronTrainer:
                                  params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                  use_distributed_optimizer=True)
         return get_megatron_optimizer(config, [self.model])
+
+    def _attach_lora(self, gpt, shapes: dict, seed: int) -> LoRA:
+        """The native LoRA module (trainer=torch's names, shapes, seeded init) over the meta skeleton,
+        its fp32 adapters on this device, hooked onto `gpt`'s fused linears (megatron/lora.py)."""
+        lo = self.cfg.lora
+        if self.te:
+            raise ValueError("trainer.lora on trainer=megatron needs the local spec: Transformer Engine's linears fuse "
+                             "the input norm, so an adapter cannot see the projection's input; use trainer=torch")
+        if self.recipe.train_quant != NONE:
+            raise ValueError(f"trainer.lora on trainer=megatron with precision={self.precision.name}: QLoRA holds the "
+                             "base in the project's quantized layers, not Megatron's; use trainer=torch or trainer=fsdp")
+        if len(lo.adapters) > 1:
+            raise ValueError(f"trainer=megatron trains one LoRA adapter; trainer.lora.adapters={list(lo.adapters)} "
+                             "needs trainer=torch or trainer=fsdp")
+        lora = LoRA(self._skeleton, lo.rank, lo.alpha, lo.dropout, lo.target_modules, dtype=torch.float32, seed=seed,
+                    adapters=lo.adapters, device=self.device)
+        megatron_lora.attach(gpt, lora, megatron_lora.adapter_rows(shapes, lora, self.arch, self.te))
+        return lora
 
     # ----------------------------------------------------------------------------- forward
     def plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
@@ -283,7 +311,7 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- optimizer step
     def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
-        """One optimizer step (`adapters`: LoRA is refused here), as TorchTrainer's: a backward per item
+        """One optimizer step (`adapters`: one LoRA adapter at most here, always stepped), as TorchTrainer's: a backward per item
         into Megatron's gradient buffers, then their reduction and the distributed optimizer's clipped step."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -299,6 +327,8 @@ class MegatronTrainer:
         finalize_model_grads([self.model])
         _, grad_norm, _ = self.optimizer.step()
         sums["grad_norm"] = torch.as_tensor(grad_norm, device=self.device, dtype=torch.float32)
+        if self.lora is not None and self.lora.adapter_names:  # one named adapter: its norm is the norm
+            sums[f"grad_norm/{self.lora.adapter_names[0]}"] = sums["grad_norm"]
         return sums
 
     # ----------------------------------------------------------------------------- the RL update (rl_update.py)
@@ -325,6 +355,9 @@ class MegatronTrainer:
         """The policy in precision.rollout_dtype under the native names with its checksum; `in_process`:
         as a FlatWeights on this device (one buffer kept across syncs), checked there."""
         off.require_onloaded(self.offloading.offloaded, "get_weights", (off.PARAMS,))
+        if self.lora is not None:  # the base never changes: only the adapters travel (as trainer=torch's)
+            return lora_side.adapter_weights(self.lora, self.precision.rollout_dtype,
+                                             self.device if in_process else None)
         state = self._policy_state()
         dtype = TORCH_DTYPES[self.precision.rollout_dtype]
         if self.recipe.rollout_quant != NONE and in_process:  # quantized where the weights are, checked there
@@ -350,11 +383,18 @@ class MegatronTrainer:
     def _policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's tensors in native names (what the engines load), on this GPU, in the native
         model's order."""
-        state = from_megatron(self.model.module.state_dict(), self.arch, te=self.te)
+        state = from_megatron(megatron_lora.without_adapters(self.model.module.state_dict()), self.arch, te=self.te)
         return {name: state[name] for name in self._native_names}
 
     def save(self, path: str) -> None:
-        """The policy as an HF-format dir."""
+        """The policy as an HF-format dir. LoRA: the merged model (W + alpha / rank * B A), the adapter
+        in PEFT's format in `adapter/` beside it, as trainer=torch exports."""
+        if self.lora is not None:
+            lora_side.export_model_state(self.lora, self._policy_state(), self.arch, path)
+            return
+        self._save_base(path)
+
+    def _save_base(self, path: str) -> None:
         with torch.device("meta"):  # the structure only; the mapped tensors become its weights
             model = CausalLM(self.arch)
         model.load_state_dict({k: v.float() for k, v in self._policy_state().items()}, assign=True)
@@ -371,7 +411,9 @@ class MegatronTrainer:
         optimizer's per-parameter `step` when neither Apex nor Transformer Engine is installed. And the
         policy as an HF-format dir `model/` (protocol: miles/trainer/protocol.py)."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.save(str(Path(path) / "model"))
+        self._save_base(str(Path(path) / "model"))  # LoRA: the frozen base, the adapters beside it (and in megatron.pt)
+        if self.lora is not None:
+            lora_side.save_adapter(self.lora, self._skeleton, path, self.cfg.lora.dropout)
         optimizers = [{"inner": o.optimizer.state_dict(),
                        "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]]}
                       for o in self._optimizers()]

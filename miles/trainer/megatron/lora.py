@@ -1,0 +1,165 @@
+"""LoRA on the Megatron-core trainer (`trainer=megatron`, `trainer.lora.rank > 0`; docs/megatron.md, "LoRA").
+
+    lora = LoRA(skeleton, rank, alpha, ..., device=gpu)      # the native LoRA module (miles/models/lora.py)
+    rows = adapter_rows(native_shapes, lora, arch)            # Megatron linear -> where its adapters' rows go
+    attach(gpt, lora, rows)                                   # base frozen, adapters hooked, held by the GPTModel
+
+The adapters are the native ones: `miles.models.lora.LoRA` built over a meta-device copy of the
+native model (the same names, shapes, seeded initialisation, PEFT files and sync payload as
+trainer=torch), its parameters on the GPU. Megatron fuses projections along their output rows
+(q / k / v into `linear_qkv`, per query group; gate / up into `linear_fc1`; each expert of a stacked
+`experts.gate_up_proj` into `local_experts.<e>.linear_fc1`), so each native adapter's output is
+added to the rows of the fused output that come from its native weight. Which rows those are is
+decided as the weights are mapped: every native row gets a number, the numbers go through
+`weights.to_megatron` (as quant.py's INT4 row masks do), and each Megatron linear reads off which
+native adapter and row each of its output rows is. A forward hook on the linear (the local spec's
+Column / RowParallelLinear) then computes each native adapter's B A x on the linear's input,
+concatenates them and places them by that row index (rows of weights not adapted get 0), scaled by
+alpha / rank, exactly the native hook's sum: a zero B adds exactly 0, so a fresh adapter gives the
+base model's log-probs bit for bit.
+
+The adapters are registered as a submodule of the GPTModel (`miles_lora`) with the base frozen
+(requires_grad=False), before DistributedDataParallel wraps it: megatron-core 0.19.2's DDP builds
+gradient buffers only for parameters that require grad, and `get_megatron_optimizer` groups only
+those, so Megatron's gradient buffers, distributed optimizer (no fp32 main copy for fp32 params),
+clipping and grad norm see the adapters only; the base stays in the training dtype (bf16 or fp32)
+with no gradient and no optimizer state.
+
+Not built (refused by rules.py, and here): several adapters (each clipped on its own and left out
+of a step without its samples, which Megatron's one distributed optimizer does not do), QLoRA
+(int4_qat / fp8: the quantized base is the project's own layers), the Transformer Engine spec (its
+linears fuse the input norm, so the hook would see the un-normalised input). Every native projection
+LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor) maps to one of Megatron's
+linears in the mapped families; `adapter_rows` refuses anything else by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from miles.trainer.megatron.weights import to_megatron
+
+LORA_MODULE = "miles_lora"  # the adapters' submodule in the GPTModel (so DDP and the optimizer see them)
+# The local spec's linears an adapter can sit on (dense, MoE expert and shared-expert MLPs, GQA and MLA).
+MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+                    "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+# The native projections whose Megatron place is one of those linears (+ the stacked expert tensors).
+NATIVE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
+                      "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_up_proj")
+
+
+@dataclass
+class Rows:
+    """Where one Megatron linear's adapters go: `pieces` (LoRA target index, expert or None), whose
+    B A x are concatenated in this order, and `index` [out rows] into that concatenation (its last
+    column is zeros where `zeros`); None: the concatenation is the output as it is."""
+    pieces: list[tuple[int, int | None]]
+    index: torch.Tensor | None
+    zeros: bool
+
+
+def adapter_rows(shapes: dict[str, torch.Size], lora, arch, te: bool = False) -> dict[str, Rows]:
+    """Megatron module name -> Rows, for the LoRA targets of a native model whose tensors have
+    `shapes`. Each native row of an adapted weight (each expert's row of a stack) is numbered, the
+    numbers are mapped by `to_megatron` like the weights, and read back per Megatron weight."""
+    keys = {lora.state_key(i): i for i in range(len(lora.names))}
+    missing = sorted(set(keys) - set(shapes))
+    if missing:
+        raise KeyError(f"LoRA targets {missing[:4]} are not tensors of the native model")
+    marks, blocks, start = {}, [], 1  # blocks: (target, expert, first number, rows); 0 = not adapted
+    for name, shape in shapes.items():
+        if len(shape) < 2:
+            marks[name] = torch.zeros(shape, dtype=torch.float64)
+            continue
+        mark = torch.zeros(*shape[:-1], 1, dtype=torch.float64)
+        if name in keys:
+            stacked = len(shape) == 3
+            for e in range(shape[0] if stacked else 1):
+                rows = shape[-2]
+                (mark[e] if stacked else mark)[:, 0] = torch.arange(start, start + rows, dtype=torch.float64)
+                blocks.append((keys[name], e if stacked else None, start, rows))
+                start += rows
+        marks[name] = mark
+    firsts = torch.tensor([b[2] for b in blocks], dtype=torch.long)
+    out: dict[str, Rows] = {}
+    for name, mark in to_megatron(marks, arch, te).items():
+        if mark.dim() < 2 or not bool(mark.any()):
+            continue
+        if mark.dim() != 2 or not name.endswith(".weight"):
+            raise ValueError(f"LoRA on trainer=megatron: {name} takes adapter rows but is no 2-D linear weight")
+        module = name.removesuffix(".weight")
+        if module.rpartition(".")[2] not in MEGATRON_LINEARS:
+            raise ValueError(f"LoRA on trainer=megatron: an adapted native weight maps to {module}, which is not one "
+                             f"of Megatron's linears ({', '.join(MEGATRON_LINEARS)})")
+        codes = mark[:, 0].long()
+        block = torch.searchsorted(firsts, codes, right=True) - 1  # -1 where the code is 0
+        pieces, offsets, total = [], {}, 0
+        for b in dict.fromkeys(block[codes > 0].tolist()):  # in order of first appearance
+            target, expert, _, rows = blocks[b]
+            if int((block == b).sum()) != rows:
+                raise ValueError(f"LoRA on trainer=megatron: {module} holds part of a native weight's rows "
+                                 "(tensor parallelism splits a projection): not built")
+            pieces.append((target, expert))
+            offsets[b] = total
+            total += rows
+        index = torch.full_like(codes, total)  # the zero column
+        for b, offset in offsets.items():
+            mine = block == b
+            index[mine] = codes[mine] - firsts[b] + offset
+        zeros = bool((codes == 0).any())
+        identity = not zeros and torch.equal(index, torch.arange(total))
+        out[module] = Rows(pieces, None if identity else index, zeros)
+    return out
+
+
+def _hook(lora, rows: Rows):
+    """The forward hook of one Megatron linear: its output plus alpha / rank * B A x of each native
+    adapter placed on that adapter's rows (what the native hook adds to each native projection)."""
+    def add_delta(module, args, output):
+        if not lora.enabled:
+            return output
+        out, bias = output  # Column / RowParallelLinear return (output, bias or None)
+        x = args[0].to(lora.lora_A[0].dtype)  # as the native hook without autocast: fp32 adapters
+        parts = []
+        for target, expert in rows.pieces:
+            a, b = lora.lora_A[target], lora.lora_B[target]  # one adapter: target i's pair at index i
+            if expert is not None:
+                a, b = a[expert], b[expert]
+            parts.append(F.linear(F.linear(lora.dropout(x), a), b))
+        if rows.zeros:
+            parts.append(x.new_zeros(*x.shape[:-1], 1))
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if rows.index is not None:
+            delta = delta.index_select(-1, rows.index.to(delta.device))
+        return out + (delta * lora.scaling).to(out.dtype), bias
+    return add_delta
+
+
+def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows]) -> None:
+    """Freeze `gpt` (in its dtype), register `lora` as its submodule (DDP and the optimizer then see
+    the adapters only) and hook the adapters onto its linears."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if lora.num_adapters > 1:
+        raise ValueError(f"trainer=megatron trains one LoRA adapter; trainer.lora.adapters={lora.adapter_names} "
+                         "needs trainer=torch or trainer=fsdp")
+    if any(getattr(m, "is_transposed", False) for m, _ in lora._experts):
+        raise ValueError("trainer=megatron: LoRA on transposed expert stacks (Llama 4) is not mapped")
+    gpt.requires_grad_(False)
+    modules = dict(gpt.named_modules())
+    for name, place in rows.items():
+        linear = modules.get(name)
+        if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+            raise ValueError(f"LoRA on trainer=megatron: {name} is {type(linear).__name__}, not one of the local "
+                             "spec's Column / RowParallelLinear (Transformer Engine's linears fuse the input norm)")
+        linear.register_forward_hook(_hook(lora, place))
+    gpt.add_module(LORA_MODULE, lora)
+    lora.requires_grad_(True)
+
+
+def without_adapters(mstate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A GPTModel state dict without the adapters' entries (what weights.from_megatron maps)."""
+    return {k: v for k, v in mstate.items() if not k.startswith(LORA_MODULE + ".")}
