@@ -6,7 +6,8 @@ device, `device='cuda'` buffers, a CUDA RNG tracker around dropout, CUDA streams
 `torch.cuda.FloatTensor` type check, pinned host copies). `cuda_on_cpu()` maps those to the CPU
 while it is active: factory calls and `.to` / `.cuda` with a CUDA device go to the CPU,
 `pin_memory` makes an (unpinned) copy as it does on CUDA, `Tensor.type()` names the CUDA type, the
-RNG tracker's fork is a no-op (the tiny models have no dropout), streams and events are no-ops (the
+RNG tracker's fork is a no-op (the tiny models have no dropout), and so is restoring the CUDA RNG
+state around a recomputed layer, streams and events are no-ops (the
 CPU runs in order), `torch.cuda.{get,set}_rng_state` use the CPU generator. The trainer's own code
 runs unchanged, on gloo instead of NCCL (`init_parallel_gloo`). Everything else (the model,
 Megatron's optimizer, gradient buffers and router hooks, the project's losses) is real."""
@@ -105,6 +106,9 @@ def cuda_on_cpu():
             ("torch.cuda.synchronize", lambda *a, **k: None),
             ("torch.cuda.get_rng_state", lambda *a, **k: torch.get_rng_state()),
             ("torch.cuda.set_rng_state", lambda *a, **k: None),
+            # the RNG states megatron-core's full recompute saves and restores around each layer
+            ("torch.cuda.random.get_rng_state", lambda *a, **k: torch.get_rng_state()),
+            ("megatron.core.tensor_parallel.random._set_cuda_rng_state", lambda *a, **k: None),
             ("torch.cuda.Stream", _Stream),
             ("torch.cuda.current_stream", lambda *a, **k: _CURRENT),
             ("torch.cuda.stream", lambda *a, **k: contextlib.nullcontext()),

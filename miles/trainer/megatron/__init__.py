@@ -7,10 +7,12 @@
   rules.py    what trainer=megatron combines with (config validation)
   offload.py  colocation offload through megatron-core's buffers (params, grads, optimizer)
   quant.py    the precision recipes: INT4 QAT fake quantization by row masks, quantized sync payloads
+  lora.py     LoRA: the native adapters hooked onto the fused linears (rows placed through the weight map)
   specs.py    the decoder block spec (which modules megatron-core builds per layer)
   trainer.py  MegatronTrainer: the shared RL update (rl_update.py) over a GPTModel policy and Megatron's optimizer
 
-arch, weights and rules are pure (no megatron import: CPU tests); trainer imports megatron-core lazily.
+arch, weights, rules and lora's row placement are pure (no megatron import: CPU tests); trainer imports
+megatron-core lazily.
 """
 
 from __future__ import annotations

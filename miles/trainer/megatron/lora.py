@@ -138,9 +138,20 @@ def _hook(lora, rows: Rows):
     return add_delta
 
 
-def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows]) -> None:
+def _require_grad(module, args, output):
+    """The embedding's output requires grad in a training forward: Megatron's full recompute
+    (trainer.recompute) checkpoints each layer with a reentrant autograd Function, which carries
+    gradients only through its tensor inputs; with the embedding frozen the first layer's input needs
+    none, so no adapter inside would get a gradient (transformers' `enable_input_require_grads`)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_()
+    return output
+
+
+def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows], recompute: bool = False) -> None:
     """Freeze `gpt` (in its dtype), register `lora` as its submodule (DDP and the optimizer then see
-    the adapters only) and hook the adapters onto its linears."""
+    the adapters only) and hook the adapters onto its linears. `recompute`: Megatron's full
+    recompute is on (see _require_grad)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     if lora.num_adapters > 1:
@@ -156,6 +167,8 @@ def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows]) -> None:
             raise ValueError(f"LoRA on trainer=megatron: {name} is {type(linear).__name__}, not one of the local "
                              "spec's Column / RowParallelLinear (Transformer Engine's linears fuse the input norm)")
         linear.register_forward_hook(_hook(lora, place))
+    if recompute:
+        gpt.embedding.register_forward_hook(_require_grad)
     gpt.add_module(LORA_MODULE, lora)
     lora.requires_grad_(True)
 

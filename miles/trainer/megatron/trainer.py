@@ -242,7 +242,8 @@ class MegatronTrainer:
                              "needs trainer=torch or trainer=fsdp")
         lora = LoRA(self._skeleton, lo.rank, lo.alpha, lo.dropout, lo.target_modules, dtype=torch.float32, seed=seed,
                     adapters=lo.adapters, device=self.device)
-        megatron_lora.attach(gpt, lora, megatron_lora.adapter_rows(shapes, lora, self.arch, self.te))
+        megatron_lora.attach(gpt, lora, megatron_lora.adapter_rows(shapes, lora, self.arch, self.te),
+                            recompute=self.cfg.recompute)
         return lora
 
     # ----------------------------------------------------------------------------- forward
