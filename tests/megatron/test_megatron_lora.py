@@ -9,7 +9,9 @@ the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32 unless named:
 - dense (qwen3), MoE with expert adapters (qwen3_moe), MLA with DeepSeek MoE (deepseek_v3);
 - bf16: the base held in bf16, no optimizer state for it; resume and offload continue exactly;
 - the export's adapter loads in PEFT on the transformers Qwen3 with the trainer's log-probs;
-- what is refused (several adapters, QLoRA) is refused by name."""
+- several adapters: routed per row and stepped each on its own as trainer=torch does (an adapter
+  without samples in a step left as it was, its Adam state too);
+- what is refused (several adapters on MoE experts, QLoRA) is refused by name."""
 
 import pytest
 import torch
@@ -162,6 +164,54 @@ def test_recompute_and_one_named_adapter_step_as_the_torch_trainer(extra, tmp_pa
     assert m["train/grad_norm"] > 0
 
 
+def test_several_adapters_route_and_step_as_the_torch_trainer(tmp_path, megatron_on_this_device):
+    """Two adapters over one base: each row through its own adapter (the torch trainer's log-probs;
+    the other routing moves them), the first step the torch trainer's (each adapter clipped on its
+    own: loss, grad norms, adapters), and a step with samples of `a` only leaves `b` and its Adam
+    state as they were."""
+    import dataclasses
+
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    mega = _megatron(ckpt, megatron_on_this_device, PROJ, adapters=["a", "b"])
+    native = _torch(ckpt, PROJ, adapters=["a", "b"])
+    ours, theirs = mega.lora.tensors(), native.lora.tensors()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k].cpu(), theirs[k]) for k in theirs)
+    _randomize(mega.lora, native.lora)
+    plain = _batch(mega.arch.vocab_size)
+    mixed = dataclasses.replace(plain, adapter_ids=torch.tensor([0, 1, 1, 0, 1, 0, 0, 1]))
+    got = mega.logprobs(mixed)
+    worst, mean = _diff(got, native.logprobs(mixed), plain.loss_mask)
+    assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
+    swapped = dataclasses.replace(plain, adapter_ids=1 - mixed.adapter_ids)
+    assert _masked_max(mega.logprobs(swapped), got, plain.loss_mask) > 1e-2  # the route acts
+
+    def assert_step_equal(batch):
+        m, n = mega.train_rl(batch), native.train_rl(batch)
+        assert set(m) == set(n)
+        for key in [k for k in n if k.startswith(("train/loss", "train/grad_norm"))]:
+            assert m[key] == pytest.approx(n[key], rel=1e-4, abs=1e-6), key
+        moved = torch.cat([(ours[k].detach().cpu() - theirs[k].detach()).abs().flatten() for k in theirs])
+        assert float(moved.max()) <= 2.5 * LR and float(moved.mean()) < 1e-6, (float(moved.max()), float(moved.mean()))
+        return m
+
+    assert_step_equal(mixed)
+    b_params = {id(p) for p in mega.lora.adapter_parameters(1)}
+    adam = {id(p): {k: v.clone() for k, v in s.items()} for o in mega._optimizers()
+            for p, s in o.optimizer.state.items()}
+    shards = {id(mp): id(sp) for o in mega._optimizers()
+              for mg, sg in zip(o.model_fp32_groups, o.shard_fp32_groups) for mp, sp in zip(mg, sg)}
+    before = {k: v.detach().clone() for k, v in ours.items() if k.startswith("b/")}
+    m = assert_step_equal(dataclasses.replace(plain, adapter_ids=torch.zeros(len(plain), dtype=torch.long)))
+    assert m["train/grad_norm/b"] == 0.0
+    assert all(torch.equal(ours[k], v) for k, v in before.items())  # b: no sample, no step
+    after = {id(p): s for o in mega._optimizers() for p, s in o.optimizer.state.items()}
+    for model_param in b_params:
+        shard = shards[model_param]
+        assert all(torch.equal(after[shard][k], v) for k, v in adam[shard].items())  # no moment decay either
+    mega.save(str(tmp_path / "final"))  # the frozen base, each adapter's PEFT directory beside it
+    assert all((tmp_path / "final" / "adapter" / name / "adapter_model.safetensors").is_file() for name in "ab")
+
+
 def test_a_rollout_only_quantized_recipe_syncs_the_adapters(tmp_path, megatron_on_this_device):
     """fp32_train_int4_rollout: the engine quantizes its own base; the trainer trains over the dense
     base and syncs the adapters only, as trainer=torch does (same names, same checksum)."""
@@ -254,13 +304,15 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     from miles.trainer.megatron.rules import megatron_problems
 
     ckpt = _checkpoint("qwen3_moe_tiny", tmp_path)
-    with pytest.raises(ValueError, match="trains one LoRA adapter"):
-        _megatron(ckpt, megatron_on_this_device, PROJ, adapters=["a", "b"])
+    with pytest.raises(ValueError, match="permutes the tokens to its experts"):
+        _megatron(ckpt, megatron_on_this_device, [*PROJ, "experts"], adapters=["a", "b"])
     gpu = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "trainer.lora.rank=8"]
     assert megatron_problems(compose(gpu)) == []
+    two = ["task.kind=file", "task.train_file=p.jsonl", "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k"]
+    assert megatron_problems(compose([*gpu, *two])) == []
     assert megatron_problems(compose([*gpu, "model=qwen3_moe_tiny", "trainer.lora.target_modules=[q_proj,experts]"])) == []
     for overrides, needle in [(["precision=int4_qat"], "QLoRA holds the frozen base as INT4 codes"),
-                              (["task.kind=file", "task.train_file=p.jsonl", "trainer.lora.adapters=[a,b]",
-                                "trainer.lora.adapter_key=k"], "Megatron's distributed optimizer clips")]:
+                              ([*two, "model=qwen3_moe_tiny", "trainer.lora.target_modules=[q_proj,experts]"],
+                               "per-row adapter route does not follow")]:
         problems = megatron_problems(compose([*gpu, *overrides]))
         assert any(needle in p for p in problems), problems

@@ -25,8 +25,12 @@ those, so Megatron's gradient buffers, distributed optimizer (no fp32 main copy 
 clipping and grad norm see the adapters only; the base stays in the training dtype (bf16 or fp32)
 with no gradient and no optimizer state.
 
-Not built (refused by rules.py, and here): several adapters (each clipped on its own and left out
-of a step without its samples, which Megatron's one distributed optimizer does not do), QLoRA
+Several adapters (trainer.lora.adapters): each row goes through its own adapter (masked as the
+native module masks, `_row_ids` laying the route out in Megatron's sequence-major layout); the
+trainer clips each adapter's gradient on its own and leaves an adapter without samples out of the
+step (MegatronTrainer.step). Not on MoE experts: Megatron permutes tokens to experts.
+
+Not built (refused by rules.py, and here): several adapters on MoE experts, QLoRA
 (int4_qat / fp8: the quantized base is the project's own layers), the Transformer Engine spec (its
 linears fuse the input norm, so the hook would see the un-normalised input). Every native projection
 LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor) maps to one of Megatron's
@@ -115,20 +119,46 @@ def adapter_rows(shapes: dict[str, torch.Size], lora, arch, te: bool = False) ->
     return out
 
 
+def _row_ids(lora, x: torch.Tensor) -> torch.Tensor:
+    """Several adapters: each row's adapter (lora.route: [rows, 1], padded rows) laid out against a
+    Megatron linear's input, sequence-major: [s, rows, in] -> [1, rows, 1]; flattened [s * rows, in]
+    (token t of row r at t * rows + r) -> [s * rows, 1]."""
+    ids = lora._route  # what lora.route(...) set for this forward (MegatronTrainer.forward)
+    if ids is None:
+        raise RuntimeError(f"LoRA with {lora.num_adapters} adapters: no route set before the forward")
+    rows = ids.shape[0]
+    if x.dim() == 3 and x.shape[1] == rows:
+        return ids.reshape(1, rows, 1)
+    if x.dim() == 2 and x.shape[0] % rows == 0:
+        return ids.reshape(1, rows).expand(x.shape[0] // rows, rows).reshape(-1, 1)
+    raise ValueError(f"LoRA route of {rows} rows does not lay out over an input of shape {tuple(x.shape)}")
+
+
 def _hook(lora, rows: Rows):
     """The forward hook of one Megatron linear: its output plus alpha / rank * B A x of each native
-    adapter placed on that adapter's rows (what the native hook adds to each native projection)."""
+    adapter placed on that adapter's rows (what the native hook adds to each native projection).
+    Several adapters: each computed on every row, the other rows' results masked out (the native
+    module's rule), so a row's gradient reaches its own adapter only."""
     def add_delta(module, args, output):
         if not lora.enabled:
             return output
         out, bias = output  # Column / RowParallelLinear return (output, bias or None)
         x = args[0].to(lora.lora_A[0].dtype)  # as the native hook without autocast: fp32 adapters
+        ids = _row_ids(lora, x) if lora.num_adapters > 1 else None
         parts = []
         for target, expert in rows.pieces:
-            a, b = lora.lora_A[target], lora.lora_B[target]  # one adapter: target i's pair at index i
-            if expert is not None:
-                a, b = a[expert], b[expert]
-            parts.append(F.linear(F.linear(lora.dropout(x), a), b))
+            h = lora.dropout(x)
+            part = None
+            for k in range(lora.num_adapters):  # adapter k's pair of target i at k * len(names) + i
+                j = k * len(lora.names) + target
+                a, b = lora.lora_A[j], lora.lora_B[j]
+                if expert is not None:
+                    a, b = a[expert], b[expert]
+                mine = F.linear(F.linear(h, a), b)
+                if ids is not None:
+                    mine = torch.where(ids == k, mine, 0.0)
+                part = mine if part is None else part + mine
+            parts.append(part)
         if rows.zeros:
             parts.append(x.new_zeros(*x.shape[:-1], 1))
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -154,9 +184,10 @@ def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows], recompute: bool = 
     recompute is on (see _require_grad)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    if lora.num_adapters > 1:
-        raise ValueError(f"trainer=megatron trains one LoRA adapter; trainer.lora.adapters={lora.adapter_names} "
-                         "needs trainer=torch or trainer=fsdp")
+    if lora.num_adapters > 1 and lora._experts:
+        raise ValueError(f"trainer=megatron: several LoRA adapters ({lora.adapter_names}) on MoE experts: Megatron "
+                         "permutes the tokens to its experts, and the per-row adapter route does not follow them; "
+                         "drop `experts` from trainer.lora.target_modules or use trainer=torch")
     if any(getattr(m, "is_transposed", False) for m, _ in lora._experts):
         raise ValueError("trainer=megatron: LoRA on transposed expert stacks (Llama 4) is not mapped")
     gpt.requires_grad_(False)

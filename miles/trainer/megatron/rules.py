@@ -1,6 +1,6 @@
 """What `trainer=megatron` combines with, checked before anything starts (miles/validate.py runs it
 with the config's own rules): one CUDA process, the families `arch.py` maps, the bf16 / fp32 recipes,
-LoRA with one adapter over a dense base.
+LoRA over a dense base.
 Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
 
 from __future__ import annotations
@@ -36,15 +36,14 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
 
 
 def _lora_problems(cfg: RunCfg) -> list[str]:
-    """LoRA on Megatron (miles/trainer/megatron/lora.py): one adapter, over a dense base, on the
-    local spec's linears."""
+    """LoRA on Megatron (miles/trainer/megatron/lora.py): over a dense base, on the local spec's
+    linears; several adapters not on MoE experts."""
     lo, p = cfg.trainer.lora, cfg.precision
     problems = []
-    if len(lo.adapters) > 1:
-        problems.append(f"trainer.lora.adapters={list(lo.adapters)} on trainer=megatron: Megatron's distributed "
-                        "optimizer clips and steps all adapters as one group, and several adapters need each clipped "
-                        "on its own and left out of a step without its samples (built on trainer=torch / fsdp): "
-                        "set trainer=torch, trainer=fsdp or one adapter")
+    if len(lo.adapters) > 1 and any("experts" in entry for entry in lo.target_modules):
+        problems.append(f"trainer.lora.adapters={list(lo.adapters)} with MoE expert adapters on trainer=megatron: "
+                        "Megatron permutes the tokens to its experts and the per-row adapter route does not follow "
+                        "them: drop `experts` from trainer.lora.target_modules, or set trainer=torch / trainer=fsdp")
     if p.train_quant.value == "int4":  # fp8 training is refused above for every Megatron run
         problems.append(f"trainer.lora.rank={lo.rank} with precision={p.name} on trainer=megatron: QLoRA holds the "
                         "frozen base as INT4 codes in the project's quantized layers, which Megatron's fused linears "

@@ -137,7 +137,7 @@ class MegatronTrainer:
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
         them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
         forward_weights=rollout, an online-trained speculative draft, a CPU device; with
-        cfg.lora.rank > 0, several adapters, QLoRA (int4_qat) and the Transformer Engine spec."""
+        cfg.lora.rank > 0, QLoRA (int4_qat), several adapters on MoE experts and the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
@@ -237,9 +237,6 @@ class MegatronTrainer:
         if self.recipe.train_quant != NONE:
             raise ValueError(f"trainer.lora on trainer=megatron with precision={self.precision.name}: QLoRA holds the "
                              "base in the project's quantized layers, not Megatron's; use trainer=torch or trainer=fsdp")
-        if len(lo.adapters) > 1:
-            raise ValueError(f"trainer=megatron trains one LoRA adapter; trainer.lora.adapters={list(lo.adapters)} "
-                             "needs trainer=torch or trainer=fsdp")
         lora = LoRA(self._skeleton, lo.rank, lo.alpha, lo.dropout, lo.target_modules, dtype=torch.float32, seed=seed,
                     adapters=lo.adapters, device=self.device)
         megatron_lora.attach(gpt, lora, megatron_lora.adapter_rows(shapes, lora, self.arch, self.te),
@@ -269,6 +266,11 @@ class MegatronTrainer:
         replay / record: MoE routing (layer -> experts [n, T, k] in mb's input layout) to route by /
         to fill, through megatron-core's RouterReplay hooks."""
         rows, length = mb.input_ids.shape
+        if model is self.model and self.lora is not None and self.lora.num_adapters > 1:
+            if mb.adapter_ids is None:
+                raise ValueError(f"trainer.lora.adapters={self.lora.adapter_names}: the batch does not name each "
+                                 "sample's adapter (TrainBatch.adapter_ids, from Sample.adapter)")
+            self.lora.route(mb.adapter_ids)  # [rows, 1]: each row's adapter (megatron/lora.py lays it out)
         positions = torch.arange(length, device=self.device).expand(rows, length)
         fake_quant = fake_quantized(model, self._qat_rows, self.recipe, "module." if model is self.model else "")
         with self._routing(model, rows, length, replay, record):
@@ -312,7 +314,7 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- optimizer step
     def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
-        """One optimizer step (`adapters`: one LoRA adapter at most here, always stepped), as TorchTrainer's: a backward per item
+        """One optimizer step (`adapters`: the named LoRA adapters present, see _step_each_adapter), as TorchTrainer's: a backward per item
         into Megatron's gradient buffers, then their reduction and the distributed optimizer's clipped step."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -326,11 +328,39 @@ class MegatronTrainer:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         finalize_model_grads([self.model])
+        if self.lora is not None and self.lora.num_adapters > 1:
+            return {**sums, **self._step_each_adapter(adapters)}
         _, grad_norm, _ = self.optimizer.step()
         sums["grad_norm"] = torch.as_tensor(grad_norm, device=self.device, dtype=torch.float32)
         if self.lora is not None and self.lora.adapter_names:  # one named adapter: its norm is the norm
             sums[f"grad_norm/{self.lora.adapter_names[0]}"] = sums["grad_norm"]
         return sums
+
+    @torch.no_grad()
+    def _step_each_adapter(self, present: set[int] | None) -> dict[str, torch.Tensor]:
+        """Several LoRA adapters, as trainer=torch steps them: each adapter's gradient (in DDP's
+        buffer, `main_grad`) clipped on its own (`lora_side.clip_each_adapter`), then the distributed
+        optimizer's step, with the gradient of an adapter that had no sample in the step taken away
+        so that Adam skips it (no moment decay, no weight decay). Megatron's own step would clip all
+        adapters as one and step them all."""
+        params = list(self.lora.parameters())
+        for p in params:  # the clip reads and scales .grad: DDP's buffer views
+            p.grad = p.main_grad
+        present = set(range(self.lora.num_adapters)) if present is None else present
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norms = lora_side.clip_each_adapter(self.lora, self.parallel.clip_grad_norm, max_norm, present)
+        skipped = {id(p) for k in range(self.lora.num_adapters) if k not in present
+                   for p in self.lora.adapter_parameters(k)}
+        for p in params:
+            p.grad = None
+        for o in self._optimizers():
+            o.prepare_grads()  # main_grad -> the optimizer's shards' .grad (fp32 adapters: no main copy)
+            for model_group, shard_group in zip(o.model_fp32_groups, o.shard_fp32_groups):
+                for model_param, shard in zip(model_group, shard_group):
+                    if id(model_param) in skipped:
+                        shard.grad = None
+            o.step_with_ready_grads()
+        return norms
 
     # ----------------------------------------------------------------------------- the RL update (rl_update.py)
     def train_rl(self, batch: TrainBatch) -> dict[str, float]:
