@@ -30,11 +30,11 @@ native module masks, `_row_ids` laying the route out in Megatron's sequence-majo
 trainer clips each adapter's gradient on its own and leaves an adapter without samples out of the
 step (MegatronTrainer.step). Not on MoE experts: Megatron permutes tokens to experts.
 
-Not built (refused by rules.py, and here): several adapters on MoE experts, QLoRA
-(int4_qat / fp8: the quantized base is the project's own layers), the Transformer Engine spec (its
-linears fuse the input norm, so the hook would see the un-normalised input). Every native projection
-LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor) maps to one of Megatron's
-linears in the mapped families; `adapter_rows` refuses anything else by name.
+Not built: several adapters on MoE experts and QLoRA (int4_qat / fp8: the quantized base is the
+project's own layers), refused by rules.py and here; the Transformer Engine spec (its linears fuse
+the input norm, so the hook would see the un-normalised input), refused here when TE is installed.
+Every native projection LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor)
+maps to one of Megatron's linears in the mapped families; `adapter_rows` refuses anything else.
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ LORA_MODULE = "miles_lora"  # the adapters' submodule in the GPTModel (so DDP an
 # The local spec's linears an adapter can sit on (dense, MoE expert and shared-expert MLPs, GQA and MLA).
 MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
                     "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
-# The native projections whose Megatron place is one of those linears (+ the stacked expert tensors).
-NATIVE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
-                      "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_up_proj")
-
 
 @dataclass
 class Rows:
@@ -163,7 +159,7 @@ def _hook(lora, rows: Rows):
             parts.append(x.new_zeros(*x.shape[:-1], 1))
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if rows.index is not None:
-            delta = delta.index_select(-1, rows.index.to(delta.device))
+            delta = delta.index_select(-1, rows.index)
         return out + (delta * lora.scaling).to(out.dtype), bias
     return add_delta
 
@@ -197,6 +193,8 @@ def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows], recompute: bool = 
         if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
             raise ValueError(f"LoRA on trainer=megatron: {name} is {type(linear).__name__}, not one of the local "
                              "spec's Column / RowParallelLinear (Transformer Engine's linears fuse the input norm)")
+        if place.index is not None:  # on the linear's device once, not per forward
+            place.index = place.index.to(linear.weight.device)
         linear.register_forward_hook(_hook(lora, place))
     if recompute:
         gpt.embedding.register_forward_hook(_require_grad)
