@@ -26,12 +26,13 @@ clipping and grad norm see the adapters only; the base stays in the training dty
 with no gradient and no optimizer state.
 
 Several adapters (trainer.lora.adapters): each row goes through its own adapter (masked as the
-native module masks, `_row_ids` laying the route out in Megatron's sequence-major layout); the
-trainer clips each adapter's gradient on its own and leaves an adapter without samples out of the
-step (MegatronTrainer.step). Not on MoE experts: Megatron permutes tokens to experts.
+native module masks, `_row_ids` laying the route out in Megatron's sequence-major layout; an
+expert's permuted tokens found through its router's routing map, `_expert_ids`); the trainer clips
+each adapter's gradient on its own and leaves an adapter without samples out of the step
+(MegatronTrainer.step).
 
-Not built: several adapters on MoE experts and QLoRA (int4_qat / fp8: the quantized base is the
-project's own layers), refused by rules.py and here; the Transformer Engine spec (its linears fuse
+Not built: QLoRA (int4_qat / fp8: the quantized base is the project's own layers), refused by
+rules.py and here; the Transformer Engine spec (its linears fuse
 the input norm, so the hook would see the un-normalised input), refused here when TE is installed.
 Every native projection LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor)
 maps to one of Megatron's linears in the mapped families; `adapter_rows` refuses anything else.
@@ -130,17 +131,35 @@ def _row_ids(lora, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"LoRA route of {rows} rows does not lay out over an input of shape {tuple(x.shape)}")
 
 
-def _hook(lora, rows: Rows):
+def _expert_ids(lora, routing_map: torch.Tensor, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """Several adapters on expert `expert`: the adapter of each token in its input [n, in]. The layer's
+    tokens are flattened sequence-major (token t of row r at t * rows + r) and each expert's are the
+    ones its column of the router's routing map [tokens, experts] marks, in ascending order (megatron-core
+    0.19.2's permute with one expert-parallel rank: a stable argsort over the transposed map)."""
+    route = lora._route.reshape(-1)
+    rows = route.shape[0]
+    flat = route.reshape(1, rows).expand(routing_map.shape[0] // rows, rows).reshape(-1)
+    ids = flat[routing_map[:, expert].nonzero().squeeze(1)][:, None]
+    if ids.shape[0] != x.shape[0]:
+        raise RuntimeError(f"LoRA route: expert {expert} got {x.shape[0]} tokens, its routing map marks {ids.shape[0]}")
+    return ids
+
+
+def _hook(lora, rows: Rows, routing: dict, layer: str | None):
     """The forward hook of one Megatron linear: its output plus alpha / rank * B A x of each native
     adapter placed on that adapter's rows (what the native hook adds to each native projection).
     Several adapters: each computed on every row, the other rows' results masked out (the native
-    module's rule), so a row's gradient reaches its own adapter only."""
+    module's rule), so a row's gradient reaches its own adapter only; an expert's tokens by the
+    routing map `routing[layer]` its MoE layer's router produced in this forward."""
     def add_delta(module, args, output):
         if not lora.enabled:
             return output
         out, bias = output  # Column / RowParallelLinear return (output, bias or None)
         x = args[0].to(lora.lora_A[0].dtype)  # as the native hook without autocast: fp32 adapters
-        ids = _row_ids(lora, x) if lora.num_adapters > 1 else None
+        ids = None
+        if lora.num_adapters > 1:
+            expert = rows.pieces[0][1]  # an expert's linear holds that expert's rows only
+            ids = _row_ids(lora, x) if expert is None else _expert_ids(lora, routing[layer], expert, x)
         parts = []
         for target, expert in rows.pieces:
             h = lora.dropout(x)
@@ -174,20 +193,29 @@ def _require_grad(module, args, output):
     return output
 
 
+def _record_routing(routing: dict, layer: str):
+    def record(module, args, output):
+        routing[layer] = output[1]  # TopKRouter returns (probs, routing_map [tokens, experts])
+    return record
+
+
 def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows], recompute: bool = False) -> None:
     """Freeze `gpt` (in its dtype), register `lora` as its submodule (DDP and the optimizer then see
     the adapters only) and hook the adapters onto its linears. `recompute`: Megatron's full
     recompute is on (see _require_grad)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    if lora.num_adapters > 1 and lora._experts:
-        raise ValueError(f"trainer=megatron: several LoRA adapters ({lora.adapter_names}) on MoE experts: Megatron "
-                         "permutes the tokens to its experts, and the per-row adapter route does not follow them; "
-                         "drop `experts` from trainer.lora.target_modules or use trainer=torch")
     if any(getattr(m, "is_transposed", False) for m, _ in lora._experts):
         raise ValueError("trainer=megatron: LoRA on transposed expert stacks (Llama 4) is not mapped")
     gpt.requires_grad_(False)
     modules = dict(gpt.named_modules())
+    routing: dict[str, torch.Tensor] = {}  # MoE layer -> its router's routing map in this forward
+    if lora.num_adapters > 1 and lora._experts:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        for name, router in modules.items():
+            if isinstance(router, TopKRouter):
+                router.register_forward_hook(_record_routing(routing, name.rpartition(".")[0]))
     for name, place in rows.items():
         linear = modules.get(name)
         if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
@@ -195,7 +223,8 @@ def attach(gpt: torch.nn.Module, lora, rows: dict[str, Rows], recompute: bool = 
                              "spec's Column / RowParallelLinear (Transformer Engine's linears fuse the input norm)")
         if place.index is not None:  # on the linear's device once, not per forward
             place.index = place.index.to(linear.weight.device)
-        linear.register_forward_hook(_hook(lora, place))
+        layer = name.partition(".experts.local_experts.")[0] if ".experts.local_experts." in name else None
+        linear.register_forward_hook(_hook(lora, place, routing, layer))
     if recompute:
         gpt.embedding.register_forward_hook(_require_grad)
     gpt.add_module(LORA_MODULE, lora)

@@ -36,14 +36,9 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
 
 
 def _lora_problems(cfg: RunCfg) -> list[str]:
-    """LoRA on Megatron (miles/trainer/megatron/lora.py): over a dense base, on the local spec's
-    linears; several adapters not on MoE experts."""
+    """LoRA on Megatron (miles/trainer/megatron/lora.py): over a dense base (bf16 / fp32)."""
     lo, p = cfg.trainer.lora, cfg.precision
     problems = []
-    if len(lo.adapters) > 1 and any("experts" in entry for entry in lo.target_modules):
-        problems.append(f"trainer.lora.adapters={list(lo.adapters)} with MoE expert adapters on trainer=megatron: "
-                        "Megatron permutes the tokens to its experts and the per-row adapter route does not follow "
-                        "them: drop `experts` from trainer.lora.target_modules, or set trainer=torch / trainer=fsdp")
     if p.train_quant.value == "int4":  # fp8 training is refused above for every Megatron run
         problems.append(f"trainer.lora.rank={lo.rank} with precision={p.name} on trainer=megatron: QLoRA holds the "
                         "frozen base as INT4 codes in the project's quantized layers, which Megatron's fused linears "

@@ -137,7 +137,7 @@ class MegatronTrainer:
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
         them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
         forward_weights=rollout, an online-trained speculative draft, a CPU device; with
-        cfg.lora.rank > 0, QLoRA (int4_qat), several adapters on MoE experts and the Transformer Engine spec."""
+        cfg.lora.rank > 0, QLoRA (int4_qat) and the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,

@@ -47,8 +47,6 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "trainer.lora.target_modules=[qkv_proj]"], "matches no projection of model=qwen3_tiny"),
     # trainer=megatron: LoRA over a dense base (tests/megatron/test_megatron_lora.py)
     (["trainer.lora.rank=8", *MEGATRON, "precision=int4_qat"], "QLoRA holds the frozen base as INT4 codes"),
-    (["trainer.lora.rank=8", *MEGATRON, *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k",
-      "model=qwen3_moe_tiny", "trainer.lora.target_modules=[q_proj,experts]"], "per-row adapter route does not follow"),
     (["trainer.lora.rank=8", "rollout=vllm", "model=qwen3_moe_tiny"],
      "rollout=vllm serves adapters on the families qwen3, qwen2 (model family qwen3_moe is not one): use rollout=native"),
     (["trainer.lora.rank=8", "rollout=sglang", "model=qwen3_moe_tiny"], "(model family qwen3_moe is not one)"),
