@@ -295,6 +295,31 @@ def _load(engine: Any, name: str, digest: str | None) -> str:
     return held
 
 
+def _one_thread(fn, *args):
+    """`fn(*args)` on one intra-op thread, restored after: for a sync's steps inside a Ray actor's
+    process, where nothing else computes meanwhile. A sync's host copies (a few MB for the default
+    model) are memory-bound and take the same ~0.2 ms on one thread; on two, each parallel copy
+    waited for the OpenMP team's second thread, which on a 2-core machine busy with other processes
+    took up to ~80 ms (median of 30 packs: 80 ms on 2 threads, 2.6 ms on 1; issue 28). Copies and
+    SHA-256 give the same bytes on any number of threads."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return fn(*args)
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pack_alone(trainer: Any, name: str, check: bool) -> str:
+    return _one_thread(_pack, trainer, name, check)
+
+
+def _load_alone(engine: Any, name: str, digest: str | None) -> str:
+    return _one_thread(_load, engine, name, digest)
+
+
 def _release(component: Any, name: str) -> None:
     end = _ENDS.get(component, {}).pop(name, None)
     if end is None:
@@ -368,8 +393,8 @@ class SharedMemoryWeightSync:
         from miles.transport.checksum import WeightSyncError
 
         try:
-            digest = actors[0].__ray_call__.remote(_pack, self.name, check)
-            ray.get([actor.__ray_call__.remote(_load, self.name, digest) for actor in actors[1:]])
+            digest = actors[0].__ray_call__.remote(_pack_alone, self.name, check)
+            ray.get([actor.__ray_call__.remote(_load_alone, self.name, digest) for actor in actors[1:]])
             return ray.get(digest)
         except WeightSyncError:
             raise

@@ -113,7 +113,7 @@ def test_a_fleet_or_components_in_this_process_keep_the_object_store(ckpt):
 def test_ray_actors_on_this_node_sync_through_the_segment(ckpt, ray_connection):
     from miles.orchestrate.handles import spawn
 
-    trainer = spawn(TorchTrainer, True, *trainer_args(ckpt, DType.bf16), threads=1)
+    trainer = spawn(TorchTrainer, True, *trainer_args(ckpt, DType.bf16), threads=2)
     engine = spawn(NativeEngine, True, *engine_args(ckpt, DType.bf16))
     transport = ObjectStoreTransport(SimpleNamespace(trainer=trainer, engine=engine))
     reference = NativeEngine(*engine_args(ckpt, DType.bf16))
@@ -122,5 +122,20 @@ def test_ray_actors_on_this_node_sync_through_the_segment(ckpt, ray_connection):
         expected = trainer.call("get_weights")[1]
         transport.sync(check=True)
         assert transport._segment and engine.apply(held) == expected
+        assert trainer.apply(lambda t: torch.get_num_threads()) == 2  # the sync's one thread was given back
     finally:
         transport.close()
+
+
+def test_a_ray_syncs_steps_run_on_one_thread_and_restore_the_count():
+    from miles.transport.shared_memory import _one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _one_thread(torch.get_num_threads) == 1
+        with pytest.raises(ZeroDivisionError):
+            _one_thread(lambda: 1 / 0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
