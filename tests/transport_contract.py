@@ -44,6 +44,7 @@ __all__ = [
     "test_an_unchecked_sync_loads_the_same_weights",
     "test_a_corrupted_payload_fails_with_weight_sync_error",
     "test_a_restarted_engine_is_reached_by_the_next_sync",
+    "test_an_engine_that_dies_before_a_sync_is_restarted_and_that_sync_completes",
     "test_snapshots_split_a_sync_in_two",
 ]
 
@@ -189,6 +190,35 @@ def test_a_restarted_engine_is_reached_by_the_next_sync(contract):
         run.transport.sync(check=True)
         assert run.held() == [expected, expected]
     finally:
+        run.transport.close()
+
+
+def test_an_engine_that_dies_before_a_sync_is_restarted_and_that_sync_completes(contract):
+    """The supervisor's handle (RestartingEngine) around a whole sync, as the loop holds it: the engine
+    actor dies after the transport set up what it keeps (a segment, a group), its death is met inside
+    the transport's own calls, and the sync ends with one restart and the new actor holding the
+    trainer's weights (a stale call retried on the new actor failed the run and started it over)."""
+    if not contract.ray:
+        pytest.skip("an actor's death: through Ray only")
+    import ray
+
+    from miles.orchestrate.supervise import FaultBudget, RestartingEngine
+
+    run = start(contract, engines=1)
+    logged: list[str] = []
+    engine = RestartingEngine(run.engine, FaultBudget(2, logged.append),
+                              on_restart=lambda: pytest.fail("a sync's retry is the sync itself"))
+    transport = build_transport(contract.name, SimpleNamespace(trainer=run.trainer, engine=engine),
+                                TransportOptions(bucket_mb=SMALL_BUCKET_MB, timeout_s=60.0))
+    try:
+        transport.sync(check=True)
+        ray.kill(run.engines[0].actor, no_restart=True)
+        expected = run.step()
+        engine.around_sync(lambda: transport.sync(check=True))
+        assert run.held() == [expected]
+        assert len(logged) == 1 and "the rollout engine actor died" in logged[0] and "retry 1/2" in logged[0]
+    finally:
+        transport.close()
         run.transport.close()
 
 

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Callable
 
-from miles.orchestrate.sync import load_weights
+from miles.orchestrate.sync import load_weights, whole_sync
 
 
 class RolloutAhead:
@@ -78,7 +78,7 @@ class RolloutAhead:
         start = time.perf_counter()
         if updated and self.collective:
             with self._engine_lock:
-                self.ctx.transport.sync(self.check)
+                whole_sync(self.ctx, self.check)
                 self.ctx.after_sync(self.ctx)
                 with self._cond:
                     self._snapshot, self.engine_step = None, step

@@ -30,7 +30,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -42,6 +42,8 @@ from miles.orchestrate.sync import sync_weights
 from miles.transport.device import free_device_memory
 from miles.orchestrate.resume import (CheckpointStore, flat_config, load_component_state, load_driver_rng,
                                       read_meta, save_component_state)
+
+T = TypeVar("T")
 
 
 class Stopped(Exception):
@@ -216,20 +218,44 @@ class _Pending:
 
 class RestartingEngine:
     """A RayHandle whose actor is replaced when it dies: `on_restart()` then brings the new actor up
-    to date (weights) and the failed call is sent again with the same arguments."""
+    to date (weights) and the failed call is sent again with the same arguments. A weight sync is
+    retried whole instead (`around_sync`)."""
 
     def __init__(self, handle: RayHandle, budget: FaultBudget, on_restart: Callable[[], None]):
         self.handle, self.budget, self.on_restart = handle, budget, on_restart
+        self._syncing = False  # inside around_sync: a death propagates to it, no call is retried alone
 
     @property
     def in_process(self) -> bool:
         return self.handle.in_process
+
+    @property
+    def members(self) -> list["RestartingEngine"]:
+        return [self]
 
     def _died(self, error: BaseException) -> bool:
         from ray.exceptions import RayActorError
 
         # A dead producer of an argument (the trainer, during a sync) is not this actor's death.
         return isinstance(error, RayActorError) and error.actor_id in (None, self.handle.actor._actor_id.hex())
+
+    def around_sync(self, sync: Callable[[], T]) -> T:
+        """Run a whole weight sync; when this engine dies during it, restart the engine and run the
+        sync again from its start. Why not retry the failed call alone: a transport's calls (a
+        segment's load, a broadcast) refer to what it set up with the dead actor; the new actor has
+        none of it, and the transport sets it up again when it sees the actor replaced."""
+        self._syncing = True
+        try:
+            while True:
+                try:
+                    return sync()
+                except Exception as error:
+                    if not self._died(error):
+                        raise
+                    self.budget.spend("the rollout engine actor died", error, "restarting it")
+                    self.handle.restart()  # no on_restart: the sync run again is what it would do
+        finally:
+            self._syncing = False
 
     def _restart(self, error: BaseException) -> None:
         self.budget.spend("the rollout engine actor died", error, "restarting it")
@@ -244,7 +270,7 @@ class RestartingEngine:
             try:
                 return self.handle.get(pending.ref)
             except Exception as error:
-                if not self._died(error):
+                if self._syncing or not self._died(error):
                     raise
                 self._restart(error)
                 pending.ref = self.handle.submit(pending.method, *pending.args, **pending.kwargs)
@@ -257,7 +283,7 @@ class RestartingEngine:
             try:
                 return self.handle.apply(fn, *args)
             except Exception as error:
-                if not self._died(error):
+                if self._syncing or not self._died(error):
                     raise
                 self._restart(error)
 

@@ -18,12 +18,22 @@ def load_weights(ctx, snapshot: tuple, check: bool) -> None:
     ctx.after_sync(ctx)
 
 
+def whole_sync(ctx, check: bool) -> None:
+    """The transport's sync; an engine that restarts on its death (the supervisor's RestartingEngine)
+    is restarted and the sync run again from its start when it dies during it."""
+    around = getattr(ctx.engine, "around_sync", None)
+    if around is None:
+        ctx.transport.sync(check)
+    else:
+        around(lambda: ctx.transport.sync(check))
+
+
 def sync_weights(ctx, check: bool) -> float:
     """Push the trainer's weights to the engine through the run's transport; returns the seconds it took."""
     if ctx.engine is None or ctx.trainer is None:  # debug.rollout_only / debug.train_only
         return 0.0
     start = time.perf_counter()
-    ctx.transport.sync(check)
+    whole_sync(ctx, check)
     ctx.after_sync(ctx)
     if ctx.draft_sync:  # the separate draft model the trainer trained online (validate(): object store only)
         weights, digest = ctx.trainer.call("get_draft_weights")

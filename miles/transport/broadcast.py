@@ -47,7 +47,7 @@ import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
 from miles.transport.checksum import TORCH_DTYPES, hash_tensors
-from miles.transport.collective import CollectiveTransport
+from miles.transport.collective import CollectiveTransport, results
 from miles.transport.protocol import Components, TransportName, TransportOptions
 
 ALIGN = 16  # bytes: every tensor's offset in a bucket, so that a byte slice views as any dtype
@@ -269,8 +269,8 @@ class BroadcastWeightSync:
 
     def _all(self, call_of_rank) -> list:
         """Run `call_of_rank(rank)` = (fn, *args) in every member at once; their results by rank."""
-        futures = [self._pool.submit(handle.apply, *call_of_rank(rank)) for rank, handle in enumerate(self.members)]
-        return [f.result() for f in futures]
+        return results([self._pool.submit(handle.apply, *call_of_rank(rank))
+                        for rank, handle in enumerate(self.members)])
 
 
 def build(components: Components, options: TransportOptions) -> CollectiveTransport:

@@ -19,6 +19,7 @@ through the object store (its `weights_source`, set where the fleet is built): t
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_EXCEPTION, wait
 from typing import Any, Callable, Protocol
 
 from miles.transport.protocol import Components, TransportName
@@ -30,6 +31,32 @@ class Group(Protocol):
     def close(self) -> None: ...
 
     def abandon(self) -> None: ...  # drop the driver's side only (a member is gone)
+
+
+# After a member's error, how long the others' get to report: a dead actor's peers see a closed
+# connection first, its own death is reported moments later; longer is a member blocked in a
+# collective whose sender failed (it waits for the group's timeout).
+DEATH_REPORT_S = 5.0
+
+
+def results(futures: list) -> list:
+    """The members' results, in order. When some failed, the error raised is a member actor's death
+    where one was reported: it explains the others' (a peer's closed connection), and it is what the
+    supervisor restarts an engine for."""
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    if any(future.exception() is not None for future in done):
+        wait(futures, timeout=DEATH_REPORT_S)
+        errors = [future.exception() for future in futures if future.done() and future.exception() is not None]
+        raise next((error for error in errors if _is_actor_death(error)), errors[0])
+    return [future.result() for future in futures]
+
+
+def _is_actor_death(error: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # no Ray: every member is in this process
+        return False
+    return isinstance(error, RayActorError)
 
 
 def actor_of(handle: Any) -> Any:

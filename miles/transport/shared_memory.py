@@ -79,7 +79,7 @@ import torch
 
 from miles.transport.checksum import hash_tensors
 from miles.transport.broadcast import Bucket, check_plan, pack, plan_buckets, sender_tensors, views
-from miles.transport.collective import CollectiveTransport
+from miles.transport.collective import CollectiveTransport, results
 from miles.transport.protocol import Components, TransportName, TransportOptions
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -415,8 +415,7 @@ class SharedMemoryWeightSync:
 
     def _each(self, call_of_engine) -> list:
         """Run `call_of_engine(i)` = (fn, *args) in every engine at once; their results in engine order."""
-        futures = [self._pool.submit(handle.apply, *call_of_engine(i)) for i, handle in enumerate(self.engines)]
-        return [f.result() for f in futures]
+        return results([self._pool.submit(handle.apply, *call_of_engine(i)) for i, handle in enumerate(self.engines)])
 
 
 def build(components: Components, options: TransportOptions) -> CollectiveTransport:

@@ -15,7 +15,8 @@ NAMES = list(TransportName)
 # Through Ray: (test, its other parameters) of the suite that run there; the rest only in-process.
 RAY_TESTS = {("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("plain", 2)),
              ("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("fp8", 2)),
-             ("test_a_restarted_engine_is_reached_by_the_next_sync", ())}
+             ("test_a_restarted_engine_is_reached_by_the_next_sync", ()),
+             ("test_an_engine_that_dies_before_a_sync_is_restarted_and_that_sync_completes", ())}
 
 
 def _ray_runs(node) -> bool:
