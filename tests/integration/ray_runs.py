@@ -7,8 +7,13 @@ import pytest
 
 from runs import run_inprocess
 
-# Parametrise a test over both; the test takes `ray` (bool).
+# Parametrise a test over both; the test takes `ray` (bool). Under xdist the in_process case runs
+# outside the Ray group (tests/conftest.py).
 WITH_AND_WITHOUT_RAY = pytest.mark.parametrize("ray", [False, True], ids=["in_process", "ray"])
+# The same with the Ray case in the extended tier (make test-extended): for a feature whose Ray
+# arrangement another test of make test runs already.
+WITH_AND_WITHOUT_RAY_EXTENDED = pytest.mark.parametrize(
+    "ray", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["in_process", "ray"])
 
 
 def run_with(compose, overrides, run_dir, ray: bool):

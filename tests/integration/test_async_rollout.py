@@ -38,6 +38,7 @@ def _source_at(run_dir, step):
     return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "meta.json").read_text())["source"]
 
 
+@pytest.mark.no_ray
 def test_asynchronous_schedules_against_the_synchronous_run(tmp_path, monkeypatch, compose):
     monkeypatch.chdir(tmp_path)
     sync = _run(compose, tmp_path, "sync")
@@ -60,6 +61,7 @@ def test_asynchronous_schedules_against_the_synchronous_run(tmp_path, monkeypatc
     assert _source_at(one, 2) == _source_at(sync, 2)
 
 
+@pytest.mark.no_ray
 def test_a_resumed_asynchronous_run_trains_the_prompts_that_were_in_flight(tmp_path, monkeypatch, compose):
     import shutil
 

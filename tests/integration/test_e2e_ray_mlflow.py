@@ -64,6 +64,7 @@ def test_two_step_grpo_on_ray_logs_everything_to_mlflow(tmp_path, mlflow_server)
     assert "building the warm-start" not in again.stdout
 
 
+@pytest.mark.no_ray
 def test_multirun_groups_jobs_under_one_parent_run(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -33,7 +33,9 @@ def test_sigterm_saves_a_checkpoint_and_resuming_continues(tmp_path):
     journal = [json.loads(line) for line in (run_dir / "mlflow" / "journal.jsonl").read_text().splitlines()]
     assert journal[-1] == {**journal[-1], "op": "finish", "status": "KILLED"}
 
-    proc = run_launch([*TINY, f"steps={step + 2}", f"checkpoint.dir={ckpt}"], cwd=tmp_path)
+    # Resumed in-process: the checkpoint the Ray run's signal saved serves either arrangement (a Ray
+    # resume: test_killed_trainer_actor_resumes_from_the_last_checkpoint).
+    proc = run_launch([*TINY, f"steps={step + 2}", f"checkpoint.dir={ckpt}", "ray.enabled=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resuming from {saved} (step {step} of {step + 2})" in proc.stdout
     resumed_dir = max((tmp_path / "outputs").glob("*/*"), key=lambda p: p.stat().st_mtime)
@@ -69,6 +71,7 @@ def test_killed_trainer_actor_resumes_from_the_last_checkpoint(tmp_path):
     assert "done: final held-out accuracy" in live.output
 
 
+@pytest.mark.no_ray
 def test_trainer_failure_resumes_with_no_trace_in_the_results(tmp_path, monkeypatch, compose, capsys):
     """In-process: the trainer raises once in step 3; with a checkpoint every step the run resumes
     from step 2 and ends with the weights and metrics of a run that never failed."""
@@ -96,6 +99,7 @@ def test_trainer_failure_resumes_with_no_trace_in_the_results(tmp_path, monkeypa
         file_digest(tmp_path / "straight/checkpoint/model.safetensors")
 
 
+@pytest.mark.no_ray
 def test_retries_are_bounded(tmp_path, monkeypatch, compose):
     """Failures that differ each time (not a repeat of the previous one) are retried up to the limit."""
     from miles.trainer.torch_trainer import TorchTrainer
@@ -114,6 +118,7 @@ def test_retries_are_bounded(tmp_path, monkeypatch, compose):
     assert json.loads(journal[-1])["status"] == "FAILED"
 
 
+@pytest.mark.no_ray
 def test_an_identical_failure_is_reported_after_the_first_retry(tmp_path, monkeypatch, compose, capsys):
     """The same error at the same step again: a deterministic fault, reported once with its cause
     and where it was raised, not retried to fault.max_retries."""

@@ -36,6 +36,7 @@ def test_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compose, eng
     assert expert_b and all(t.abs().sum() > 0 for t in expert_b)  # trained: B left zero
 
 
+@pytest.mark.no_ray
 def test_two_adapters_over_the_experts(tmp_path, monkeypatch, compose):
     """Two adapters with expert adapters (the shipped two-task file): the engine routes each prompt's
     tokens through its adapter's experts as the trainer does, and each adapter trains."""

@@ -31,6 +31,7 @@ def _series(history: dict[int, float]) -> str:
     return " ".join(f"{history[s]:.3f}" for s in sorted(history))
 
 
+@pytest.mark.no_ray
 def test_ppo_trains_its_critic(tmp_path, monkeypatch, compose):
     # From a random init the exact-match reward is always 0 and the critic would have nothing to fit;
     # DAPO's overlong penalty (over the last 4 of 8 tokens) makes the reward depend on the response.
@@ -50,6 +51,7 @@ def test_ppo_trains_its_critic(tmp_path, monkeypatch, compose):
     assert sorted(history("perf/weight_sync_s")) == [6, 7, 8]
 
 
+@pytest.mark.no_ray
 def test_opd_reverse_kl_falls(tmp_path, monkeypatch, compose, teacher):
     monkeypatch.chdir(tmp_path)
     history = _run(compose, tmp_path, ["algo=opd", "steps=10", "eval.interval=10", "trainer.lr=2e-3",

@@ -23,6 +23,7 @@ def overrides(recipe: str) -> list[str]:
     return [f"precision={name}", *rest]
 
 
+@pytest.mark.no_ray
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose, recipe):
     monkeypatch.chdir(tmp_path)
@@ -44,6 +45,7 @@ def test_recipe_runs_two_steps_with_checked_sync(tmp_path, monkeypatch, compose,
     assert len(mismatch) == 2 and all(v >= 0 for v in mismatch)
 
 
+@pytest.mark.no_ray
 @pytest.mark.parametrize("model, recipe", [("+experiment=shape_count_vlm", "fp8"),
                                            ("+experiment=shape_count_vlm", "int4_qat"),
                                            ("model=deepseek_v3_2_tiny", "int4_qat"),

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 BOUND = {"fp8": 2e-2, "int4_qat": 5e-3, "bf16_train_fp8_rollout": 3e-2, "bf16_train_int4_rollout": 1e-1}
 
 
+@pytest.mark.no_ray
 @pytest.mark.parametrize("recipe", sorted(BOUND))
 def test_lora_run_under_a_quantized_recipe(tmp_path, monkeypatch, compose, recipe):
     monkeypatch.chdir(tmp_path)
@@ -37,6 +38,7 @@ def test_lora_run_under_a_quantized_recipe(tmp_path, monkeypatch, compose, recip
     assert all(t.dtype == torch.float32 for t in dense.values())  # the merged export is a dense checkpoint
 
 
+@pytest.mark.no_ray
 def test_merging_into_a_quantized_engine_exits_2(tmp_path):
     proc = run_launch(["precision=fp8", "trainer.lora.rank=8", "trainer.lora.merge_in_engine=true",
                        "ray.enabled=false"], cwd=tmp_path, timeout=120)

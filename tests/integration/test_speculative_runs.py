@@ -6,7 +6,8 @@ The engine's samples are exact whatever the draft (tests/unit/rollout/test_spec_
 the checks are about the draft: its metrics, its weights on both sides, its state across a resume.
 The Ray variants exist because the in-process runs alone let a trainer check that only failed inside a
 Ray actor through (issue 25, item 4); test_the_documented_command_with_ray_on_logs_the_acceptance runs
-that issue's command as a user would.
+that issue's command as a user would (MTP trained online, with Ray on), so the MTP test's own Ray case
+is in the extended tier (make test-extended).
 """
 
 import json
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch_cli import run_launch
-from ray_runs import WITH_AND_WITHOUT_RAY, run_with
+from ray_runs import WITH_AND_WITHOUT_RAY, WITH_AND_WITHOUT_RAY_EXTENDED, run_with
 from runs import TINY, journal_metrics, without_timing
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def mtp_tensors(run_dir):
     return {k: v for k, v in weights.items() if k.startswith(f"model.layers.{layers}.") and not k.endswith(shared)}
 
 
-@WITH_AND_WITHOUT_RAY
+@WITH_AND_WITHOUT_RAY_EXTENDED  # with Ray on in make test: test_the_documented_command_with_ray_on_...
 def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, monkeypatch, compose, ray):
     monkeypatch.chdir(tmp_path)
     # debug.compare_weights_tensorwise compares every engine tensor with the trainer's after each sync: the MTP too.

@@ -32,7 +32,10 @@ def _kill(handle) -> None:
     ray.kill(handle.actor, no_restart=True)
 
 
-@pytest.fixture(scope="module", params=["torch-ray", "fsdp2-ray"])
+# torch-ray in the extended tier (make test-extended): every Ray run of make test has its torch trainer
+# in an actor (test_e2e_ray_mlflow.py, test_fault.py, ...), the draft weights through one included
+# (test_speculative_runs.py's draft model resumed with Ray on); FSDP2's 2 rank actors only here.
+@pytest.fixture(scope="module", params=[pytest.param("torch-ray", marks=pytest.mark.extended), "fsdp2-ray"])
 def contract(request, ckpt, local_ray):
     from miles.orchestrate.handles import spawn
     from miles.trainer.fsdp import FSDPTrainer

@@ -26,7 +26,9 @@ TINY = ["+experiment=shape_count_vlm", "steps=2", "warm_start.enabled=false", "e
         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "tracking.log_samples=0"]
 
 
-@pytest.mark.parametrize("ray", ["false", "true"])
+# With Ray on: test_an_engine_fleet_with_images_on_ray below does it in make test; the one-engine case
+# is in the extended tier.
+@pytest.mark.parametrize("ray", ["false", pytest.param("true", marks=pytest.mark.extended)], ids=["in_process", "ray"])
 def test_two_steps_with_images(tmp_path, ray):
     proc = run_launch([*TINY, f"ray.enabled={ray}"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,6 +43,7 @@ def test_two_steps_with_images(tmp_path, ray):
     assert (final / "preprocessor_config.json").is_file()
 
 
+@pytest.mark.no_ray
 def test_lora_on_a_vlm_trains_the_decoder_adapters_with_images(tmp_path):
     """trainer.lora with images (in-process): the engine's adapted log-probs with the images equal the
     trainer's after each sync, and the run exports the decoder's adapter in PEFT's format under
@@ -85,6 +88,7 @@ def _video_records(directory) -> str:
     return str(path)
 
 
+@pytest.mark.no_ray
 def test_two_steps_with_videos(tmp_path):
     """Video records (frame directories) through the native engine and the torch trainer, in-process:
     the trainer recomputes the engine's log-probs with the videos (tests/unit/rollout/
@@ -100,6 +104,7 @@ def test_two_steps_with_videos(tmp_path):
     assert metrics[1]["train/ppo_kl"] == 0.0
 
 
+@pytest.mark.no_ray
 def test_missing_image_exits_2_with_file_and_line(tmp_path):
     from miles.data.shape_count import split_scenes, write_split
 
@@ -117,6 +122,7 @@ def test_missing_image_exits_2_with_file_and_line(tmp_path):
     ("true_on_policy=true", "true_on_policy=true is not wired for the vision tower yet"),
     ("model=qwen3_tiny", "task.kind=shape_count has images, model=qwen3_tiny has no vision tower"),
 ])
+@pytest.mark.no_ray
 def test_unsupported_combinations_exit_2(tmp_path, override, expected):
     proc = run_launch(["+experiment=shape_count_vlm", override, "dry_run=true"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
