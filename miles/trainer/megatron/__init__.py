@@ -1,6 +1,7 @@
 """Megatron-core trainer backend (`trainer=megatron`, docs/megatron.md).
 
   core_attention.py  the project's core attention for the spec (PyTorch SDPA, MLA's k / v channels)
+  dsa_attention.py   DSA's core attention (DeepSeek-V3.2, GLM-5): the native lightning indexer, top-k, sparse SDPA
   router.py   DeepSeek's group-limited router (groups ranked by their top two scores)
   arch.py     ArchConfig -> TransformerConfig / layer spec / GPTModel arguments, and what is not mapped
   weights.py  native (HF) tensors <-> GPTModel state-dict names and layouts

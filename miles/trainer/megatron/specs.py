@@ -7,6 +7,9 @@ expert groups (DeepSeek-V3) the MoE layers' router is the project's, with either
 (miles/trainer/megatron/router.py: DeepSeek's group ranking, which megatron-core's differs from).
 MLA's latent norms take `latent_norm_eps` (a `layer_spec` key of the project's): megatron-core builds
 them with the decoder's layernorm_epsilon, and GLM-4.7-Flash's checkpoints differ there (1e-6 / 1e-5).
+DSA (`dsa`, the project's key holding the ArchConfig: DeepSeek-V3.2, GLM-5): the core attention is the
+project's DSACoreAttention (miles/trainer/megatron/dsa_attention.py: the native lightning indexer and
+the sparse attention), one DSASelection shared by the model's layers; local spec only.
 """
 
 from __future__ import annotations
@@ -59,9 +62,21 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
 
     layer_spec = dict(layer_spec)
     latent_eps = layer_spec.pop("latent_norm_eps", None)
+    dsa_arch = layer_spec.pop("dsa", None)
+    if dsa_arch is not None and te:  # TE's MLA spec fuses q_layernorm into linear_q_up_proj: no q latent to read
+        raise ValueError("DSA's indexer reads the normalized q latent, which Transformer Engine's MLA spec fuses "
+                         "into linear_q_up_proj: DSA families need the local spec (no Transformer Engine)")
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, **layer_spec)
     swaps = []
-    if not te:
+    if dsa_arch is not None:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from miles.trainer.megatron.dsa_attention import DSACoreAttention, DSASelection
+
+        # one DSASelection per model: its layers share selections (GLM's IndexShare) and the R3 replay
+        core = ModuleSpec(module=DSACoreAttention, params={"arch": dsa_arch, "selection": DSASelection()})
+        swaps.append(functools.partial(_with_core_attention, core_attention=core))
+    elif not te:
         from miles.trainer.megatron.core_attention import SDPACoreAttention
 
         swaps.append(functools.partial(_with_core_attention, core_attention=SDPACoreAttention))

@@ -18,8 +18,9 @@ Weights: loaded from the HF-format checkpoint through `miles.models.from_pretrai
 miles.trainer.megatron.weights; exported the same way back (`get_weights`, `save`). A KL reference is
 a second, frozen GPTModel. `save_state` / `load_state` write and read the Megatron parameters, the
 optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume. MoE routing replay
-(R3 / R2) goes through megatron-core's RouterReplay hooks; colocation offload through its buffers'
-storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
+(R3 / R2) goes through megatron-core's RouterReplay hooks, DSA's selected keys through the DSA core
+attentions' shared DSASelection (miles/trainer/megatron/dsa_attention.py); colocation offload through
+its buffers' storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
 onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
 (miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch.
 
@@ -59,7 +60,7 @@ from miles.trainer.parallel import SingleProcess
 from miles.trainer.rl_update import RLUpdate
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
 from miles.transport.flat import FlatWeights, tensors_checksum
-from miles.types import TrainBatch, moe_layers
+from miles.types import TrainBatch, index_layers, moe_layers
 
 
 def _hidden_and_output_weight(hidden_states, output_layer, output_weight, **_):
@@ -74,6 +75,13 @@ def _router_replays(model) -> dict:
 
     return {router.layer_number - 1: router.router_replay for router in model.modules()
             if isinstance(router, TopKRouter) and router.router_replay is not None}
+
+
+def _dsa_selection(model):
+    """The DSASelection `model`'s DSA core attentions share, or None (no DSA layer)."""
+    from miles.trainer.megatron.dsa_attention import DSACoreAttention
+
+    return next((m.selection for m in model.modules() if isinstance(m, DSACoreAttention)), None)
 
 
 def _distinct(experts: torch.Tensor) -> torch.Tensor:
@@ -177,7 +185,9 @@ class MegatronTrainer:
             self.lora = self._attach_lora(policy, shapes, seed)
         self.model = self._ddp(policy)
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
-        self.routing_layers, self.key_layers = moe_layers(self.arch), []  # DSA families are not mapped
+        self.routing_layers, self.key_layers = moe_layers(self.arch), index_layers(self.arch)
+        # DSA: each GPTModel's selection state (dsa_attention.DSASelection), where R3 replay / record go
+        self._dsa = {id(m): _dsa_selection(m) for m in (self.model, self.ref_model) if m is not None}
         if algo.routing_replay != "none" and not self.routing_layers:
             raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
                              f"{self.arch.family} has no MoE layer")
@@ -273,10 +283,17 @@ class MegatronTrainer:
             self.lora.route(mb.adapter_ids)  # [rows, 1]: each row's adapter (megatron/lora.py lays it out)
         positions = torch.arange(length, device=self.device).expand(rows, length)
         fake_quant = fake_quantized(model, self._qat_rows, self.recipe, "module." if model is self.model else "")
-        with self._routing(model, rows, length, replay, record):
-            hidden, weight = torch.func.functional_call(
-                model, fake_quant, (mb.input_ids, positions, self._causal_mask(length)),
-                {"output_processor": _hidden_and_output_weight}, strict=False)
+        dsa = self._dsa.get(id(model))
+        if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
+            dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
+        try:
+            with self._routing(model, rows, length, replay, record):
+                hidden, weight = torch.func.functional_call(
+                    model, fake_quant, (mb.input_ids, positions, self._causal_mask(length)),
+                    {"output_processor": _hidden_and_output_weight}, strict=False)
+        finally:
+            if dsa is not None:
+                dsa.record = None
         hidden = hidden.transpose(0, 1).reshape(rows * length, -1).index_select(0, mb.src)
         logp, entropy = hidden_logprobs(hidden, weight, mb.targets, self.temperature, with_entropy,
                                         self.logits_chunk_tokens)
