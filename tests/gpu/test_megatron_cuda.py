@@ -75,7 +75,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, 
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny", "glm4_7_flash_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny", "glm4_7_flash_tiny",
+                                  "deepseek_v3_2_tiny", "glm5_tiny"])
 def test_logprobs_equal_the_native_trainer(name, dtype, tmp_path):
     ckpt = _checkpoint(name, tmp_path)
     mega, native = _trainers(ckpt, dtype)

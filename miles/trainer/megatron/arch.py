@@ -11,7 +11,9 @@ deepseek_v3 (DeepSeek-V3 / R1, Kimi K2) and glm4_moe_lite (GLM-4.7-Flash): MLA w
 through megatron-core's MLASelfAttention, built without Transformer Engine because the spec's core
 attention is the project's (miles/trainer/megatron/core_attention.py); `first_k_dense_replace` dense
 layers; the DeepSeek router (sigmoid scores, correction bias, group-limited top-k, routed scaling,
-shared experts).
+shared experts). deepseek_v32 (DeepSeek-V3.2) and glm_moe_dsa (GLM-5): the same MLA and MoE, with DSA's
+lightning indexer and top-k sparse attention in the project's core attention
+(miles/trainer/megatron/dsa_attention.py; `layer_spec["dsa"]` carries the ArchConfig to it).
 `problems(arch)` names what a config needs that the mapping does not cover yet, so validation refuses
 it before any start.
 """
@@ -21,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
+MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass
 class MegatronSpec:
     transformer: dict[str, Any]  # TransformerConfig keyword arguments (activation_func apart)
     # get_gpt_decoder_block_spec keyword arguments (it reads the layers' kinds from the config), and
-    # the project's own: latent_norm_eps (MLA; specs.py)
+    # the project's own: latent_norm_eps (MLA), dsa (the ArchConfig, for DSA's core attention; specs.py)
     layer_spec: dict[str, Any]
     model: dict[str, Any]  # GPTModel keyword arguments (config and layer spec apart)
     activation: str = "silu"  # TransformerConfig.activation_func, by name
@@ -43,8 +45,7 @@ LATENT_NORM_EPS = 1e-6
 
 # Families that are not mapped, and why, where there is more to say than "not yet".
 _UNMAPPED_WHY = {
-    "deepseek_v32": "its DSA indexer and top-k sparse attention are not mapped",
-    "glm_moe_dsa": "its DSA indexer and top-k sparse attention are not mapped",
+    "qwen3_next": "its gated DeltaNet linear-attention layers and gated attention are not mapped",
 }
 
 
@@ -66,6 +67,12 @@ def _mla_problems(arch) -> list[str]:
     return out
 
 
+def _dsa_problems(arch) -> list[str]:
+    if not arch.mla.q_lora_rank:
+        return ["trainer=megatron: DSA's indexer reads the q latent (mla.q_lora_rank > 0)"]
+    return []
+
+
 def problems(arch) -> list[str]:
     """What keeps `arch` from training through Megatron-core here, one message per problem."""
     if arch.family not in MAPPED_FAMILIES:
@@ -75,6 +82,8 @@ def problems(arch) -> list[str]:
     out = []
     if arch.mla is not None:
         out += _mla_problems(arch)
+        if arch.dsa is not None:
+            out += _dsa_problems(arch)
     elif arch.rope_scaling is not None or arch.partial_rotary_factor != 1.0:
         out.append("trainer=megatron: RoPE scaling and partial rotary are not mapped yet (MLA's YaRN apart)")
     if arch.qk_norm and arch.qk_norm_type != "head":
@@ -148,6 +157,8 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
     if arch.mla is not None:
         transformer.update(_mla(arch))
         layer_spec["latent_norm_eps"] = LATENT_NORM_EPS
+        if arch.dsa is not None:
+            layer_spec["dsa"] = arch
     model = dict(
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,

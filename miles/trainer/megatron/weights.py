@@ -15,6 +15,9 @@ engines take in weight sync), experts fused as transformers 5 holds them: `exper
   -> linear_q_down_proj / linear_q_up_proj (linear_q_proj), kv_a_proj_with_mqa ([latent | rope key])
   -> linear_kv_down_proj, kv_b_proj (per head [k_nope | v]) -> linear_kv_up_proj, the latent norms
   -> q_layernorm / kv_layernorm;
+- DSA (DeepSeek-V3.2, GLM-5): the lightning indexer lives in the project's core attention, under its
+  native names: `self_attn.indexer.<wq_b | wk | k_norm | weights_proj>` ->
+  `self_attention.core_attention.indexer.<the same>` (layers that share a selection have none);
 - DeepSeek MoE: the shared experts' SwiGLU as a dense MLP (`mlp.shared_experts.linear_fc1` [gate; up]),
   the router's correction bias `gate.e_score_correction_bias` -> `router.expert_bias`.
 `te=True` names the norms as Transformer Engine's spec fuses them: the attention's input norm into
@@ -56,9 +59,11 @@ _MLA_NAMES = {  # native self_attn.<name> -> Megatron self_attention.<name>, unf
     "kv_a_layernorm.weight": ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"),
     "kv_b_proj.weight": ("linear_kv_up_proj.weight",) * 2,
 }
+# DSA's indexer (miles/models/dsa.py's LightningIndexer, held as it is by dsa_attention.DSACoreAttention)
+_DSA_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 
 
-def _layer_names(i: int, moe: bool, te: bool, mla: bool) -> dict[str, str]:
+def _layer_names(i: int, moe: bool, te: bool, mla: bool, dsa: bool = False) -> dict[str, str]:
     """Native -> Megatron names of layer i's unfused tensors."""
     n, m = f"layers.{i}.", f"decoder.layers.{i}."
     fused_input_norm = te and not mla  # TE's MLA spec keeps the input norm apart (the down projections are plain)
@@ -76,6 +81,9 @@ def _layer_names(i: int, moe: bool, te: bool, mla: bool) -> dict[str, str]:
     if mla:  # its q_layernorm is the q latent's norm
         out.update({n + "self_attn." + native: m + "self_attention." + names[te]
                     for native, names in _MLA_NAMES.items()})
+        if dsa:  # the same names on both sides, wherever the layer has an indexer
+            out.update({n + "self_attn.indexer." + name: m + "self_attention.core_attention.indexer." + name
+                        for name in _DSA_INDEXER})
     else:
         out.update({n + "self_attn.q_norm.weight": m + "self_attention.q_layernorm.weight",
                     n + "self_attn.k_norm.weight": m + "self_attention.k_layernorm.weight"})
@@ -121,7 +129,7 @@ def to_megatron(state: Tensors, arch, te: bool = False) -> Tensors:
                 out[m + "mlp.shared_experts.linear_fc1.weight"] = shared
         else:
             out[m + "mlp.linear_fc1.weight"] = _gate_up(state, n + "mlp.", take)
-        for native, mega in _layer_names(i, moe, te, arch.mla is not None).items():
+        for native, mega in _layer_names(i, moe, te, arch.mla is not None, arch.dsa is not None).items():
             if native in state:
                 out[mega] = take(native)
     if state:
@@ -164,7 +172,7 @@ def from_megatron(mstate: Tensors, arch, te: bool = False) -> Tensors:
                 out.update(_gate_up_split(take(m + "mlp.shared_experts.linear_fc1.weight"), n + "mlp.shared_experts."))
         else:
             out.update(_gate_up_split(take(m + "mlp.linear_fc1.weight"), n + "mlp."))
-        for native, mega in _layer_names(i, moe, te, arch.mla is not None).items():
+        for native, mega in _layer_names(i, moe, te, arch.mla is not None, arch.dsa is not None).items():
             if mega in mstate:
                 out[native] = take(mega)
     if mstate or experts:

@@ -61,8 +61,7 @@ def test_dense_layers_inside_a_moe_model():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("glm5_tiny", "glm_moe_dsa is not mapped yet (its DSA indexer"),
-    ("deepseek_v3_2_tiny", "deepseek_v32 is not mapped yet (its DSA indexer"),
+    ("qwen3_next_tiny", "qwen3_next is not mapped yet (its gated DeltaNet"),
     ("glm4_moe_tiny", "glm4_moe is not mapped yet"),
     ("llama4_tiny", "llama4_text is not mapped yet"),
 ])
@@ -95,7 +94,8 @@ def test_deepseek_v3_translates_to_mla_and_the_deepseek_router(arch_of):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_tiny", "deepseek_v3", "deepseek_r1", "kimi_k2", "kimi_k2_thinking",
-                                  "kimi_k2_5", "glm4_7_flash_tiny", "glm4_7_flash"])
+                                  "kimi_k2_5", "glm4_7_flash_tiny", "glm4_7_flash", "deepseek_v3_2_tiny",
+                                  "deepseek_v3_2", "glm5_tiny", "glm5"])
 def test_mla_family_checkpoints_are_mapped(name, arch_of):
     arch = arch_of(name)
     arch.mtp_layers = 0  # DeepSeek-V3 / R1 ship an MTP layer: refused below
@@ -154,7 +154,7 @@ def test_mlp_and_expert_layouts():
 
 @pytest.mark.parametrize("te", [False, True])
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "qwen3_0_6b", "deepseek_v3_tiny",
-                                  "deepseek_v3_tiny_q_proj", "glm4_7_flash_tiny"])
+                                  "deepseek_v3_tiny_q_proj", "glm4_7_flash_tiny", "deepseek_v3_2_tiny", "glm5_tiny"])
 def test_round_trip_is_bitwise(name, te, arch_of):
     arch = arch_of(name.removesuffix("_q_proj"))
     if name == "qwen3_0_6b":  # the published dims at two layers (the mapping is per layer)
@@ -197,6 +197,33 @@ def test_mla_and_deepseek_moe_names(te, arch_of):
                        torch.cat([state[n + "mlp.shared_experts.gate_proj.weight"],
                                   state[n + "mlp.shared_experts.up_proj.weight"]]))
     assert ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in out) is te  # the dense first layer
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_2_tiny", "glm5_tiny"])
+def test_dsa_indexers_go_into_the_core_attention(name, arch_of):
+    """DSA: each layer's indexer (wq_b, wk, k_norm with its bias, weights_proj) under the project's core
+    attention, names unchanged; GLM-5's sharing layer has none. The spec hands the ArchConfig to that
+    core attention (specs.py), as MLA's."""
+    arch = arch_of(name)
+    spec = megatron_spec(arch, bf16=True)
+    assert spec.config_class == "MLATransformerConfig" and spec.layer_spec["dsa"] is arch
+    state = CausalLM(arch, seed=0).state_dict()
+    out = to_megatron(state, arch)
+    parts = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+    for i in range(arch.num_layers):
+        for part in parts:
+            native = f"layers.{i}.self_attn.indexer.{part}"
+            mega = f"decoder.layers.{i}.self_attention.core_attention.indexer.{part}"
+            assert (native in state) is (mega in out) is (i not in arch.dsa.shared_layers), (i, part)
+            if native in state:
+                assert torch.equal(out[mega], state[native])
+    assert sum(".indexer." in k for k in out) == 5 * (arch.num_layers - len(arch.dsa.shared_layers))
+
+
+def test_dsa_without_q_compression_is_named(arch_of):
+    arch = arch_of("deepseek_v3_2_tiny")
+    arch.mla.q_lora_rank = 0
+    assert problems(arch) == ["trainer=megatron: DSA's indexer reads the q latent (mla.q_lora_rank > 0)"]
 
 
 def test_te_names_fuse_the_dense_pre_mlp_norm_only():
