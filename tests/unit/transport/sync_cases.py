@@ -6,12 +6,29 @@ from pathlib import Path
 import torch
 
 from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, Quant, RolloutCfg, TrainerCfg
+from miles.orchestrate.handles import LocalHandle
 from miles.rollout.native import NativeEngine
 from miles.types import build_train_batch
 
 MODEL = Path(__file__).resolve().parents[3] / "conf" / "model" / "qwen3_tiny.yaml"
 PROMPTS = ["1+2=", "35+47=", "9*9=", "(12-3)*4="]
 
+
+
+class RestartableHandle(LocalHandle):
+    """A LocalHandle that restarts as a RayHandle does: a fresh component from the same arguments
+    behind the same handle, seen by `actor` (what a collective compares to detect restarts)."""
+
+    def __init__(self, cls, *args, **kwargs):
+        self._build = lambda: cls(*args, **kwargs)
+        super().__init__(self._build())
+
+    @property
+    def actor(self):
+        return self.obj
+
+    def restart(self) -> None:
+        self.obj = self._build()
 
 def precision(dtype: DType, quant: Quant = Quant.none) -> PrecisionCfg:
     return PrecisionCfg(name="test", train_dtype=DType.bf16, rollout_dtype=dtype, rollout_quant=quant,

@@ -17,26 +17,15 @@ from miles.rollout.router import EngineFleet
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.transport.checksum import WeightSyncError, checksum
 from miles.transport.object_store import ObjectStoreTransport
-from sync_cases import engine_args, sft_step, trainer_args
+from sync_cases import RestartableHandle, engine_args, sft_step, trainer_args
 from transport_contract import CorruptingEngine
 from types import SimpleNamespace
 
 
-class Actorlike(LocalHandle):
+class Actorlike(RestartableHandle):
     """A component in this process behind a handle that says it is not (as a Ray actor's): the transport
     takes its Ray paths; the segment is this process's own buffer. Restarts like a RayHandle."""
     in_process = False
-
-    def __init__(self, cls, *args, **kwargs):
-        self._build = lambda: cls(*args, **kwargs)
-        super().__init__(self._build())
-
-    @property
-    def actor(self):
-        return self.obj
-
-    def restart(self) -> None:
-        self.obj = self._build()
 
 
 held = lambda engine: checksum(engine.model.state_dict())  # noqa: E731

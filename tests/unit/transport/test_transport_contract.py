@@ -8,7 +8,7 @@ pytest.register_assert_rewrite("transport_contract")
 
 from transport_contract import *  # noqa: E402,F401,F403  (the suite's tests)
 from transport_contract import Contract  # noqa: E402
-from miles.orchestrate.handles import LocalHandle  # noqa: E402
+from sync_cases import RestartableHandle  # noqa: E402
 from miles.transport.protocol import TransportName  # noqa: E402
 
 NAMES = list(TransportName)
@@ -22,22 +22,6 @@ RAY_TESTS = {("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights"
 def _ray_runs(node) -> bool:
     params = {k: v for k, v in node.callspec.params.items() if k != "contract"}
     return (node.originalname, tuple(params[k] for k in ("recipe", "engines") if k in params)) in RAY_TESTS
-
-
-class RestartableHandle(LocalHandle):
-    """A LocalHandle that restarts as a RayHandle does: a fresh component from the same arguments
-    behind the same handle, seen by `actor` (what a collective compares to detect restarts)."""
-
-    def __init__(self, cls, *args, **kwargs):
-        self._build = lambda: cls(*args, **kwargs)
-        super().__init__(self._build())
-
-    @property
-    def actor(self):
-        return self.obj
-
-    def restart(self) -> None:
-        self.obj = self._build()
 
 
 def local_contract(name, ckpt) -> Contract:
