@@ -64,7 +64,7 @@ test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
 
 # Further Ray arrangements of paths that make test runs through Ray once already (tests marked
-# extended, ~2.5 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
+# extended, ~2 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
 # suite in a Ray actor, the MTP draft's and the one-engine VLM run's Ray cases, QLoRA's FP8 bases on 2
 # FSDP ranks through a run. Run them when changing Ray actors, speculative rollout or FSDP QLoRA.
 test-extended: $(STAMP)
