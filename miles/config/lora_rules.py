@@ -140,11 +140,4 @@ def adapter_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"trainer.lora.adapter_key={lo.adapter_key!r} routes by a prompt record's field; "
                         f"task.kind={cfg.task.kind.value} has no record fields: use a prompt file (task.kind=file, "
                         "task.train_file) whose records carry the field")
-    if r.speculative.kind != "none":
-        # Multi-turn tools combine (each turn is routed as a prompt of its own); speculative decoding
-        # does not: its verify forwards would need each live row's adapter, compacted with the rows.
-        problems.append("trainer.lora.adapters with rollout.speculative: the draft-and-verify decoders "
-                        "(miles/rollout/spec_decode.py, spec_slots.py) run the policy's verify forwards without a "
-                        "per-row adapter route, so a row would be accepted under another adapter than the one "
-                        "its loss trains: set rollout.speculative.kind=none")
     return problems

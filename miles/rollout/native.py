@@ -52,7 +52,8 @@ axes. The slot decoder does not take images (a VLM decodes on the padded path; d
 Several LoRA adapters (`lora` with `adapters`, trainer.lora.adapters): `adapters=[one id per prompt]`
 routes each prompt's rows through its adapter, every adapter in the same batch (miles/models/lora.py
 masks the others' outputs): the padded path routes its prefill per prompt and each decode step per
-live row; the slot decoder keeps each slot's adapter in a buffer its graphs read.
+live row; the slot decoder keeps each slot's adapter in a buffer its graphs read; the speculative
+decoders route their verify forwards (and the MTP draft's) by each live row's adapter.
 
     samples = engine.generate(["12+30=", "7*6="], ["42", "42"], n=4, adapters=[0, 1])
 
@@ -204,7 +205,8 @@ class NativeEngine:
                 if cfg.compile and self.device.type == "cuda":
                     fused.enable()  # as the slot decoder: the captured forwards run the fused kernels
                 return SlotSpeculativeDecoder(self.model, self.draft_model, spec.num_tokens, slots, columns,
-                                              self.pad_id, self.stop_ids, graphs, self.compact_at, cfg.sync_every)
+                                              self.pad_id, self.stop_ids, graphs, self.compact_at, cfg.sync_every,
+                                              route=self.lora.route if self._routes_adapters else None)
             draft = ModelDraft(self.draft_model)
         else:
             raise ValueError(f"rollout.speculative.kind: unknown {spec.kind!r}; choose none, mtp or draft_model")
@@ -212,7 +214,7 @@ class NativeEngine:
             raise ValueError("rollout.slot_decode=true: speculative decoding in slots needs a draft model and GQA "
                              "attention in both models; set rollout.slot_decode=null")
         return SpeculativeDecoder(self.model, draft, spec.num_tokens, self.pad_id, self.stop_ids, self.compact_at,
-                                  self.cfg.sync_every)
+                                  self.cfg.sync_every, route=self.lora.route if self._routes_adapters else None)
 
     def _wants_slots(self) -> bool:
         return self.cfg.slot_decode if self.cfg.slot_decode is not None else self.device.type == "cuda"
@@ -304,7 +306,7 @@ class NativeEngine:
             if self.spec is not None:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
                 decoded = [(resp, lp, stopped, None, None, (steps, accepted)) for resp, lp, stopped, steps, accepted
-                           in self.spec.generate(distinct, n, sampling, self.generator, generators)]
+                           in self.spec.generate(distinct, n, sampling, self.generator, generators, adapters)]
             elif self.slots is not None and width + max_new <= self.slots.max_len:
                 sampling = Sampling(temperature, cfg.top_p, cfg.top_k, max_new)
                 decoded = self.slots.generate(distinct, n, sampling, self.stop_ids, self.generator, generators,
@@ -354,10 +356,6 @@ class NativeEngine:
     def _check_adapters(self, adapters: list[int] | None, prompts: int) -> None:
         """An engine of named adapters needs every prompt's; one without takes none."""
         check_adapter_ids(self.lora.adapter_names if self._routes_adapters else [], adapters, prompts)
-        if not self._routes_adapters:
-            return
-        if self.spec is not None:
-            raise ValueError("generate: the speculative decoders do not route rows to LoRA adapters")
 
     def _group_generators(self, seeds: list[int] | None, groups: int) -> list[torch.Generator] | None:
         """One generator per prompt group, seeded by its seed (None without seeds: the engine's own)."""

@@ -21,6 +21,12 @@ the one after the last accepted token (DeltaNetCache.rewind).
 Per-group generators (`generators`, the engine's seeds): every random draw of a group (the first
 token, each draft token, each verification) comes from its own generator and only for its rows
 still decoding, so a group's samples do not depend on the other prompts of the batch.
+
+Several LoRA adapters (`route`: the engine's `LoRA.route`, with generate's `adapters`, one id per
+prompt): the prefill routes per prompt, then every round routes each batch row by its sample's
+adapter (`rows`, compacted with the batch) before the draft's forwards and the verify forward. The
+MTP draft reads the target's hidden states, computed under each row's own adapter (its own modules,
+like a separate draft model, hold no adapters).
 """
 
 from __future__ import annotations
@@ -254,19 +260,29 @@ def check_interval(k: int, sync_every: int) -> int:
 
 class SpeculativeDecoder:
     def __init__(self, model, draft, k: int, pad_id: int, stop_ids: torch.Tensor, compact_at: float = COMPACT_AT,
-                 sync_every: int = 1):
+                 sync_every: int = 1, route=None):
         if k < 1:
             raise ValueError(f"rollout.speculative.num_tokens must be >= 1, got {k}")
         self.model, self.draft, self.k, self.pad_id, self.stop_ids = model, draft, k, pad_id, stop_ids
         self.compact_at, self.check_every = compact_at, check_interval(k, sync_every)
+        self.route = route  # several LoRA adapters: the engine's LoRA.route
 
     @torch.no_grad()
     def generate(self, distinct: list[list[int]], n: int, sampling: Sampling, generator: torch.Generator,
-                 generators: list | None = None) -> list[tuple[list[int], list[float], bool, int, int]]:
+                 generators: list | None = None,
+                 adapters: list[int] | None = None) -> list[tuple[list[int], list[float], bool, int, int]]:
         """(response ids, log-probs, ended on a stop token, verify steps, drafts accepted) per sample,
-        row i*n+j answering distinct[i]; `generators`: one per prompt (seeds), else `generator`."""
+        row i*n+j answering distinct[i]; `generators`: one per prompt (seeds), else `generator`;
+        `adapters`: one LoRA adapter id per prompt, exactly when the decoder routes (`route`)."""
         model, k = self.model, self.k
         device = model.device
+        if (adapters is None) != (self.route is None):
+            raise ValueError("adapters: one LoRA adapter id per prompt exactly when the decoder routes by them")
+        sample_adapters = None
+        if adapters is not None:  # the prefills (target's and MTP draft's) per prompt, then per batch row
+            prompt_adapters = torch.tensor(adapters, dtype=torch.long, device=device)
+            self.route(prompt_adapters[:, None])
+            sample_adapters = prompt_adapters.repeat_interleave(n)
         prompts, width = len(distinct), max(len(p) for p in distinct)
         tokens = torch.full((prompts, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros(prompts, width, dtype=torch.long)
@@ -303,6 +319,8 @@ class SpeculativeDecoder:
                     rows, live, mask, pos, pending = rows[keep], live[keep], mask[keep], pos[keep], pending[keep]
                     pick.rows = rows
             pick.live = live
+            if sample_adapters is not None:  # each row's own adapter, for the draft's and the verify forwards
+                self.route(sample_adapters[rows, None])
             drafted, draft_probs = self.draft.propose(pending, pos, k, pick)
             cache.track_steps(True)
             mask = torch.cat([mask, mask.new_ones(len(rows), k + 1)], 1)

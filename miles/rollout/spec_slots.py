@@ -16,6 +16,11 @@ Sampling and verification run eagerly between the replays. A generate call admit
 up to the slot count, prefills each distinct prompt once (right-padded) into its n slots for both
 models, and decodes until every row is done; finished rows ride along until enough of them have
 finished to move the live ones into a smaller bucket.
+
+Several LoRA adapters (`route`: the engine's `LoRA.route`): each slot's adapter id lives in a
+persistent buffer that the verify forward routes by (a view of it, so a captured graph reads the
+slots' current adapters); the prefill routes per prompt, and compaction moves the ids with the rows.
+The draft model holds no adapters.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class BucketGraphs:
 
 class SlotSpeculativeDecoder:
     def __init__(self, model, draft, k: int, slots: int, max_len: int, pad_id: int, stop_ids: torch.Tensor,
-                 cuda_graphs: bool, compact_at: float = COMPACT_AT, sync_every: int = 1):
+                 cuda_graphs: bool, compact_at: float = COMPACT_AT, sync_every: int = 1, route=None):
+        self.route = route  # several LoRA adapters: the engine's LoRA.route
         self.model, self.draft, self.k, self.slots, self.max_len = model, draft, k, slots, max_len
         self.pad_id, self.stop_ids, self.compact_at = pad_id, stop_ids, compact_at
         self.check_every = check_interval(k, sync_every)
@@ -90,10 +96,13 @@ class SlotSpeculativeDecoder:
               "first_ids": torch.full((s, 2), self.pad_id, dtype=torch.long, device=dev),
               "first_pos": torch.zeros(s, 2, dtype=torch.long, device=dev),
               "next_ids": torch.full((s, 1), self.pad_id, dtype=torch.long, device=dev),
-              "next_pos": torch.zeros(s, 1, dtype=torch.long, device=dev)}
+              "next_pos": torch.zeros(s, 1, dtype=torch.long, device=dev),
+              "adapters": torch.zeros(s, dtype=torch.long, device=dev)}  # each slot's LoRA adapter (route)
         views = {b: (target.first_rows(b), draft.first_rows(b)) for b in self.buckets}
 
         def verify(b):
+            if self.route is not None:  # a view of the persistent buffer: what a captured graph reads
+                self.route(st["adapters"][:b, None])
             hidden = self.model(st["verify_ids"][:b], position_ids=st["verify_pos"][:b], cache=views[b][0],
                                 return_hidden=True)
             return self.model.logits_from_hidden(hidden)
@@ -113,8 +122,11 @@ class SlotSpeculativeDecoder:
     # ----------------------------------------------------------------------------- decoding
     @torch.no_grad()
     def generate(self, distinct: list[list[int]], n: int, sampling: Sampling, generator: torch.Generator,
-                 generators: list | None = None) -> list[tuple[list[int], list[float], bool, int, int]]:
+                 generators: list | None = None,
+                 adapters: list[int] | None = None) -> list[tuple[list[int], list[float], bool, int, int]]:
         """As SpeculativeDecoder.generate: (response, log-probs, stopped, verify steps, drafts accepted)."""
+        if (adapters is None) != (self.route is None):
+            raise ValueError("adapters: one LoRA adapter id per prompt exactly when the decoder routes by them")
         if n > self.slots:
             raise ValueError(f"n_samples_per_prompt ({n}) exceeds the engine's {self.slots} slots")
         width = max(len(p) for p in distinct)
@@ -129,7 +141,8 @@ class SlotSpeculativeDecoder:
         for start in range(0, len(distinct), per_chunk):
             groups = distinct[start:start + per_chunk]
             chunk_gens = None if generators is None else generators[start:start + per_chunk]
-            results += self._chunk(groups, n, sampling, generator, chunk_gens)
+            chunk_adapters = None if adapters is None else adapters[start:start + per_chunk]
+            results += self._chunk(groups, n, sampling, generator, chunk_gens, chunk_adapters)
         return results
 
     def _prefill(self, model, cache: SlotCache, tokens, lengths, src) -> torch.Tensor:
@@ -141,7 +154,7 @@ class SlotSpeculativeDecoder:
         cache.load_prefill(rows, prefill, src, tokens.shape[1])
         return hidden[torch.arange(tokens.shape[0], device=self.device), lengths - 1]
 
-    def _chunk(self, groups: list[list[int]], n: int, sampling: Sampling, generator, generators):
+    def _chunk(self, groups: list[list[int]], n: int, sampling: Sampling, generator, generators, adapters=None):
         st, k, dev, max_new = self.state, self.k, self.device, sampling.max_new
         target, draft, graphs = st["target"], st["draft"], st["graphs"]
         width, batch = max(len(p) for p in groups), len(groups) * n
@@ -150,6 +163,10 @@ class SlotSpeculativeDecoder:
             tokens[i, :len(ids)] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in groups], device=dev)
         tokens, src = tokens.to(dev), torch.arange(len(groups), device=dev).repeat_interleave(n)
+        if adapters is not None:  # the prefill per prompt, the verify forwards per slot (the buffer)
+            prompt_adapters = torch.tensor(adapters, dtype=torch.long, device=dev)
+            self.route(prompt_adapters[:, None])
+            st["adapters"][:batch] = prompt_adapters[src]
         last = self._prefill(self.model, target, tokens, lengths, src)
         self._prefill(self.draft, draft, tokens, lengths, src)
         pos = lengths[src]  # each row's pending token goes to this position (= its committed length)
@@ -174,6 +191,7 @@ class SlotSpeculativeDecoder:
                     dst = torch.arange(len(keep), device=dev)
                     target.move_rows(dst, keep)
                     draft.move_rows(dst, keep)
+                    st["adapters"][:len(keep)] = st["adapters"][keep].clone()
                     rows, live, pos, prev, pending = rows[keep], live[keep], pos[keep], prev[keep], pending[keep]
                     pick.rows, b = rows, smaller
             n_rows, pick.live = len(rows), live

@@ -28,6 +28,11 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     # Several adapters, routed by a prompt record's field; one named adapter needs no field.
     assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
                              "trainer.lora.adapter_key=adapter"])) == []
+    # ... with speculative rollout: each row's adapter routes the verify forwards (and the MTP draft's).
+    for spec in (["model=glm4_moe_tiny", "model.mtp_layers=1", "rollout.speculative.kind=mtp"],
+                 ["rollout.speculative.kind=draft_model", "rollout.speculative.draft_model=qwen3_tiny_draft"]):
+        assert validate(compose(["trainer.lora.rank=16", *FILE, "trainer.lora.adapters=[add,mul]",
+                                 "trainer.lora.adapter_key=adapter", *spec, "rollout.speculative.train_online=false"])) == []
     assert _lora(validate(compose(["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[add,mul]",
                                    "trainer.lora.adapter_key=adapter", "trainer=fsdp"]))) == []
     assert validate(compose(["trainer.lora.rank=16", "trainer.lora.adapters=[only]"])) == []
@@ -67,8 +72,10 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "trainer.lora.adapter_key=k"], "trainer.lora.adapters, which is empty"),
     (["trainer.lora.rank=8", "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k"],
      "task.kind=arithmetic has no record fields: use a prompt file"),
+    # Speculative rollout routes each row's adapter (docs/lora.md); the draft's online training stays refused.
     (["trainer.lora.rank=8", *FILE, "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k",
-      "rollout.speculative.kind=mtp"], "set rollout.speculative.kind=none"),
+      "model=glm4_moe_tiny", "model.mtp_layers=1", "rollout.speculative.kind=mtp", "rollout.speculative.train_online=true"],
+     "set rollout.speculative.train_online=false"),
 ])
 def test_what_does_not_combine_is_named(compose, overrides, needle):
     problems = _lora(validate(compose(overrides)))
