@@ -101,6 +101,7 @@ RAY_FREE_FILES = {
     "tests/integration/test_lora_runs.py",
     "tests/integration/test_mlflow_outage.py",
     "tests/integration/test_multi_lora_run.py",
+    "tests/integration/test_multi_lora_speculative_run.py",
     "tests/integration/test_model_zoo_runs.py",
     "tests/integration/test_qlora_llama4_run.py",
     "tests/integration/test_resume.py",
