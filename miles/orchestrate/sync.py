@@ -21,11 +21,8 @@ def load_weights(ctx, snapshot: tuple, check: bool) -> None:
 def whole_sync(ctx, check: bool) -> None:
     """The transport's sync; an engine that restarts on its death (the supervisor's RestartingEngine)
     is restarted and the sync run again from its start when it dies during it."""
-    around = getattr(ctx.engine, "around_sync", None)
-    if around is None:
-        ctx.transport.sync(check)
-    else:
-        around(lambda: ctx.transport.sync(check))
+    around = getattr(ctx.engine, "around_sync", lambda sync: sync())
+    around(lambda: ctx.transport.sync(check))
 
 
 def sync_weights(ctx, check: bool) -> float:
