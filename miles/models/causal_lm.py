@@ -26,7 +26,7 @@ from miles.models.blocks import make_attention, make_mlp, make_norm
 from miles.models.cache import ModelCache
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
-from miles.models.layers import RMSNorm
+from miles.models.layers import RMSNorm, embedding
 from miles.models.mtp import MTPContext, MTPLayer
 
 
@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ArchConfig, seed: Optional[int] = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = (
@@ -77,6 +77,8 @@ class CausalLM(nn.Module):
         fused expert tensors, decay parameters) define `init_weights(gen)`. `seed` makes it
         reproducible without touching the global RNG."""
         device = self.embed_tokens.weight.device
+        if device.type == "meta":  # no values to set (and meta normal_ imports torch._dynamo: see `embedding`)
+            return
         gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
         for module in self.modules():
             if module is not self and hasattr(module, "init_weights"):

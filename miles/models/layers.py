@@ -39,3 +39,13 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         gate, up = fused_projections.project(self, fused_projections.GATE_UP, x)
         return self.down_proj(fused.ops["silu_mul"](gate, up))
+
+
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding; built on the meta device (`with torch.device("meta")`: checkpoint loading, the
+    planner's counts) without its normal_ init, which has no values to set there and whose meta kernel
+    imports torch._dynamo: ~1 s of CPU in every process that loads a model (each Ray actor, each
+    launch.py run), which nothing else on the CPU imports."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim)

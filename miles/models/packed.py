@@ -68,7 +68,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: For
     if gqa and not _takes_enable_gqa(kernel):  # torch < 2.13: the kernel wants as many KV heads as q heads
         flat[1], flat[2] = (x.repeat_interleave(h // x.shape[1], dim=1) for x in flat[1:])
     extra = {"enable_gqa": True} if gqa and _takes_enable_gqa(kernel) else {}
-    out = kernel(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **extra, **_CAUSAL)
+    out = kernel(*flat, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **extra, **_causal_kwargs())
     return out.view(b, t, h, d).transpose(1, 2)
 
 
@@ -98,12 +98,13 @@ def _varlen_attn():
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=None)
 def _causal_kwargs() -> dict:
-    """torch 2.10 spelled causality `is_causal=True`; later versions a window of (-1, 0)."""
+    """torch 2.10 spelled causality `is_causal=True`; later versions a window of (-1, 0). Asked on first
+    use, not at import: torch.nn.attention.varlen imports torch._dynamo (~0.9 s a process, on the CPU
+    in every Ray actor and launch.py run, where the kernel never runs)."""
     fn = _varlen_attn()
     if fn is None:
         return {}
     return {"is_causal": True} if "is_causal" in inspect.signature(fn).parameters else {"window_size": (-1, 0)}
 
-
-_CAUSAL = _causal_kwargs()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.config import VisionConfig
-from miles.models.layers import RMSNorm, SwiGLUMLP
+from miles.models.layers import RMSNorm, SwiGLUMLP, embedding
 from miles.models.vision import PatchEmbed, VisionAttention, block_major, frame_mask, grid_list, vision_rope
 
 
@@ -54,7 +54,7 @@ class GlmPatchMerger(SwiGLUMLP):
 class GlmPositionEmbedding(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.position_embedding = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.position_embedding = embedding(cfg.num_position_embeddings, cfg.hidden_size)
 
     def forward(self, grids: list[tuple[int, int, int]], m: int) -> torch.Tensor:
         """The [side * side, E] grid sampled bicubically at every patch centre of every image

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.config import VisionConfig
+from miles.models.layers import embedding
 from miles.models.vision import PatchEmbed, VisionAttention, block_major, frame_mask, grid_list, vision_rope
 
 _EPS = 1e-6  # the LayerNorms' epsilon, fixed in transformers' Qwen3-VL
@@ -73,7 +74,7 @@ class Qwen3VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg, bias=True)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Qwen3VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = Qwen3PatchMerger(cfg)
         self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(cfg, after_concat=True)
