@@ -48,9 +48,10 @@ def test_merging_into_a_quantized_engine_exits_2(tmp_path):
 
 @pytest.mark.parametrize("overrides", [["precision=fp8"], ["trainer.lora.merge_in_engine=true"]],
                          ids=["qlora-fp8", "merged-engine"])
-def test_with_ray_actors(tmp_path, monkeypatch, compose, overrides):
+def test_with_ray_actors(tmp_path, monkeypatch, compose, overrides, ray_connection):
     """The same through Ray actors (the default arrangement): the FP8-held base and the engine's merged
-    adapter pickle into their actors, and the adapters-only sync reaches them (checked)."""
+    adapter pickle into their actors, and the adapters-only sync reaches them (checked). Both runs on
+    the module's one local Ray (ray_runs.run_with)."""
     from ray_runs import run_with
 
     monkeypatch.chdir(tmp_path)

@@ -14,7 +14,14 @@ pytestmark = pytest.mark.slow
 TRAIN_KEYS = ("train/", "mismatch/")
 
 
-def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose):
+@pytest.fixture(scope="module")
+def module_ray(ray_connection):
+    """The module's Ray runs on one local Ray (tests/conftest.py `ray_connection`; ray_runs.run_with
+    kills each run's actors): a start and a stop each were ~4-5 s of the module's ~35 s."""
+    yield
+
+
+def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose, module_ray):
     """The trainer's log-probs equal the engine's bit for bit when the two are separate processes
     (each with its own threads and batch-invariant kernels), not only two objects of one process."""
     monkeypatch.chdir(tmp_path)
@@ -25,12 +32,14 @@ def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose
 
 
 @WITH_AND_WITHOUT_RAY
-def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, ray):
+def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, ray, request):
     """algo.routing_replay=r3: the engine's routed experts travel with the samples (through Ray's
     object store with Ray on) and the trainer replays them: every step logs the agreement of its own
     router with them (all of it on the first step: same weights, fp32) and a log-prob mismatch at
     fp32 rounding level. (No integration test ran R3 before, in either arrangement.)"""
     monkeypatch.chdir(tmp_path)
+    if ray:
+        request.getfixturevalue("module_ray")
     run_with(compose, [*TINY, "eval.interval=100", "model=qwen3_moe_tiny", "algo.routing_replay=r3", "steps=2"],
              tmp_path / "run", ray)
     metrics = journal_metrics(tmp_path / "run")
@@ -40,7 +49,7 @@ def test_r3_routing_replay_reaches_the_trainer(tmp_path, monkeypatch, compose, r
     assert metrics[1]["mismatch/routing_agreement"] > 0.99
 
 
-def test_debug_modes_with_ray_train_as_in_process(tmp_path, monkeypatch, compose):
+def test_debug_modes_with_ray_train_as_in_process(tmp_path, monkeypatch, compose, module_ray):
     """debug.rollout_only (no trainer actor) saves rollouts; debug.train_only (no engine actor) trains
     on them, with Ray on and in-process alike: the same metrics and the same weights, bit for bit."""
     monkeypatch.chdir(tmp_path)

@@ -58,8 +58,10 @@ def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, mon
 
 
 @WITH_AND_WITHOUT_RAY
-def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray):
+def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray, request):
     monkeypatch.chdir(tmp_path)
+    if ray:  # the three runs on one local Ray (ray_runs.run_with)
+        request.getfixturevalue("ray_connection")
     run_with(compose, [*DRAFT, "steps=4"], tmp_path / "straight", ray)
     ckpt = tmp_path / "ckpt"
     run_with(compose, [*DRAFT, "steps=2", f"checkpoint.dir={ckpt}"], tmp_path / "first", ray)
