@@ -46,6 +46,55 @@ def resolve_uri(uri: str | None) -> str:
     return f"{SQLITE}{db}" + (f"?{query}" if query else "")
 
 
+def seed_sqlite_store(uri: str) -> None:
+    """Where `uri` (resolved) names a SQLite file that does not exist yet: start it as a copy of an empty
+    store with MLflow's schema, built once per MLflow version in the user's cache (~/.cache/miles).
+    MLflow creating the file runs its ~50 schema migrations: ~1.5 s of CPU for every run with a store
+    of its own (measured: a new store 1.4-1.5 s, a copied one 0.03 s). The copy holds no experiment, so
+    MLflow adds its Default one on opening it, as in a new file. Any failure here leaves the file to
+    MLflow, as before."""
+    import shutil
+
+    db = sqlite_file(uri)
+    if db is None or db.exists():
+        return
+    try:
+        template = _empty_store()
+        tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+        shutil.copyfile(template, tmp)
+        try:
+            os.link(tmp, db)  # never over a store another process has just created
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    except Exception:  # noqa: BLE001  (a cache: whatever went wrong, MLflow creates the file as before)
+        return
+
+
+def _empty_store() -> Path:
+    import sqlite3
+
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles"
+    template = cache / f"mlflow-{mlflow.__version__}-empty.db"
+    if template.exists():
+        return template
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{template.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    store = SqlAlchemyStore(f"{SQLITE}{tmp}", (cache / "unused-artifacts").as_uri())
+    store.engine.dispose()
+    with sqlite3.connect(tmp) as con:  # the Default experiment (artifacts under the cwd of the time) goes
+        con.execute("DELETE FROM experiment_tags")
+        con.execute("DELETE FROM experiments")
+    con.close()
+    os.replace(tmp, template)
+    return template
+
+
 def get_or_create_experiment(client, name: str, uri: str | None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
@@ -64,6 +113,7 @@ class MlflowLogger:
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(cfg.uri)
+        seed_sqlite_store(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         if run_id is not None:
             self.run_id = run_id

@@ -18,7 +18,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from miles.tracking.mlflow_logger import PARENT_RUN_ENV, SWEEP_DIR_ENV, get_or_create_experiment, resolve_uri
+from miles.tracking.mlflow_logger import (PARENT_RUN_ENV, SWEEP_DIR_ENV, get_or_create_experiment, resolve_uri,
+                                          seed_sqlite_store)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class MlflowSweepCallback(Callback):
         from mlflow.tracking import MlflowClient
 
         uri = config.tracking.uri
+        seed_sqlite_store(resolve_uri(uri))
         self.client = MlflowClient(tracking_uri=resolve_uri(uri))
         experiment_id = get_or_create_experiment(self.client, config.tracking.experiment, uri)
         sweep_dir = str(config.hydra.sweep.dir)
