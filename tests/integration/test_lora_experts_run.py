@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("engine_side,ray", [
     ([], False), ([], True), (["trainer.lora.merge_in_engine=true"], False),
     (["precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32"], False)],
-    ids=["unmerged", "unmerged-ray", "merged", "qlora-int4"])
+    ids=["unmerged-in_process", "unmerged-ray", "merged-in_process", "qlora-int4-in_process"])  # in_process: out of the Ray group
 def test_expert_adapters_train_sync_and_save(tmp_path, monkeypatch, compose, engine_side, ray):
     monkeypatch.chdir(tmp_path)
     overrides = [*TINY, "model=qwen3_moe_tiny", "trainer.lora.rank=4", "trainer.lr=1e-2", "steps=2",
