@@ -136,21 +136,26 @@ def uses_ray(path: Path) -> bool:
     return _file_uses_ray[path]
 
 
-_ray_free_tests: dict[Path, frozenset[str]] = {}
+_ray_free_tests: dict[Path, tuple[frozenset[str], str | None]] = {}
 
 
-def ray_free_tests(path: Path) -> frozenset[str]:
-    """The test functions of a file decorated with @pytest.mark.no_ray (read from its source: xdist's
-    scheduler sees node ids only)."""
+def ray_free_tests(path: Path) -> tuple[frozenset[str], str | None]:
+    """The test functions of a file decorated with @pytest.mark.no_ray, and the file's RAY_CASE_ID (a
+    module-level string literal, else None): where a file sets one, only its parametrized cases with
+    that word among their id's dash-separated parts start a Ray (test_transport_contract.py: the
+    `ray-...` cases; the rest run in-process). Read from its source: xdist's scheduler sees node ids only."""
     if path not in _ray_free_tests:
         import ast
 
-        names = set()
+        names, case_id = set(), None
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and any(
                     ast.unparse(d).startswith("pytest.mark.no_ray") for d in node.decorator_list):
                 names.add(node.name)
-        _ray_free_tests[path] = frozenset(names)
+            elif isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["RAY_CASE_ID"] \
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                case_id = node.value.value
+        _ray_free_tests[path] = frozenset(names), case_id
     return _ray_free_tests[path]
 
 
@@ -160,7 +165,11 @@ def in_ray_scope(path: Path, nodeid: str) -> bool:
         return False
     test = nodeid.split("::")[-1]
     name, _, params = test.partition("[")
-    return not (name in ray_free_tests(path) or "in_process" in params.rstrip("]").split("-"))
+    words = params.rstrip("]").split("-") if params else []
+    names, case_id = ray_free_tests(path)
+    if name in names or "in_process" in words:
+        return False
+    return not (case_id is not None and words and case_id not in words)
 
 
 def _loadgroup(config) -> bool:

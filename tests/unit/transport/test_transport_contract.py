@@ -12,6 +12,9 @@ from sync_cases import RestartableHandle  # noqa: E402
 from miles.transport.protocol import TransportName  # noqa: E402
 
 NAMES = list(TransportName)
+# Only the cases with this word in their id start a Ray (tests/conftest.py: the in-process cases run
+# beside the xdist Ray group).
+RAY_CASE_ID = "ray"
 # Through Ray: (test, its other parameters) of the suite that run there; the rest only in-process.
 RAY_TESTS = {("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("plain", 2)),
              ("test_a_checked_sync_makes_every_engine_hold_the_trainers_weights", ("fp8", 2)),
