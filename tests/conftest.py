@@ -52,11 +52,13 @@ def compose():
 
 
 # Each Ray test module starts a local Ray in this process (`ray_connection`), and each Ray run through
-# run_with / launch.py starts its own: never one Ray shared by the session or joined from another
-# process. Both of those were tried (2026-12-04) and CI failed 56 Ray tests each time with "the actor
-# never ran - it was cancelled before it started", after the external-cluster tests had run; this
-# arrangement passed every CI run before them. address="local" starts a new Ray even where one runs on
-# the machine (a `ray start` of the external-cluster tests, which `make test` runs in a pass of their own).
+# run_with / launch.py starts its own (run_with runs on the module's Ray where the test holds one,
+# killing each run's actors: ray_runs.on_this_ray): never one Ray shared by the session or joined from
+# another process. Both of those were tried (2026-12-04) and CI failed 56 Ray tests each time with
+# "the actor never ran - it was cancelled before it started", after the external-cluster tests had
+# run; this arrangement passed every CI run before them. address="local" starts a new Ray even where
+# one runs on the machine (a `ray start` of the external-cluster tests, which `make test` runs in a
+# pass of their own).
 RAY_CPUS = 4  # the most any test asks for at once: 2 FSDP ranks + 2 engines (test_scale_out_runs)
 
 
