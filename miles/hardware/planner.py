@@ -205,7 +205,9 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
         from miles.hardware.lora_footprint import lora_params, quantized_base
 
         adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
-        if p.train_quant != Quant.none:  # QLoRA: the projections in the rollout format, the rest fp32 masters
+        # QLoRA: the projections in the rollout format, the rest fp32 masters; Megatron holds the whole base
+        # in the training dtype (its INT4 round trip: miles/trainer/megatron/quant.py), as counted above.
+        if p.train_quant != Quant.none and t.backend != TrainerBackend.megatron:
             q_params, q_bytes = quantized_base(arch, p)
             base = (embed + dense + routed - q_params / (tp * pp)) * 4 + q_bytes / (tp * pp)
             usage["weights"] = base + tower.get("weights", 0.0)

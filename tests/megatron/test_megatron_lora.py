@@ -11,7 +11,8 @@ the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32 unless named:
 - the export's adapter loads in PEFT on the transformers Qwen3 with the trainer's log-probs;
 - several adapters (dense and on MoE experts): routed per row (per token into experts) and stepped each on its own as trainer=torch does (an adapter
   without samples in a step left as it was, its Adam state too);
-- QLoRA (int4_qat) is refused by name."""
+- LoRA under precision=fp8 is refused by name, as every Megatron fp8 run (QLoRA under int4_qat:
+  test_megatron_qlora.py)."""
 
 import pytest
 import torch
@@ -306,13 +307,12 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     from miles.trainer.megatron.rules import megatron_problems
 
     ckpt = _checkpoint("qwen3_moe_tiny", tmp_path)
-    with pytest.raises(ValueError, match="QLoRA holds the base"):
+    with pytest.raises(ValueError, match="FP8 GEMMs in the forward need Transformer Engine"):
         from miles.config.schema import PrecisionCfg, Quant
         from miles.trainer.megatron.trainer import MegatronTrainer
 
         algo, cfg, _ = _cfgs(PROJ)
-        MegatronTrainer(ckpt, algo, cfg, PrecisionCfg(name="int4_qat", train_quant=Quant("int4"),
-                                                      rollout_quant=Quant("int4"), int4_group_size=32),
+        MegatronTrainer(ckpt, algo, cfg, PrecisionCfg(name="fp8", train_quant=Quant("fp8"), rollout_quant=Quant("fp8")),
                         device=megatron_on_this_device, threads=1)
     gpu = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "trainer.lora.rank=8"]
     assert megatron_problems(compose(gpu)) == []
@@ -321,5 +321,7 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     assert megatron_problems(compose([*gpu, "model=qwen3_moe_tiny", "trainer.lora.target_modules=[q_proj,experts]"])) == []
     assert megatron_problems(compose([*gpu, *two, "model=qwen3_moe_tiny",
                                       "trainer.lora.target_modules=[q_proj,experts]"])) == []
-    problems = megatron_problems(compose([*gpu, "precision=int4_qat"]))
-    assert any("QLoRA holds the frozen base as INT4 codes" in p for p in problems), problems
+    assert megatron_problems(compose([*gpu, "precision=int4_qat"])) == []  # QLoRA
+    problems = megatron_problems(compose([*gpu, "precision=fp8"]))
+    assert problems == ["trainer=megatron does not support precision=fp8 (FP8 training needs Transformer Engine) yet: "
+                        "use trainer=torch"], problems

@@ -31,9 +31,12 @@ expert's permuted tokens found through its router's routing map, `_expert_ids`);
 each adapter's gradient on its own and leaves an adapter without samples out of the step
 (MegatronTrainer.step).
 
-Not built: QLoRA (int4_qat / fp8: the quantized base is the project's own layers), refused by
-rules.py and here; the Transformer Engine spec (its linears fuse
-the input norm, so the hook would see the un-normalised input), refused here when TE is installed.
+QLoRA (int4_qat): the base these hooks sit on is the recipe's INT4 round trip, taken once when the
+trainer is built (quant.py `int4_base`), held in the training dtype. fp8 is refused with every
+Megatron run (FP8 training needs Transformer Engine).
+
+Not built: the Transformer Engine spec (its linears fuse the input norm, so the hook would see the
+un-normalised input), refused here when TE is installed.
 Every native projection LoRA can target (an nn.Linear under `layers.`, or a stacked expert tensor)
 maps to one of Megatron's linears in the mapped families; `adapter_rows` refuses anything else.
 """

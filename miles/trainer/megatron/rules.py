@@ -1,6 +1,6 @@
 """What `trainer=megatron` combines with, checked before anything starts (miles/validate.py runs it
-with the config's own rules): one CUDA process, the families `arch.py` maps, the bf16 / fp32 recipes,
-LoRA over a dense base.
+with the config's own rules): one CUDA process, the families `arch.py` maps, the recipes without FP8
+training; LoRA (the config's own LoRA rules) over a bf16 / fp32 base or, under int4_qat, QLoRA.
 Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
 
 from __future__ import annotations
@@ -30,18 +30,4 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
                    f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
-    if t.lora.rank > 0:
-        problems += _lora_problems(cfg)
     return problems
-
-
-def _lora_problems(cfg: RunCfg) -> list[str]:
-    """LoRA on Megatron (miles/trainer/megatron/lora.py): over a dense base (bf16 / fp32)."""
-    lo, p = cfg.trainer.lora, cfg.precision
-    problems = []
-    if p.train_quant.value == "int4":  # fp8 training is refused above for every Megatron run
-        problems.append(f"trainer.lora.rank={lo.rank} with precision={p.name} on trainer=megatron: QLoRA holds the "
-                        "frozen base as INT4 codes in the project's quantized layers, which Megatron's fused linears "
-                        "are not: set trainer=torch or trainer=fsdp (or precision=bf16)")
-    return problems
-

@@ -22,7 +22,8 @@ optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume.
 attentions' shared DSASelection (miles/trainer/megatron/dsa_attention.py); colocation offload through
 its buffers' storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
 onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
-(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch.
+(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA (int4_qat):
+the frozen base held in the training dtype, its INT4 round trip taken once at build (quant.py).
 
 One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
 with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, save_pretrained
 from miles.models.lora import LoRA
+from miles.precision.qlora import holds_quantized_base
 from miles.precision.recipe import FP8, NONE, Recipe
 from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
@@ -52,7 +54,7 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
-from miles.trainer.megatron.quant import fake_quantized, quantized_rows
+from miles.trainer.megatron.quant import fake_quantized, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, padded_micro_batches
@@ -145,7 +147,7 @@ class MegatronTrainer:
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
         them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
         forward_weights=rollout, an online-trained speculative draft, a CPU device; with
-        cfg.lora.rank > 0, QLoRA (int4_qat) and the Transformer Engine spec."""
+        cfg.lora.rank > 0, the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
@@ -175,7 +177,11 @@ class MegatronTrainer:
         self.te = _has_transformer_engine()
         state = to_megatron(native.state_dict(), self.arch, te=self.te)
         self._native_names = list(native.state_dict())  # get_weights' order: the native model's
-        self._qat_rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
+        rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
+        qlora = cfg.lora.rank > 0 and holds_quantized_base(self.recipe)
+        if qlora:  # the frozen base (policy and KL reference) rounded once, from the fp32 checkpoint
+            state = int4_base(state, rows, self.recipe)
+        self._qat_rows = {} if qlora else rows  # what each forward fake-quantizes (INT4 QAT)
         with torch.device("meta"):  # the native structure: which Linear layers a quantized engine holds
             self._skeleton = CausalLM(self.arch)
         shapes = {name: t.shape for name, t in native.state_dict().items()}
@@ -244,9 +250,6 @@ class MegatronTrainer:
         if self.te:
             raise ValueError("trainer.lora on trainer=megatron needs the local spec: Transformer Engine's linears fuse "
                              "the input norm, so an adapter cannot see the projection's input; use trainer=torch")
-        if self.recipe.train_quant != NONE:
-            raise ValueError(f"trainer.lora on trainer=megatron with precision={self.precision.name}: QLoRA holds the "
-                             "base in the project's quantized layers, not Megatron's; use trainer=torch or trainer=fsdp")
         lora = LoRA(self._skeleton, lo.rank, lo.alpha, lo.dropout, lo.target_modules, dtype=torch.float32, seed=seed,
                     adapters=lo.adapters, device=self.device)
         megatron_lora.attach(gpt, lora, megatron_lora.adapter_rows(shapes, lora, self.arch, self.te),

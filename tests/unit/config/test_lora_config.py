@@ -19,6 +19,7 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     assert validate(compose(["trainer.lora.rank=16"])) == []
     assert _lora(validate(compose(["trainer.lora.rank=8", "trainer=fsdp"]))) == []
     assert validate(compose(["trainer.lora.rank=8", *MEGATRON])) == []  # Megatron: a bf16 / fp32 base
+    assert validate(compose(["trainer.lora.rank=8", *MEGATRON, "precision=int4_qat"])) == []  # and QLoRA
     assert validate(compose(["trainer.lora.rank=8", *MEGATRON, *FILE, "trainer.lora.adapters=[a,b]",
                              "trainer.lora.adapter_key=k"])) == []
     assert validate(compose(["trainer.lora.rank=8", "precision=bf16", "trainer.lora.target_modules=[q_proj,v_proj]"])) == []
@@ -50,8 +51,6 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=8", "trainer.lora.dropout=1.0"], "trainer.lora.dropout must be in [0, 1)"),
     (["trainer.lora.rank=8", "trainer.lora.target_modules=[]"], "target_modules must name"),
     (["trainer.lora.rank=8", "trainer.lora.target_modules=[qkv_proj]"], "matches no projection of model=qwen3_tiny"),
-    # trainer=megatron: LoRA over a dense base (tests/megatron/test_megatron_lora.py)
-    (["trainer.lora.rank=8", *MEGATRON, "precision=int4_qat"], "QLoRA holds the frozen base as INT4 codes"),
     (["trainer.lora.rank=8", "rollout=vllm", "model=qwen3_moe_tiny"],
      "rollout=vllm serves adapters on the families qwen3, qwen2 (model family qwen3_moe is not one): use rollout=native"),
     (["trainer.lora.rank=8", "rollout=sglang", "model=qwen3_moe_tiny"], "(model family qwen3_moe is not one)"),

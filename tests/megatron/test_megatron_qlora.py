@@ -1,0 +1,125 @@
+"""QLoRA on the Megatron-core trainer (trainer.lora under precision=int4_qat) against the torch
+trainer's QLoRA (miles/precision/qlora.py), on the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32:
+
+- the frozen base is the recipe's INT4 round trip, taken once at build: bit for bit the torch
+  trainer's dequantized base, and a fresh adapter gives the int4_qat trainer's log-probs (its
+  per-forward fake quantization) exactly; not the unquantized base's;
+- adapters with values give the torch trainer's QLoRA log-probs, not LoRA over the unquantized base's;
+- the first step (loss, grad norm, the adapters after Adam) is the torch trainer's; the base stays
+  as it was, Megatron's DDP and optimizer hold the adapters only;
+- the sync payload is the adapters only, with the torch trainer's checksum (in-process too);
+- dense (qwen3) and MoE with expert adapters (qwen3_moe); a bf16 base is that round trip rounded to bf16;
+- the memory plan counts what the trainer holds: the base in the training dtype."""
+
+import pytest
+import torch
+
+from test_megatron_cuda import MEAN_TOL, _batch, _checkpoint, _diff  # noqa: E402  (tests/gpu helpers)
+from test_megatron_lora import LR, TARGETS, _assert_only_adapters_train, _cfgs, _masked_max, _megatron, _randomize
+
+# Max |log-prob difference| to the torch trainer's QLoRA (measured: 0 on qwen3_tiny, 4.8e-7 on qwen3_moe_tiny).
+TOL = 1e-5
+
+
+def _int4(targets=None, dtype: str = "fp32"):
+    """(algo, trainer, precision) of int4_qat in `dtype` (groups of 32): LoRA on `targets`, or none."""
+    from miles.config.schema import DType, PrecisionCfg, Quant
+
+    algo, cfg, _ = _cfgs(targets or ["q_proj"], rank=4 if targets else 0)
+    return algo, cfg, PrecisionCfg(name="int4_qat", train_dtype=DType(dtype), rollout_dtype=DType(dtype),
+                                   train_quant=Quant("int4"), rollout_quant=Quant("int4"), int4_group_size=32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny"])
+def test_qlora_equals_the_torch_trainers_qlora(name, tmp_path, megatron_on_this_device):
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    ckpt, device = _checkpoint(name, tmp_path), megatron_on_this_device
+    mega = MegatronTrainer(ckpt, *_int4(TARGETS[name]), device=device, threads=1)
+    native = TorchTrainer(ckpt, *_int4(TARGETS[name]), device="cpu", threads=1)
+    assert not mega._qat_rows  # nothing left for the forward to fake-quantize: the base was rounded once
+    ours, theirs = mega.lora.tensors(), native.lora.tensors()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k].cpu(), theirs[k]) for k in theirs)
+    if "moe" in name:
+        assert any(".experts." in k for k in ours)
+
+    base = mega._policy_state()  # the held base: the torch trainer's dequantized codes, bit for bit
+    held = native.model.state_dict()
+    assert all(torch.equal(base[k].cpu(), held[k].cpu()) for k in base)
+    assert all(p.dtype == torch.float32 and not p.requires_grad for n, p in mega.model.module.named_parameters()
+               if "miles_lora" not in n)
+
+    batch = _batch(mega.arch.vocab_size)
+    mask = batch.loss_mask
+    fresh = mega.logprobs(batch)
+    qat = MegatronTrainer(ckpt, *_int4(), device=device, threads=1)  # fake-quantizes every forward
+    assert qat._qat_rows
+    assert _masked_max(fresh, qat.logprobs(batch), mask) == 0.0  # rounded once == rounded each forward
+    worst, mean = _diff(fresh, native.logprobs(batch), mask)
+    print(f"\n{name} QLoRA, fresh adapter vs trainer=torch QLoRA: log-probs max {worst:.3g} mean {mean:.3g}")
+    assert worst < TOL and mean < MEAN_TOL["fp32"], (worst, mean)
+
+    dense = _megatron(ckpt, device, TARGETS[name])  # LoRA over the unquantized base
+    assert _masked_max(fresh, dense.logprobs(batch), mask) > 1e-3  # the quantization is real
+    _randomize(mega.lora, native.lora, dense.lora)
+    adapted = mega.logprobs(batch)
+    worst, mean = _diff(adapted, native.logprobs(batch), mask)
+    assert worst < TOL and mean < MEAN_TOL["fp32"], (worst, mean)
+    assert _masked_max(adapted, fresh, mask) > 1e-2  # the adapters act
+    assert _masked_max(adapted, dense.logprobs(batch), mask) > 1e-3  # over the quantized base
+
+    (sent, digest), (expected, expected_digest) = mega.get_weights(), native.get_weights()
+    assert digest == expected_digest and list(sent) == list(expected)
+    assert all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in sent)  # the adapters only
+    assert all(torch.equal(sent[k].cpu(), expected[k]) for k in expected)
+    assert mega.get_weights(in_process=True)[1] == native.get_weights(in_process=True)[1]
+
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/ppo_kl"] == 0.0
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-4)
+    moved = torch.cat([(ours[k].detach().cpu() - theirs[k].detach()).abs().flatten() for k in theirs])
+    print(f"{name} QLoRA: adapted log-probs max {worst:.3g} mean {mean:.3g}; after a step adapters max "
+          f"{float(moved.max()):.3g} mean {float(moved.mean()):.3g}; loss {m['train/loss']:.6f} / "
+          f"{n['train/loss']:.6f}, grad norm {m['train/grad_norm']:.6f} / {n['train/grad_norm']:.6f}")
+    # Adam's first step is ~lr * sign(grad): a near-zero gradient's sign may differ in fp32 (2 lr at most)
+    assert float(moved.max()) <= 2.5 * LR and float(moved.mean()) < 1e-6, (float(moved.max()), float(moved.mean()))
+    state = mega._policy_state()
+    assert all(torch.equal(state[k], base[k]) for k in base)  # the base never changes
+    _assert_only_adapters_train(mega)
+
+
+def test_a_bf16_base_is_the_round_trip_rounded_once(tmp_path, megatron_on_this_device):
+    """bf16: the base is rounded from the fp32 checkpoint's round trip (what the torch trainer's QLoRA
+    multiplies under bf16 autocast: its codes dequantized to bf16), not from a bf16 copy."""
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    mega = MegatronTrainer(ckpt, *_int4(TARGETS["qwen3_tiny"], "bf16"), device=megatron_on_this_device, threads=1)
+    held = TorchTrainer(ckpt, *_int4(TARGETS["qwen3_tiny"]), device="cpu", threads=1).model.state_dict()
+    matrices = {k: v for k, v in mega._policy_state().items() if v.dim() >= 2}
+    assert matrices and all(v.dtype == torch.bfloat16 for v in matrices.values())
+    assert all(torch.equal(v.cpu(), held[k].to(torch.bfloat16)) for k, v in matrices.items())
+
+
+def test_the_plan_counts_the_base_in_the_training_dtype(compose, tmp_path, megatron_on_this_device):
+    """Megatron's QLoRA base is dense in the training dtype: the plan's weights are what the trainer
+    holds (fp32 here), where trainer=torch's plan counts the INT4 codes."""
+    from miles.hardware.footprint import param_groups
+    from miles.hardware.planner import TrainLayout, train_usage
+    from miles.orchestrate.checkpoints import random_checkpoint
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    run = ["model=qwen3_tiny", "precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32",
+           "trainer.lora.rank=8", "trainer.micro_batch_size=4", "trainer.pack_sequences=false"]
+    cfg = compose([*run, "trainer=megatron"])
+    ckpt = random_checkpoint(cfg.model, "0123456789+=", 0, tmp_path)
+    mega = MegatronTrainer(str(ckpt), cfg.algo, cfg.trainer, cfg.precision, device=megatron_on_this_device, threads=1)
+    held = sum(p.numel() * p.element_size() for n, p in mega.model.module.named_parameters() if "miles_lora" not in n)
+    groups = param_groups(mega.arch, cfg.precision)
+    planned = train_usage(cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"]
+    assert held == (groups.embed + groups.dense + groups.routed) * 4 == planned - mega.lora.num_bytes()
+    torch_cfg = compose(run)
+    assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < 0.3 * planned
