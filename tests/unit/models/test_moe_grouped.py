@@ -216,16 +216,17 @@ def test_runs_repeat_bit_for_bit():
 @pytest.mark.parametrize("model", ["qwen3_moe_tiny", "deepseek_v3_tiny", "glm4_moe_tiny", "minimax_m2_tiny"])
 def test_slot_decode_through_the_grouped_path_equals_the_padded_engine(tmp_path, monkeypatch, model):
     """MoE tinies (softmax / sigmoid routers, expert groups, shared experts, routed scaling; GQA and MLA)
-    decode in slots with MoE.forward dispatching to the grouped kernels (forced on the CPU: `applies`
-    wants CUDA) and record their routing: the same greedy tokens, log-probs and routed experts as the
-    padded engine's expert loop."""
+    decode in slots with MoE.forward dispatching to the grouped kernels (forced in the interpreter:
+    `applies` wants CUDA; on a GPU the engines run on it) and record their routing: the same greedy
+    tokens, log-probs and routed experts as the padded engine's expert loop."""
     calls = []
     grouped = mg.grouped_experts
     monkeypatch.setattr(mg, "applies", lambda experts, x, ctx: getattr(ctx, "slot_decode", False))
     monkeypatch.setattr(mg, "grouped_experts", lambda *a, **kw: calls.append(1) or grouped(*a, **kw))
     ckpt = str(random_checkpoint(_model_cfg(model), DEFAULT_ALPHABET, 0, tmp_path / "m"))
     cfg = RolloutCfg(max_new_tokens=5, max_prompt_len=8, max_running=4, sync_every=2)
-    engines = [NativeEngine(ckpt, replace(cfg, slot_decode=slot), seed=0, record_routing=True) for slot in (True, False)]
+    engines = [NativeEngine(ckpt, replace(cfg, slot_decode=slot), seed=0, record_routing=True, device=DEV)
+               for slot in (True, False)]
     prompts = ["1+2=", "35+47=", "9*9="]
     a, b = (e.generate(prompts, ["?"] * 3, n=2, temperature=0.0) for e in engines)
     assert calls  # the slot steps went through the kernels
