@@ -1,6 +1,6 @@
 """The Megatron-core trainer (trainer=megatron) against the native trainer on CUDA: log-probs of the same
-weights in fp32 and bf16 (tiny families and the Qwen3-0.6B shape), and a 20-step GRPO run of the default
-task from its warm start. The weight round trip, the first step, the KL reference, save / resume,
+weights in fp32 and bf16 (tiny families and the Qwen3-0.6B shape), packed (THD: the variable-length kernel
+in bf16) against padded log-probs, and a 20-step GRPO run of the default task from its warm start. The weight round trip, the first step, the KL reference, save / resume,
 routing replay, offload, INT4 QAT and the contract suite are tests/megatron's, which run here on CUDA
 as they run on the CPU in `make test` (scripts/gpu_session.sh part 1 runs both).
 
@@ -57,6 +57,24 @@ def _batch(vocab: int, samples: int = 8, prompt: int = 12, response: int = 20, s
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=torch.zeros_like(mask))
 
 
+def _varied_batch(vocab: int, seed: int = 0):
+    """10 right-padded samples of very different prompt (2-11) and response (1-48) lengths, so that
+    packed samples start at many different offsets of their rows."""
+    from miles.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [2, 11, 5, 3, 9, 2, 7, 4, 10, 6]
+    responses = [48, 1, 30, 7, 3, 22, 40, 2, 15, 9]
+    width = max(p + r for p, r in zip(prompts, responses))
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[i, :p + r] = torch.randint(1, vocab, (p + r,), generator=gen)
+        mask[i, p - 1:p - 1 + r] = 1.0
+    adv = (torch.randint(0, 2, (len(prompts), 1), generator=gen).float() * 2 - 1) * mask
+    return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=torch.zeros_like(mask))
+
+
 def _trainers(ckpt: str, dtype: str, kl_coef: float = 0.0):
     from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, TrainerCfg
     from miles.trainer.megatron.trainer import MegatronTrainer
@@ -94,6 +112,31 @@ def test_qwen3_0_6b_shape_logprobs_equal_the_native_trainer(tmp_path):
     worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
     print(f"\nqwen3_0_6b bf16: max |dlogp| {worst:.3g}, mean {mean:.3g}")
     assert worst < TOL["bf16"] and mean < MEAN_TOL["bf16"], (worst, mean)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+def test_packed_logprobs_equal_padded(name, dtype, tmp_path, monkeypatch):
+    """trainer.pack_sequences on CUDA: samples of very different lengths packed as THD give the padded
+    rows' log-probs. bf16 goes through torch's variable-length kernel (checked), fp32 through one SDPA
+    per sample; bf16 rounds differently in the two layouts' GEMMs and kernels."""
+    from dataclasses import replace
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+
+    calls = []
+    varlen = SDPACoreAttention._varlen
+    monkeypatch.setattr(SDPACoreAttention, "_varlen", lambda self, *a: calls.append(1) or varlen(self, *a))
+    mega, _ = _trainers(_checkpoint(name, tmp_path), dtype)
+    mega.cfg = replace(mega.cfg, max_tokens_per_micro_batch=96)
+    batch = _varied_batch(mega.arch.vocab_size)
+    padded = mega.logprobs(batch)
+    mega.packs = True
+    assert all(mb.cu_seqlens is not None for mb in mega.plan(batch, mega.model))
+    worst, mean = _diff(mega.logprobs(batch), padded, batch.loss_mask)
+    print(f"\n{name} {dtype} packed vs padded: max |dlogp| {worst:.3g}, mean {mean:.3g}, varlen calls {len(calls)}")
+    assert bool(calls) == (dtype == "bf16")
+    assert worst < TOL[dtype] and mean < MEAN_TOL[dtype], (worst, mean)
 
 
 def test_grpo_run_through_megatron_follows_the_native_run(compose, tmp_path, monkeypatch):

@@ -112,6 +112,50 @@ def test_packed_sequences_equal_each_sequence_alone(padded, parallel):
     assert not got[~filled].any()  # the gaps between padded sequences (none unpadded)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length kernel runs on CUDA")
+@pytest.mark.parametrize("heads,groups,kd,vd", [(8, 2, 64, 64), (4, 4, 192, 128)], ids=["gqa", "mla"])
+def test_packed_bf16_on_cuda_takes_the_varlen_kernel_and_computes_the_same(heads, groups, kd, vd, parallel,
+                                                                           monkeypatch):
+    """CUDA, bf16: a causal THD pack goes through torch's variable-length kernel (no per-sequence
+    loop), and its output and gradients are the per-sequence SDPA's, both against fp32 attention of
+    the same bf16 inputs within bf16 rounding (MLA: the value padded to the query's width, as
+    megatron-core's MLA hands THD values over)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention
+
+    attn = SDPACoreAttention(_config(heads, groups, kd), 1, AttnMaskType.causal, "self", k_channels=kd, v_channels=kd)
+    cu = torch.tensor([0, 37, 38, 102, 122], dtype=torch.int32, device="cuda")
+    pad = [0, kd - vd]
+    q, k, v = (t[:, 0].detach().bfloat16() for t in _qkv(122, 1, heads, groups, kd, vd, "cuda", seed=5))
+    calls = []
+    varlen = SDPACoreAttention._varlen
+    monkeypatch.setattr(SDPACoreAttention, "_varlen", lambda self, *a: calls.append(1) or varlen(self, *a))
+
+    def run(params, dtype):
+        grads = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attn(grads[0], grads[1], torch.nn.functional.pad(grads[2], pad), None, packed_seq_params=params)
+        out = out.view(122, heads, kd)[..., :vd]
+        out.float().square().sum().backward()
+        return [out.float()] + [g.grad.float() for g in grads]
+
+    fast = run(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64, max_seqlen_kv=64),
+               torch.bfloat16)
+    assert calls == [1]
+    # cu_seqlens_q_padded (equal bounds, another tensor) keeps the per-sequence path
+    slow = run(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu.clone(),
+                               max_seqlen_q=64, max_seqlen_kv=64), torch.bfloat16)
+    exact = run(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64,
+                                max_seqlen_kv=64), torch.float32)
+    assert calls == [1]
+    for a, b, ref in zip(fast, slow, exact):
+        scale = float(ref.abs().max())
+        err_fast, err_slow = float((a - ref).abs().max()) / scale, float((b - ref).abs().max()) / scale
+        print(f"\nvarlen {err_fast:.3g}, per-sequence SDPA {err_slow:.3g} (relative to fp32)")
+        assert err_fast < 2e-2 and err_slow < 2e-2, (err_fast, err_slow)
+
+
 def test_the_local_decoder_spec_builds_the_projects_core_attention(parallel):
     """Every layer of the non-TE block spec (dense and MoE layers alike) swaps DotProductAttention out."""
     from megatron.core.transformer import TransformerConfig

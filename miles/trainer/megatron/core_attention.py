@@ -15,8 +15,13 @@ Layout as megatron-core's: query [sq, b, heads, k], key [sk, b, groups, k], valu
   the inverse of SDPA's), broadcastable to [b, heads, sq, sk];
 - padding_causal: both; no_mask: none.
 Packed sequences (`packed_seq_params`, THD: query [t, heads, k] holding the sequences at
-`cu_seqlens_q_padded`, or `cu_seqlens_q`, each `cu_seqlens_q` long): one SDPA per sequence, causal
-within it for the causal mask types; output [t, heads * v], zeros in the padding between sequences.
+`cu_seqlens_q_padded`, or `cu_seqlens_q`, each `cu_seqlens_q` long), causal within each sequence for
+the causal mask types; output [t, heads * v], zeros in the padding between sequences:
+- CUDA, bf16 / fp16, causal, no padding between sequences, no dropout: torch's variable-length
+  kernel (`torch.nn.attention.varlen.varlen_attn`, FlashAttention's, as miles/models/packed.py calls
+  it) over the whole pack, no host sync, cost sum len_i^2;
+- elsewhere (the CPU, fp32, dropout, older torch): one SDPA per sequence (one host sync).
+Both compute softmax(q k^T * scale) v within each sequence: the same function.
 (MLA pads THD values to the query's head dim and trims the output after: the value's own width is
 the output's.)
 """
@@ -24,6 +29,7 @@ the output's.)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
 import torch
@@ -33,6 +39,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from miles.models.packed import _causal_kwargs, _takes_enable_gqa, _varlen_attn, uses_varlen
 
 
 class SDPACoreAttention(MegatronModule):
@@ -87,14 +95,35 @@ class SDPACoreAttention(MegatronModule):
         """THD: one attention per packed sequence (see the module docstring)."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPACoreAttention: packed qkv_format={params.qkv_format} (thd only)")
-        if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+        # the trainer passes one tensor for both: no comparison, so no host sync
+        if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(params.cu_seqlens_q,
+                                                                               params.cu_seqlens_kv):
             raise NotImplementedError("SDPACoreAttention: packed queries and keys of different lengths")
         starts = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if causal and starts is params.cu_seqlens_q and self._takes_varlen(query, value):
+            return self._varlen(query, key, value, params)
         out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
         for start, n in zip(starts[:-1].tolist(), params.cu_seqlens_q.diff().tolist()):  # one host sync
             q, k, v = (t[start:start + n].transpose(0, 1)[None] for t in (query, key, value))  # [1, h, n, d]
             out[start:start + n] = self._sdpa(q, k, v, None, causal and n > 1)[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)
+
+    def _takes_varlen(self, query, value) -> bool:
+        """Whether a causal THD pack goes to the variable-length kernel (see the module docstring)."""
+        return (not (self.dropout and self.training) and query.shape[-1] == value.shape[-1]
+                and uses_varlen(query.device, query.dtype, query.shape[-1])
+                and "scale" in inspect.signature(_varlen_attn()).parameters)
+
+    def _varlen(self, query, key, value, params):
+        """THD [t, heads or groups, d] through the variable-length kernel, causal within each sequence."""
+        kernel = _varlen_attn()
+        gqa = self.groups != self.heads
+        if gqa and not _takes_enable_gqa(kernel):  # torch < 2.13: as many KV heads as query heads
+            key, value = (x.repeat_interleave(self.heads // self.groups, dim=1) for x in (key, value))
+        extra = {"enable_gqa": True} if gqa and _takes_enable_gqa(kernel) else {}
+        out = kernel(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv, params.max_seqlen_q,
+                     params.max_seqlen_kv, scale=self.softmax_scale, **extra, **_causal_kwargs())
         return out.reshape(out.shape[0], -1)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,

@@ -25,11 +25,11 @@ those, so Megatron's gradient buffers, distributed optimizer (no fp32 main copy 
 clipping and grad norm see the adapters only; the base stays in the training dtype (bf16 or fp32)
 with no gradient and no optimizer state.
 
-Several adapters (trainer.lora.adapters): each row goes through its own adapter (masked as the
-native module masks, `_row_ids` laying the route out in Megatron's sequence-major layout; an
-expert's permuted tokens found through its router's routing map, `_expert_ids`); the trainer clips
-each adapter's gradient on its own and leaves an adapter without samples out of the step
-(MegatronTrainer.step).
+Several adapters (trainer.lora.adapters): each row (padded) or token (packed, THD) goes through its
+own adapter (masked as the native module masks, `_row_ids` laying the route out in Megatron's
+sequence-major layout; an expert's permuted tokens found through its router's routing map,
+`_expert_ids`); the trainer clips each adapter's gradient on its own and leaves an adapter without
+samples out of the step (MegatronTrainer.step).
 
 QLoRA (int4_qat): the base these hooks sit on is the recipe's INT4 round trip, taken once when the
 trainer is built (quant.py `int4_base`), held in the training dtype. fp8 is refused with every
@@ -119,19 +119,28 @@ def adapter_rows(shapes: dict[str, torch.Size], lora, arch, te: bool = False) ->
     return out
 
 
-def _row_ids(lora, x: torch.Tensor) -> torch.Tensor:
-    """Several adapters: each row's adapter (lora.route: [rows, 1], padded rows) laid out against a
-    Megatron linear's input, sequence-major: [s, rows, in] -> [1, rows, 1]; flattened [s * rows, in]
-    (token t of row r at t * rows + r) -> [s * rows, 1]."""
-    ids = lora._route  # what lora.route(...) set for this forward (MegatronTrainer.forward)
+def _route(lora) -> torch.Tensor:
+    """The route of this forward (what MegatronTrainer.forward set through lora.route), sequence-major:
+    [1, rows] from padded rows' [rows, 1] (one adapter per row), [tokens, 1] from THD's [1, tokens]
+    (packed: one sequence of tokens, an adapter per token)."""
+    ids = lora._route
     if ids is None:
         raise RuntimeError(f"LoRA with {lora.num_adapters} adapters: no route set before the forward")
-    rows = ids.shape[0]
-    if x.dim() == 3 and x.shape[1] == rows:
-        return ids.reshape(1, rows, 1)
-    if x.dim() == 2 and x.shape[0] % rows == 0:
-        return ids.reshape(1, rows).expand(x.shape[0] // rows, rows).reshape(-1, 1)
-    raise ValueError(f"LoRA route of {rows} rows does not lay out over an input of shape {tuple(x.shape)}")
+    return ids.T
+
+
+def _row_ids(lora, x: torch.Tensor) -> torch.Tensor:
+    """Several adapters: the route laid out against a Megatron linear's input, sequence-major:
+    [s, rows, in] -> [1 or s, rows, 1]; flattened [s * rows, in] (token t of row r at t * rows + r)
+    -> [s * rows, 1]."""
+    ids = _route(lora)
+    steps, rows = ids.shape
+    if x.dim() == 3 and x.shape[1] == rows and steps in (1, x.shape[0]):
+        return ids[..., None]
+    if x.dim() == 2 and x.shape[0] % rows == 0 and steps in (1, x.shape[0] // rows):
+        return ids.expand(x.shape[0] // rows, rows).reshape(-1, 1)
+    raise ValueError(f"LoRA route of shape {tuple(lora._route.shape)} does not lay out over an input of shape "
+                     f"{tuple(x.shape)}")
 
 
 def _expert_ids(lora, routing_map: torch.Tensor, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +148,9 @@ def _expert_ids(lora, routing_map: torch.Tensor, expert: int, x: torch.Tensor) -
     tokens are flattened sequence-major (token t of row r at t * rows + r) and each expert's are the
     ones its column of the router's routing map [tokens, experts] marks, in ascending order (megatron-core
     0.19.2's permute with one expert-parallel rank: a stable argsort over the transposed map)."""
-    route = lora._route.reshape(-1)
-    rows = route.shape[0]
-    flat = route.reshape(1, rows).expand(routing_map.shape[0] // rows, rows).reshape(-1)
+    route = _route(lora)
+    rows = route.shape[1]
+    flat = route.expand(routing_map.shape[0] // rows, rows).reshape(-1)
     ids = flat[routing_map[:, expert].nonzero().squeeze(1)][:, None]
     if ids.shape[0] != x.shape[0]:
         raise RuntimeError(f"LoRA route: expert {expert} got {x.shape[0]} tokens, its routing map marks {ids.shape[0]}")

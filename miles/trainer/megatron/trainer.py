@@ -9,7 +9,7 @@ What runs through Megatron-core: the model (`GPTModel` with the Transformer Engi
 installed, the local spec otherwise; the config from miles.trainer.megatron.arch), its parameters in
 bf16 (or fp32) with Megatron's DistributedDataParallel gradient buffers, and Megatron's distributed
 optimizer (Adam with decoupled weight decay, fp32 main parameters, its gradient clipping, its grad
-norm). What stays the project's: the micro-batches (padded rows, `trainer.micro_batch_size`), the
+norm). What stays the project's: the micro-batches (packed or padded rows, see `plan`), the
 log-probs from the final hidden states through the chunked LM head (`GPTModel.forward`'s
 `output_processor` hands over the hidden states and the output matrix), the policy losses, KL, TIS /
 MIS of `miles.algo`, the old-log-prob reuse (first-step ppo_kl == 0), and every metric name.
@@ -57,7 +57,7 @@ from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import fake_quantized, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
-from miles.trainer.packing import MicroBatch, padded_micro_batches
+from miles.trainer.packing import MicroBatch, packed_micro_batches, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
 from miles.trainer.rl_update import RLUpdate
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
@@ -192,6 +192,8 @@ class MegatronTrainer:
         self.model = self._ddp(policy)
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self.routing_layers, self.key_layers = moe_layers(self.arch), index_layers(self.arch)
+        # DSA's core attention takes whole rows from position 0 only (dsa_attention.py): padded rows there
+        self.packs = cfg.pack_sequences and self.arch.dsa is None
         # DSA: each GPTModel's selection state (dsa_attention.DSASelection), where R3 replay / record go
         self._dsa = {id(m): _dsa_selection(m) for m in (self.model, self.ref_model) if m is not None}
         if algo.routing_replay != "none" and not self.routing_layers:
@@ -258,12 +260,19 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------------------------- forward
     def plan(self, batch: TrainBatch, model) -> list[MicroBatch]:
-        # Padded rows: GPTModel's local attention takes no packed layout (TE's would need
-        # PackedSeqParams); each sample from column 0 under the causal mask, its padding after it.
+        """Packed (`self.packs`): trainer=torch's variable-length plan, each micro-batch one row of at
+        most trainer.max_tokens_per_micro_batch tokens (attention costs sum len_i^2 however long the
+        row is), which the forward hands GPTModel as one THD sequence of samples. Otherwise padded
+        rows of trainer.micro_batch_size samples, each from column 0, its padding after it."""
         if len(batch.images):
             raise ValueError(f"trainer=megatron trains text models; the batch carries images ({self.arch.family}): "
                              "use trainer=torch")
-        return [mb.to(self.device) for mb in padded_micro_batches(batch, self.cfg.micro_batch_size)]
+        if self.packs:
+            tokens = self.cfg.max_tokens_per_micro_batch
+            plan = packed_micro_batches(batch, tokens, tokens)
+        else:
+            plan = padded_micro_batches(batch, self.cfg.micro_batch_size)
+        return [mb.to(self.device) for mb in plan]
 
     def _causal_mask(self, length: int) -> torch.Tensor:
         """[1, 1, L, L] bool, True above the diagonal (the positions a query must not see)."""
@@ -276,48 +285,66 @@ class MegatronTrainer:
                 record: dict | None = None):
         """(log-probs, entropies or None) of the micro-batch's targets, [n, T-1]: GPTModel to the final
         hidden states, then the chunked LM head at the loss positions (as TorchTrainer's forward).
-        replay / record: MoE routing (layer -> experts [n, T, k] in mb's input layout) to route by /
-        to fill, through megatron-core's RouterReplay hooks."""
-        rows, length = mb.input_ids.shape
+        replay / record: MoE routing (layer -> experts [R, L, k] in mb's input layout) to route by /
+        to fill, through megatron-core's RouterReplay hooks.
+        Packed rows (mb.cu_seqlens) go in as THD: the [R, L] rows flattened to one sequence of tokens
+        [1, R * L], megatron-core's PackedSeqParams bounding each sample (and each row's padded tail)
+        by mb.cu_seqlens; attention stays within a sample and its RoPE restarts at each sample's start
+        (megatron-core's unfused THD RoPE), no [L, L] mask. Padded rows: [R, L] under the causal mask."""
+        packed = None
+        if mb.cu_seqlens is not None:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            # one tensor for q and kv: the core attention then need not compare them (a host sync)
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            inputs, positions, mask = mb.input_ids.reshape(1, -1), mb.position_ids.reshape(1, -1), None
+        else:
+            rows, length = mb.input_ids.shape
+            inputs, mask = mb.input_ids, self._causal_mask(length)
+            positions = torch.arange(length, device=self.device).expand(rows, length)
         if model is self.model and self.lora is not None and self.lora.num_adapters > 1:
             if mb.adapter_ids is None:
                 raise ValueError(f"trainer.lora.adapters={self.lora.adapter_names}: the batch does not name each "
                                  "sample's adapter (TrainBatch.adapter_ids, from Sample.adapter)")
-            self.lora.route(mb.adapter_ids)  # [rows, 1]: each row's adapter (megatron/lora.py lays it out)
-        positions = torch.arange(length, device=self.device).expand(rows, length)
+            # padded: [rows, 1], each row's adapter; THD: [1, tokens], each token's (megatron/lora.py lays it out)
+            self.lora.route(mb.adapter_ids if packed is None else mb.adapter_ids.reshape(1, -1))
         fake_quant = fake_quantized(model, self._qat_rows, self.recipe, "module." if model is self.model else "")
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
         try:
-            with self._routing(model, rows, length, replay, record):
+            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record):
                 hidden, weight = torch.func.functional_call(
-                    model, fake_quant, (mb.input_ids, positions, self._causal_mask(length)),
-                    {"output_processor": _hidden_and_output_weight}, strict=False)
+                    model, fake_quant, (inputs, positions, mask),
+                    {"output_processor": _hidden_and_output_weight, "packed_seq_params": packed}, strict=False)
         finally:
             if dsa is not None:
                 dsa.record = None
-        hidden = hidden.transpose(0, 1).reshape(rows * length, -1).index_select(0, mb.src)
+        hidden = hidden.transpose(0, 1).reshape(mb.input_ids.numel(), -1).index_select(0, mb.src)
         logp, entropy = hidden_logprobs(hidden, weight, mb.targets, self.temperature, with_entropy,
                                         self.logits_chunk_tokens)
         return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
 
     @contextlib.contextmanager
-    def _routing(self, model, rows: int, length: int, replay: dict | None, record: dict | None):
+    def _routing(self, model, shape: torch.Size, packed: bool, replay: dict | None, record: dict | None):
         """Route `model`'s MoE layers by `replay` and / or write their choices into `record` for one
-        forward. GPTModel's tokens run sequence-major ([T, n] flattened), the project's row-major
-        ([n, T]): transposed both ways. Routers replay forward only (no recomputing backward here)."""
+        forward of input rows `shape` (R, L). Padded, GPTModel's tokens run sequence-major ([L, R]
+        flattened), the project's row-major ([R, L]): transposed both ways. Packed (THD), GPTModel's
+        one sequence is the rows flattened row-major: reshaped only. Routers replay forward only (no
+        recomputing backward here)."""
         if replay is None and record is None:
             yield
             return
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        rows, length = shape
         hooks = _router_replays(model)
         for layer, hook in hooks.items():
             hook.clear_indices()
             if replay is not None:
                 experts = _distinct(replay[layer].to(self.device, torch.long))
-                hook.set_target_indices(experts.transpose(0, 1).reshape(rows * length, -1))
+                hook.set_target_indices((experts if packed else experts.transpose(0, 1)).reshape(rows * length, -1))
                 hook.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             else:
                 hook.set_router_replay_action(RouterReplayAction.RECORD)
@@ -325,8 +352,12 @@ class MegatronTrainer:
             yield
             if record is not None:
                 for layer, hook in hooks.items():
-                    record[layer] = (replay[layer].to(self.device) if replay is not None
-                                     else hook.get_recorded_indices().reshape(length, rows, -1).transpose(0, 1))
+                    if replay is not None:
+                        record[layer] = replay[layer].to(self.device)
+                    else:
+                        chosen = hook.get_recorded_indices()
+                        record[layer] = (chosen.reshape(rows, length, -1) if packed
+                                         else chosen.reshape(length, rows, -1).transpose(0, 1))
         finally:
             for hook in hooks.values():
                 hook.clear_indices()
