@@ -118,6 +118,8 @@ class SDPACoreAttention(MegatronModule):
     def _varlen(self, query, key, value, params):
         """THD [t, heads or groups, d] through the variable-length kernel, causal within each sequence."""
         kernel = _varlen_attn()
+        # megatron-core's GQA value is a strided view of the fused qkv output: the kernel takes dense [t, h, d]
+        query, key, value = (x.contiguous() for x in (query, key, value))
         gqa = self.groups != self.heads
         if gqa and not _takes_enable_gqa(kernel):  # torch < 2.13: as many KV heads as query heads
             key, value = (x.repeat_interleave(self.heads // self.groups, dim=1) for x in (key, value))
