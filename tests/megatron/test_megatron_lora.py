@@ -88,6 +88,23 @@ def _assert_only_adapters_train(mega) -> None:
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
     assert moments == 2 * held  # exp_avg, exp_avg_sq of the adapters only
 
+def _assert_sync_and_first_step_as_torch(mega, native, batch, ours, theirs):
+    """The adapters' sync payload is the torch trainer's (checksums too, in-process as well), and one
+    RL step matches it: first-step ppo_kl 0, loss and grad norm. Returns (metrics, torch's metrics,
+    |adapter moves| flattened: ours after the step against theirs)."""
+    (sent, digest), (expected, expected_digest) = mega.get_weights(), native.get_weights()
+    assert digest == expected_digest and list(sent) == list(expected)
+    assert all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in sent)  # the adapters only
+    assert all(sent[k].shape == expected[k].shape and torch.equal(sent[k].cpu(), expected[k]) for k in expected)
+    assert mega.get_weights(in_process=True)[1] == native.get_weights(in_process=True)[1]
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/ppo_kl"] == 0.0
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-4)
+    # Adam's first step is ~lr * sign(grad): a near-zero gradient's sign may differ in fp32 (2 lr at most)
+    return m, n, torch.cat([(ours[k].detach().cpu() - theirs[k].detach()).abs().flatten() for k in theirs])
+
+
 
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen2_5_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
 def test_adapters_logprobs_and_first_step_equal_the_torch_trainer(name, tmp_path, megatron_on_this_device):
@@ -115,17 +132,7 @@ def test_adapters_logprobs_and_first_step_equal_the_torch_trainer(name, tmp_path
     assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
     assert _masked_max(adapted, base, mask) > 1e-2  # the adapters act
 
-    (sent, digest), (expected, expected_digest) = mega.get_weights(), native.get_weights()
-    assert digest == expected_digest and list(sent) == list(expected)
-    assert all(sent[k].shape == expected[k].shape and torch.equal(sent[k].cpu(), expected[k]) for k in expected)
-    assert mega.get_weights(in_process=True)[1] == native.get_weights(in_process=True)[1]
-
-    m, n = mega.train_rl(batch), native.train_rl(batch)
-    assert m["train/ppo_kl"] == 0.0
-    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
-    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-4)
-    moved = torch.cat([(ours[k].detach().cpu() - theirs[k].detach()).abs().flatten() for k in theirs])
-    # Adam's first step is ~lr * sign(grad): a near-zero gradient's sign may differ in fp32 (2 lr at most)
+    m, n, moved = _assert_sync_and_first_step_as_torch(mega, native, batch, ours, theirs)
     print(f"\n{name}: log-probs max {worst:.3g} mean {mean:.3g}; adapters after the step max {float(moved.max()):.3g} "
           f"mean {float(moved.mean()):.3g}; loss {m['train/loss']:.6f} / {n['train/loss']:.6f}, grad norm "
           f"{m['train/grad_norm']:.6f} / {n['train/grad_norm']:.6f}")
