@@ -89,7 +89,7 @@ def test_positions_restart_at_each_packed_sample(name, tmp_path, megatron_on_thi
     def one_late(t, cu_seqlens, freqs, **kwargs):
         late = cu_seqlens.clone()
         late[1:-1] += 1  # a sample may now be one token longer than the table: freqs[p] = p * freqs[1]
-        longer = torch.arange(freqs.shape[0] + 1, dtype=freqs.dtype)[:, None, None, None] * freqs[1:2]
+        longer = torch.arange(freqs.shape[0] + 1, dtype=freqs.dtype, device=freqs.device)[:, None, None, None] * freqs[1:2]
         return thd(t, late, longer, **kwargs)
 
     monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", one_late)
