@@ -35,6 +35,7 @@ from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import SwiGLUMLP
+from miles.models.moe import sum_in_expert_order
 from miles.models.rope import rope_cos_sin
 
 
@@ -166,6 +167,8 @@ class Llama4Experts(nn.Module):
         if not outs:
             return torch.zeros_like(x)
         y = torch.cat(outs)  # compute dtype: x's, or autocast's when weights are float32
+        if y.is_cuda and k > 1:  # index_add_'s CUDA atomics sum in any order: moe.Experts.forward's fixed order
+            return sum_in_expert_order(y, order, experts)
         return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
 
 

@@ -157,13 +157,16 @@ class Experts(nn.Module):
         if not outs:
             return torch.zeros_like(x)
         y = torch.cat(outs) * weights.reshape(-1)[order, None]  # float32 weights: product in float32
-        if invariant.active():  # the same ascending-expert sum, without index_add_'s atomics on CUDA
-            return _sum_in_expert_order(y, order, experts).to(x.dtype)
+        if invariant.active() or y.is_cuda:
+            # CUDA's index_add_ adds with atomics in any order: fp32 bits varied from run to run, and
+            # a router near-tie turned one such bit into a 9e-3 log-prob gap between graph and eager
+            # decode (diag on an H100). The same ascending-expert sum, in a fixed order.
+            return sum_in_expert_order(y, order, experts).to(x.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
         return out.index_add_(0, tokens, y).to(x.dtype)
 
 
-def _sum_in_expert_order(y: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def sum_in_expert_order(y: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Per token, 0 + its contributions in ascending expert order (what index_add_ does on the CPU).
     y: [N * k, H] in expert-sorted pair order, order: that sort, experts: [N, k] -> [N, H]."""
     n, k = experts.shape

@@ -10,7 +10,7 @@ import torch
 from miles.models import CausalLM, param_count
 from miles.models.config import ArchConfig, MoEConfig
 from miles.models.families.moe_io import fuse_experts, split_experts
-from miles.models.moe import MoE, route
+from miles.models.moe import MoE, route, sum_in_expert_order
 
 
 def logit(p):
@@ -86,6 +86,19 @@ def test_experts_match_a_per_token_loop():
     torch.testing.assert_close(out.reshape(-1, 16), ref)
     # the record is what the router chose, per [B, T]
     assert torch.equal(ctx.routing_record[0], experts.view(2, 5, 2))
+
+
+def test_fixed_order_sum_is_cpu_index_adds_bits():
+    # CUDA runs sum_in_expert_order instead of index_add_ (atomics: run-to-run bits); on the CPU both
+    # add each token's contributions to 0 in ascending expert order, so the bits must be the same.
+    torch.manual_seed(0)
+    experts = torch.stack([torch.randperm(8)[:3] for _ in range(40)])
+    order = experts.reshape(-1).argsort(stable=True)
+    y = torch.randn(120, 16) * torch.logspace(-6, 6, 16)  # wide magnitudes: the order shows in the bits
+    expected = torch.zeros(40, 16).index_add_(0, order // 3, y)
+    assert torch.equal(sum_in_expert_order(y, order, experts), expected)
+    shuffled = torch.zeros(40, 16).index_add_(0, (order // 3).flip(0), y.flip(0))
+    assert not torch.equal(shuffled, expected)  # the control: another order gives other bits
 
 
 def test_shared_expert_gated_and_plain():
