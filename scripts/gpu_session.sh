@@ -13,6 +13,7 @@ set -u
 PART=${1:?usage: gpu_session.sh PART (1-4)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
 rm -rf /tmp/tmp* 2>/dev/null  # a warm machine keeps the previous call's temporaries
 python3 -m pip install -q --no-index --find-links wheelhouse -r requirements/gpu-node.txt > "$LOGS/pip.log" 2>&1
 
