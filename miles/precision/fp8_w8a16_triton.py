@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from miles.precision.fp8 import BLOCK, FP8_DTYPE, dequantize_fp8_weight
 from miles.precision.int4 import _ceil_div
-from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting, _sm_count, pick_config,
+from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting, _sm_count, pick_config, split_k,
                                          triton, triton_available)
 
 if triton is not None:
@@ -62,7 +62,7 @@ if triton is not None:
                       stride_xm, stride_qn, stride_sn, stride_os, stride_om,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-                      SWAP: tl.constexpr):
+                      SWAP: tl.constexpr, SCALAR_SCALE: tl.constexpr):
         # One program: rows [pid_m * BM, +BM) x cols [pid_n * BN, +BN) over K slice pid_k. With split-K
         # out_ptr is the fp32 partial buffer [S, M, N] (stride_os per slice), else the output itself.
         pid_m = tl.program_id(0)
@@ -91,15 +91,29 @@ if triton is not None:
             raw = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                           other=0)
             q = _e4m3_to_fp32(raw, INTERPRET)
-            offs_b = k0 // SCALE_BLOCK + tl.arange(0, NB)
-            s = tl.load(s_ptr + row_block[:, None] * stride_sn + offs_b[None, :],
-                        mask=n_ok[:, None] & (offs_b[None, :] < KB), other=0.0)
-            w = tl.reshape(tl.reshape(q, (BLOCK_N, NB, BS)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+            if SCALAR_SCALE:  # the tile lies in one 128 x 128 block: one scale, no reshapes
+                w = q * tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK)
+            else:
+                offs_b = k0 // SCALE_BLOCK + tl.arange(0, NB)
+                s = tl.load(s_ptr + row_block[:, None] * stride_sn + offs_b[None, :],
+                            mask=n_ok[:, None] & (offs_b[None, :] < KB), other=0.0)
+                w = tl.reshape(tl.reshape(q, (BLOCK_N, NB, BS)) * s[:, :, None], (BLOCK_N, BLOCK_K))
             # fp32 product rounded to x.dtype once: dequantize_fp8_weight's bits, element for element.
             w = _round(w, x.dtype, INTERPRET)
             acc = _dot_tile(w, x, acc, SWAP, INTERPRET)
         _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, m_ok, n_ok, pid_k * stride_os, stride_om, HAS_BIAS,
                     SWAP, INTERPRET)
+
+
+def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
+    """int4_triton's tiles, except 17-64 rows: 128-deep K tiles no wider than a scale block, so each
+    tile has one block scale (SCALAR_SCALE), 3 stages. Graph-timed on an H100 against cuBLAS bf16 at
+    64 rows (diag of 2026-12-05, docs/benchmarks.md): gate_up 19456 x 2560 1.12x (the old tile 0.87x),
+    the other 4B layers within 0.03x of the old tile; at 16 rows the old tiles won on 3 of 4 layers."""
+    if not 16 < m <= 64:
+        return pick_config(m, n, k, sms)
+    bm, bn, bk = (32 if m <= 32 else 64), 64, BLOCK
+    return TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), 4, 3)
 
 
 def fused_supported(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
@@ -142,7 +156,7 @@ def w8a16_linear_fused(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor
     scales = w_scale if w_scale.stride(-1) == 1 else w_scale.contiguous()
     m = x2.shape[0]
     dev_index = x.device.index if x.device.type == "cuda" else None
-    cfg = config or pick_config(m, n, k, _sm_count(dev_index))
+    cfg = config or pick_w8a16_config(m, n, k, _sm_count(dev_index))
     k_chunk = _ceil_div(_ceil_div(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = _ceil_div(k, k_chunk)  # no empty slices
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -155,6 +169,7 @@ def w8a16_linear_fused(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor
         x2.stride(0), raw.stride(0), scales.stride(0), m * n, n,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=BLOCK,
         HAS_BIAS=bias is not None and split == 1, INTERPRET=_interpreting(), SWAP=cfg.swap,
+        SCALAR_SCALE=cfg.block_k == BLOCK and BLOCK % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024

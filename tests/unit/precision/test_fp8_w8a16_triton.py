@@ -12,7 +12,7 @@ from triton_interpreter import run_under_interpreter
 
 from miles.precision import fp8_w8a16_triton as wt
 from miles.precision.fp8 import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8_weight
-from miles.precision.int4_triton import TileConfig
+from miles.precision.int4_triton import TileConfig, pick_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CHILD = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,9 +41,11 @@ def _rel(a, ref):
 
 # Edges: M, N below / across tiles and scale blocks; K not a multiple of 128; a K tail inside a tile.
 CASES = [(1, 64, 256), (3, 200, 257), (17, 96, 300), (5, 33, 130), (2, 8, 5)]
-# Heuristic; forced split-K with BK < 128; BK > 128 (two scale blocks a tile) through the unswapped dot.
-CONFIGS = [None, TileConfig(16, 64, 64, 3, 4, 2), TileConfig(32, 64, 256, 2, 4, 2, swap=False)]
-IDS = ["heuristic", "split3-bk64", "bk256-noswap-split2"]
+# Heuristic; forced split-K with BK < 128; BK > 128 (two scale blocks a tile) through the unswapped dot;
+# BK = 128 with tiles narrower than a block (one scale a tile: SCALAR_SCALE, the 17-64-row heuristic).
+CONFIGS = [None, TileConfig(16, 64, 64, 3, 4, 2), TileConfig(32, 64, 256, 2, 4, 2, swap=False),
+           TileConfig(16, 32, 128, 2, 4, 3)]
+IDS = ["heuristic", "split3-bk64", "bk256-noswap-split2", "scalar-scale-bn32-split2"]
 
 
 @needs_kernel
@@ -94,6 +96,14 @@ def test_fp16_and_leading_dims():
     y = wt.w8a16_linear_fused(x, q, s)
     assert y.shape == (2, 3, 48) and y.dtype == torch.float16
     assert _rel(y, wt.w8a16_linear(x, q, s).float()) < 1e-2
+
+
+def test_17_to_64_rows_get_tiles_of_one_block_scale():
+    for m in (17, 32, 64):
+        cfg = wt.pick_w8a16_config(m, 19456, 2560)
+        assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_m >= min(m, 32)
+    for m in (1, 16, 65, 512):  # elsewhere int4_triton's tiles
+        assert wt.pick_w8a16_config(m, 6144, 2560) == pick_config(m, 6144, 2560)
 
 
 def test_refuses_what_it_does_not_handle():
