@@ -18,8 +18,9 @@ Numerics against `F.linear(x, dequantize_fp8_weight(q, s, x.dtype), bias)`: ever
 the same x.dtype value; products are exact in fp32 and summed in fp32 in another order (K tiles,
 split-K partials in slice order 0..S-1): the outputs differ by the rounding of a reordered fp32 sum.
 The bias is added to the fp32 sum and the result rounded once (cuBLAS's addmm epilogue). Run-to-run
-deterministic (no atomics), no host syncs: capturable in a CUDA graph. Tiles, split-K and the
-reduction are int4_triton's (`pick_config`, `_splitk_reduce_kernel`).
+deterministic (no atomics), no host syncs: capturable in a CUDA graph. Split-K and the reduction
+are int4_triton's (`split_k`, `_splitk_reduce_kernel`); tiles its `pick_config`'s but at 17-64 rows
+(`pick_w8a16_config`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ if triton is not None:
 def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     """int4_triton's tiles, except 17-64 rows: 128-deep K tiles no wider than a scale block, so each
     tile has one block scale (SCALAR_SCALE), 3 stages. Graph-timed on an H100 against cuBLAS bf16 at
-    64 rows (diag of 2026-12-05, docs/benchmarks.md): gate_up 19456 x 2560 1.12x (the old tile 0.87x),
+    64 rows (benchmarks/weight_only_variants.py, 2026-12-05): gate_up 19456 x 2560 1.12x (the old tile 0.87x),
     the other 4B layers within 0.03x of the old tile; at 16 rows the old tiles won on 3 of 4 layers."""
     if not 16 < m <= 64:
         return pick_config(m, n, k, sms)
