@@ -17,6 +17,9 @@ Several adapters (trainer.lora.adapters, the payload's "<adapter>/<module>..." t
 one slot per adapter (`max_loras` = N), `generate` passes one request per prompt (vLLM's
 `lora_request` list, aligned with the prompts; a prompt's n samples share its request), and vLLM's
 punica kernels apply each row's adapter in one batch.
+A fleet (rollout.num_engines > 1, ray.enabled: one VLLMEngine actor each) holds all adapters on every
+engine: each sync loads them into every actor, the router sends each chunk's adapter ids with its prompts
+(miles/rollout/router.py; tests/vllm/test_vllm_fleet_lora.py).
 
 The checked sync reads back what vLLM computes with: the slot of every adapter in each LoRA layer
 (`lora_a_stacked` [slots, 1, max_rank, in] / `lora_b_stacked` [slots, 1, out, max_rank], split back
