@@ -8,7 +8,7 @@
 #      MLA slot decode, MoE decode graphs, Megatron: its CPU tier on CUDA and the contract suite)
 #   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
-#   4  the GRPO step per recipe on the 4B shape (fp8 <= 0.8x bf16, the mismatch), decode profile
+#   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch), decode profile
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-4)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -48,7 +48,7 @@ case $PART in
         --recipes bf16 fp8_w8a16 int4 --variants triton fused --repeats 2)
     ;;
 4)
-    (cd benchmarks && step grpo_4b 420 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 --steps 2)
+    (cd benchmarks && step grpo_4b 480 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 fp8,precision.fp8_scheme=w8a8 --steps 2)
     (cd benchmarks && step decode_profile 150 python3 decode_profile.py --model qwen3_4b --rows 64)
     ;;
 *)

@@ -4,7 +4,7 @@
   whichever tile config computes it (decode 64-row tiles, training 128-row tiles), and it is the
   emulated GEMM's value up to fp32 summation order; torch._scaled_mm is checked for the same property
   and its answer printed (the reason true on-policy cannot use it).
-- `precision=fp8 true_on_policy=true` and `precision=int4_qat true_on_policy=true`: the trainer's
+- `precision=fp8 true_on_policy=true` (w8a16, and w8a8) and `precision=int4_qat true_on_policy=true`: the trainer's
   log-probs equal the engine's bit for bit on every step of a run of the tiny dense and MoE models.
 
 Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_fp8_invariant_cuda.py`."""
@@ -64,7 +64,8 @@ def test_scaled_mm_rows_depend_on_the_row_count_or_not():
     print({rows: torch.equal(fp8_linear_with(x[:rows], w), full[:rows]) for rows in (1, 16, 64, 256, 1024)})
 
 
-@pytest.mark.parametrize("precision", ["fp8", "int4_qat"])
+@pytest.mark.parametrize("precision", [["precision=fp8"], ["precision=fp8", "precision.fp8_scheme=w8a8"],
+                                       ["precision=int4_qat"]], ids=["fp8", "fp8-w8a8", "int4_qat"])
 @pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_moe_tiny"])
 def test_quantized_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model, precision):
     pytest.importorskip("hydra")
@@ -73,7 +74,7 @@ def test_quantized_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatc
     steps = 5
     monkeypatch.chdir(tmp_path)
     metrics = run_inprocess(compose, tmp_path, [
-        f"model={model}", "hardware=gpu", f"precision={precision}", "true_on_policy=true", f"steps={steps}",
+        f"model={model}", "hardware=gpu", *precision, "true_on_policy=true", f"steps={steps}",
         "warm_start.enabled=false", f"eval.interval={steps}", "task.eval_size=16", "rollout.batch_size=8",
         "trainer.global_batch_size=64", "trainer.micro_batch_size=32", "algo.entropy_coef=0.01"])
     diffs = [metrics[s]["mismatch/logprob_abs_diff"] for s in range(1, steps + 1)]

@@ -106,6 +106,14 @@ def test_defaults(compose):
     )
 
 
+def test_fp8_defaults_to_bf16_activations_and_the_baseline_keeps_fp8_ones(compose):
+    # w8a16 keeps fp8's train / rollout mismatch at bf16's (docs/precision.md); the mismatched
+    # baseline recipe keeps the engine's 1x128 FP8 activations.
+    assert compose(["precision=fp8"]).precision.fp8_scheme == "w8a16"
+    assert compose(["precision=bf16_train_fp8_rollout"]).precision.fp8_scheme == "w8a8"
+    assert validate(compose(["precision=fp8", "precision.fp8_scheme=w8a8", "precision.fp8_gemm=emulated"])) == []
+
+
 def test_validate_reports_every_problem_at_once(compose):
     cfg = compose(["rollout.n_samples_per_prompt=0", "trainer.micro_batch_size=100", "algo.kl_estimator=k9"])
     problems = validate(cfg)
