@@ -8,9 +8,10 @@
 #      MLA slot decode, MoE decode graphs, Megatron: its CPU tier on CUDA and the contract suite)
 #   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
-#   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch), decode profile
+#   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
+#   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-4)}
+PART=${1:?usage: gpu_session.sh PART (1-5)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -39,20 +40,25 @@ case $PART in
     step engine_cuda 560 python3 -m pytest -q tests/gpu/test_rollout_cuda.py tests/gpu/test_determinism_cuda.py \
         tests/gpu/test_true_on_policy_cuda.py tests/gpu/test_multi_lora_cuda.py
     ;;
-3)
-    step decode_moe 150 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
+3)  # each engine's first call compiles and captures: 60 s per MoE / MLA case was too short (2026-12-05)
+    step decode_moe 170 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
         --rows 64 256 --repeats 2 --skip-hf
-    step decode_mla 150 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l \
+    step decode_mla 170 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l \
         --rows 64 256 --repeats 2 --skip-hf
     (cd benchmarks && step decode_recipes 250 python3 precision_decode.py --model qwen3_4b --rows 64 \
-        --recipes bf16 fp8_w8a16 int4 --variants triton fused --repeats 2)
+        --recipes bf16 fp8_w8a16 int4 --variants fused --repeats 2)
     ;;
 4)
-    (cd benchmarks && step grpo_4b 480 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 fp8,precision.fp8_scheme=w8a8 --steps 2)
-    (cd benchmarks && step decode_profile 150 python3 decode_profile.py --model qwen3_4b --rows 64)
+    (cd benchmarks && step grpo_4b 570 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 \
+        fp8,precision.fp8_scheme=w8a8 --steps 2)
+    ;;
+5)  # two recipes took over 100 s on an H100 (2026-12-05)
+    (cd benchmarks && step decode_profile 300 python3 decode_profile.py --model qwen3_4b --rows 64 \
+        --recipes bf16 fp8_w8a16 int4 --variants fused --new-tokens 64)
+    step weight_only_variants 280 python3 benchmarks/weight_only_variants.py
     ;;
 *)
-    echo "unknown part $PART (1-4)" >&2
+    echo "unknown part $PART (1-5)" >&2
     exit 2
     ;;
 esac
