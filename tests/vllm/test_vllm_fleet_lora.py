@@ -4,7 +4,8 @@ them. Every engine holds every adapter: a checked sync reaches both (each reads 
 chunk the router hands out mixes the two adapters, so each engine serves prompts of both, and each
 sample's log-probs equal the native model's forward routed to that sample's adapter (the tolerance of
 tests/vllm/test_vllm_lora.py, 2e-5); routed to the other adapter they are far apart (a control). A
-second sync replaces both versions on both engines; a wrong checksum is refused through the fleet.
+second sync replaces both versions on both engines; a wrong checksum is refused through the fleet; an
+engine actor killed between syncs is restarted by the router with every adapter (checked) and serves both.
 """
 
 import pytest
@@ -125,3 +126,29 @@ def test_a_sync_replaces_every_adapter_on_every_engine(fleet):
     assert max(routed_diffs(samples, native, 1.0)) < LOGPROB_ATOL
     with pytest.raises(WeightSyncError):  # a checksum error is raised, never retried on another engine
         router.update_weights(random_adapters(shapes_of(native), 23), "0" * 64)
+
+
+def test_a_dead_engine_comes_back_with_every_adapter(fleet):
+    """Failover: an engine actor killed between syncs is restarted by the router, given the fleet's last
+    adapters (checked) before it takes work, and its chunks are served by their adapters as before."""
+    import ray
+
+    from miles.transport.checksum import checksum
+
+    router, native = fleet
+    third = random_adapters(shapes_of(native), 24)
+    assert router.update_weights(third, checksum(third)) == [checksum(third)] * 2
+    native.update_weights(third)
+    ray.kill(router.engines[1].actor, no_restart=True)
+    router.dispatched.clear()
+    samples = router.generate(MORE_PROMPTS, ["?"] * len(MORE_PROMPTS), n=2, temperature=1.0,
+                              seeds=list(range(len(MORE_PROMPTS))), adapters=ROUTE)
+    assert router.restarts == [0, 1]
+    assert len(router.engines[1].call("health")["lora_adapters"]) == 2  # the restarted engine holds both
+    assert [s.adapter for s in samples] == [k for k in ROUTE for _ in range(2)]
+    assert max(routed_diffs(samples, native, 1.0)) < LOGPROB_ATOL
+    # The restarted engine itself serves both adapters (the router may have given engine 0 the rest).
+    again = router.engines[1].call("generate", MORE_PROMPTS, ["?"] * len(MORE_PROMPTS), 2, 1.0,
+                                   seeds=list(range(len(MORE_PROMPTS))), adapters=ROUTE)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]
+    assert max(routed_diffs(again, native, 1.0)) < LOGPROB_ATOL
