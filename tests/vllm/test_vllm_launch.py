@@ -102,6 +102,7 @@ def test_two_adapter_run_with_the_vllm_engine(tmp_path):
         assert (run_dir / "checkpoint" / "adapter" / name / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.extended  # make test-extended: make test runs the fleet's engine-level checks and the one-engine run
 def test_two_adapters_on_a_vllm_fleet(tmp_path):
     """The same two-adapter run on a fleet of two vLLM engine actors (rollout.num_engines=2): every
     engine holds both adapters (a checked sync reaches each), the router hands each engine its chunks
