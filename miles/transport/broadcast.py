@@ -144,8 +144,9 @@ def sender_tensors(trainer) -> tuple[dict[str, torch.Tensor], torch.dtype | None
     """(what the trainer sends, the dtype to cast it to while packing or None, its checksum if known).
     Plain recipes: the master weights where they live, cast per bucket; quantized rollouts: the
     payload and checksum get_weights builds (the quantization lives there)."""
-    if trainer.recipe.rollout_quant == "none":
-        return trainer.model.state_dict(), TORCH_DTYPES[trainer.precision.rollout_dtype], None
+    if trainer.recipe.rollout_quant == "none":  # a trainer whose model holds other names (Megatron) says what it sends
+        state = trainer.sync_state() if hasattr(trainer, "sync_state") else trainer.model.state_dict()
+        return state, TORCH_DTYPES[trainer.precision.rollout_dtype], None
     payload, digest = trainer.get_weights()
     return payload, None, digest
 

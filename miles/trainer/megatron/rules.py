@@ -1,6 +1,8 @@
 """What `trainer=megatron` combines with, checked before anything starts (miles/validate.py runs it
 with the config's own rules): one CUDA process, the families `arch.py` maps, the recipes without FP8
-training; LoRA (the config's own LoRA rules) over a bf16 / fp32 base or, under int4_qat, QLoRA.
+training; every weight-sync transport (their own rules apply: miles/config/rules.py; LoRA's adapters
+through object_store only); a teacher (on-policy distillation); LoRA (the config's own LoRA rules)
+over a bf16 / fp32 base or, under int4_qat, QLoRA.
 Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     unsupported = {f"precision={cfg.precision.name} (FP8 training needs Transformer Engine)":
                    cfg.precision.train_quant.value == "fp8",
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
-                   "true_on_policy=true": cfg.true_on_policy,
-                   "a teacher (algo.opd_kl_coef > 0)": cfg.algo.opd_kl_coef > 0,
-                   f"rollout.weight_sync={cfg.rollout.weight_sync}": cfg.rollout.weight_sync != "object_store"}
+                   "true_on_policy=true": cfg.true_on_policy}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
     return problems

@@ -3,7 +3,8 @@ trainer holds (miles/trainer/rl_update.py), over this backend's plan / forward /
 
     trainer = MegatronTrainer(checkpoint_dir, algo, trainer_cfg, precision, device="cuda")
     metrics = trainer.train_rl(batch)        # the same losses, corrections, metrics as TorchTrainer
-    weights, digest = trainer.get_weights()  # native (HF) names, for every weight-sync transport
+    weights, digest = trainer.get_weights()  # native (HF) names: object_store (and in-process) sync
+    state = trainer.sync_state()             # the same tensors, for broadcast / shared_memory
 
 What runs through Megatron-core: the model (`GPTModel` with the Transformer Engine spec when TE is
 installed, the local spec otherwise; the config from miles.trainer.megatron.arch), its parameters in
@@ -121,10 +122,11 @@ def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0)
 
 
 class MegatronTrainer:
-    # What the RL update reads of its backend (rl_update.PolicyBackend) and this one does not have.
+    # What the RL update reads of its backend (rl_update.PolicyBackend), None unless configured.
     teacher = None
     lora = None
     draft = None
+    _teacher_dsa = False
 
     def __init__(
         self,
@@ -145,13 +147,12 @@ class MegatronTrainer:
         draft_dir: str | None = None,
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
-        them first): a teacher, true on-policy, FP8 training (train_quant=fp8) and
+        them first): true on-policy, FP8 training (train_quant=fp8) and
         forward_weights=rollout, an online-trained speculative draft, a CPU device; with
         cfg.lora.rank > 0, the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
-        unsupported = {"a teacher (on-policy distillation)": teacher_dir is not None,
-                       "true_on_policy": true_on_policy,
+        unsupported = {"true_on_policy": true_on_policy,
                        "rollout.speculative.train_online=true": drafts}
         if bad := [what for what, on in unsupported.items() if on]:
             raise ValueError(f"trainer=megatron does not support {', '.join(bad)}: use trainer=torch")
@@ -191,40 +192,69 @@ class MegatronTrainer:
             self.lora = self._attach_lora(policy, shapes, seed)
         self.model = self._ddp(policy)
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
+        self._teacher_rows: dict[str, torch.Tensor] = {}
+        if teacher_dir is not None:  # after the policy's _build: megatron_config stays the policy's
+            self.teacher = self._build_teacher(teacher_dir)
         self.routing_layers, self.key_layers = moe_layers(self.arch), index_layers(self.arch)
         # DSA's core attention takes whole rows from position 0 only (dsa_attention.py): padded rows there
         self.packs = cfg.pack_sequences and self.arch.dsa is None
         # DSA: each GPTModel's selection state (dsa_attention.DSASelection), where R3 replay / record go
-        self._dsa = {id(m): _dsa_selection(m) for m in (self.model, self.ref_model) if m is not None}
+        self._dsa = {id(m): _dsa_selection(m) for m in (self.model, self.ref_model, self.teacher) if m is not None}
         if algo.routing_replay != "none" and not self.routing_layers:
             raise ValueError(f"algo.routing_replay={algo.routing_replay} needs an MoE model; "
                              f"{self.arch.family} has no MoE layer")
         self.optimizer = self._megatron_optimizer()
-        self.offloading = MegatronOffload(self.model, self.ref_model, self._optimizers(), self.device)
+        # the frozen models (KL reference, teacher) move together, as the torch trainer's reference and teacher
+        frozen = [m for m in (self.ref_model, self.teacher) if m is not None]
+        self.offloading = MegatronOffload(self.model, torch.nn.ModuleList(frozen) if frozen else None,
+                                          self._optimizers(), self.device)
         self._flat_sync: FlatWeights | None = None
         self._masks: dict[int, torch.Tensor] = {}
         self.update = RLUpdate(self)
 
     # ----------------------------------------------------------------------------- building
-    def _build(self, state: dict[str, torch.Tensor]):
-        """A GPTModel of `self.arch` on this GPU holding `state` (Megatron names)."""
+    def _build(self, state: dict[str, torch.Tensor], arch=None):
+        """A GPTModel of `arch` (default: the policy's, whose config becomes `self.megatron_config`)
+        on this GPU holding `state` (Megatron names)."""
         from megatron.core.models.gpt import GPTModel
 
-        spec = megatron_spec(self.arch, self.bf16, self.cfg.recompute, max(self.cfg.tp, 1), max(self.cfg.ep, 1))
+        arch = arch or self.arch
+        spec = megatron_spec(arch, self.bf16, self.cfg.recompute, max(self.cfg.tp, 1), max(self.cfg.ep, 1))
         kwargs = dict(spec.transformer, params_dtype=getattr(torch, spec.transformer["params_dtype"]))
         # MoE: megatron-core's RouterReplay hooks, idle unless a forward replays or records (R3 / R2,
         # the routing diagnostics against the engine's experts)
-        kwargs["moe_enable_routing_replay"] = self.arch.moe is not None
-        self.megatron_config = transformer_config(spec.config_class, **kwargs, activation_func=F.silu,
-                                                  perform_initialization=False)
-        layers = decoder_block_spec(self.megatron_config, self.te, spec.layer_spec)
-        model = GPTModel(self.megatron_config, layers, **spec.model).to(self.device)
+        kwargs["moe_enable_routing_replay"] = arch.moe is not None
+        config = transformer_config(spec.config_class, **kwargs, activation_func=F.silu, perform_initialization=False)
+        if arch is self.arch:
+            self.megatron_config = config
+        layers = decoder_block_spec(config, self.te, spec.layer_spec)
+        model = GPTModel(config, layers, **spec.model).to(self.device)
         dtype = kwargs["params_dtype"]
         missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
         missing = [k for k in missing if not k.endswith("._extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"Megatron GPTModel vs mapped weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
         return model
+
+    def _build_teacher(self, teacher_dir: str):
+        """On-policy distillation's teacher: a frozen GPTModel of the teacher checkpoint's own
+        architecture (a mapped family; size free, vocabulary the student's: checked by the caller, as
+        for trainer=torch), in the training dtype like the KL reference. Under INT4 QAT its forward is
+        fake-quantized by the same recipe, as trainer=torch's `Recipe.forward` quantizes its teacher."""
+        from miles.trainer.megatron.arch import problems
+
+        native = from_pretrained(teacher_dir, dtype=torch.float32)
+        arch = native.config
+        if bad := problems(arch):
+            raise ValueError(f"algo.teacher_checkpoint={teacher_dir}: " + "; ".join(bad))
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ValueError(f"algo.teacher_checkpoint={teacher_dir}: vocabulary {arch.vocab_size}, the student's "
+                             f"{self.arch.vocab_size}; the teacher must share the student's tokenizer")
+        self._teacher_dsa = arch.dsa is not None
+        state = to_megatron(native.state_dict(), arch, te=self.te)
+        self._teacher_rows = quantized_rows(native.state_dict(), self.recipe, arch, self.te)
+        del native
+        return self._build(state, arch).eval().requires_grad_(False)
 
     def _ddp(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -267,7 +297,8 @@ class MegatronTrainer:
         if len(batch.images):
             raise ValueError(f"trainer=megatron trains text models; the batch carries images ({self.arch.family}): "
                              "use trainer=torch")
-        if self.packs:
+        # a DSA teacher reads padded rows, as a DSA policy does
+        if self.packs and not (model is self.teacher and self._teacher_dsa):
             tokens = self.cfg.max_tokens_per_micro_batch
             plan = packed_micro_batches(batch, tokens, tokens)
         else:
@@ -309,7 +340,8 @@ class MegatronTrainer:
                                  "sample's adapter (TrainBatch.adapter_ids, from Sample.adapter)")
             # padded: [rows, 1], each row's adapter; THD: [1, tokens], each token's (megatron/lora.py lays it out)
             self.lora.route(mb.adapter_ids if packed is None else mb.adapter_ids.reshape(1, -1))
-        fake_quant = fake_quantized(model, self._qat_rows, self.recipe, "module." if model is self.model else "")
+        rows = self._teacher_rows if model is self.teacher else self._qat_rows
+        fake_quant = fake_quantized(model, rows, self.recipe, "module." if model is self.model else "")
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
@@ -453,6 +485,16 @@ class MegatronTrainer:
             return self._flat_sync, self._flat_sync.checksum()
         weights = to_dtype(state, self.precision.rollout_dtype)
         return weights, checksum(weights)
+
+    def sync_state(self) -> dict[str, torch.Tensor]:
+        """What the collective transports (rollout.weight_sync=broadcast / shared_memory) pack for a
+        plain recipe: the policy's tensors under the native names, on this device in the training
+        dtype; they cast into the rollout dtype while packing (miles/transport/broadcast.py
+        `sender_tensors`). The same tensors as get_weights, so the same checksum."""
+        off.require_onloaded(self.offloading.offloaded, "sync_state", (off.PARAMS,))
+        if self.lora is not None:  # config validation refuses it first (miles/config/lora_rules.py)
+            raise ValueError("trainer.lora: the adapters travel through rollout.weight_sync=object_store only")
+        return self._policy_state()
 
     def get_draft_weights(self, in_process: bool = False) -> tuple[dict[str, torch.Tensor], str]:
         raise ValueError("get_draft_weights: trainer=megatron trains no speculative draft "
