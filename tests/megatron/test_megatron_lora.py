@@ -330,5 +330,5 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
                                       "trainer.lora.target_modules=[q_proj,experts]"])) == []
     assert megatron_problems(compose([*gpu, "precision=int4_qat"])) == []  # QLoRA
     problems = megatron_problems(compose([*gpu, "precision=fp8"]))
-    assert problems == ["trainer=megatron does not support precision=fp8 (FP8 training needs Transformer Engine) yet: "
-                        "use trainer=torch"], problems
+    assert problems == ["trainer=megatron does not support precision=fp8 (its FP8 weight blocks are not mapped onto "
+                        "Megatron's fused rows) yet: use trainer=torch"], problems

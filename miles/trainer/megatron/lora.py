@@ -33,7 +33,7 @@ samples out of the step (MegatronTrainer.step).
 
 QLoRA (int4_qat): the base these hooks sit on is the recipe's INT4 round trip, taken once when the
 trainer is built (quant.py `int4_base`), held in the training dtype. fp8 is refused with every
-Megatron run (FP8 training needs Transformer Engine).
+Megatron run (rules.py says why per FP8 scheme).
 
 Not built: the Transformer Engine spec (its linears fuse the input norm, so the hook would see the
 un-normalised input), refused here when TE is installed.

@@ -22,9 +22,13 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     if max(t.tp, 1) * max(t.pp, 1) * max(t.ep, 1) * max(t.cp, 1) > 1:
         problems.append(f"trainer=megatron runs one GPU for now: set trainer.tp, pp, ep, cp to 1 "
                         f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
-    # FP8 training multiplies FP8 operands in the forward, which Megatron-core does through Transformer
-    # Engine only; INT4 QAT and the quantized rollouts are the project's own (megatron/quant.py).
-    unsupported = {f"precision={cfg.precision.name} (FP8 training needs Transformer Engine)":
+    # w8a8 multiplies FP8 operands in the forward, which Megatron-core does through Transformer Engine
+    # only; w8a16's 128 x 128 weight blocks live in the native layout, which GPTModel's fused q/k/v and
+    # gate/up rows interleave (quant.py maps INT4's per-row groups only). INT4 QAT and the quantized
+    # rollouts are the project's own (megatron/quant.py).
+    fp8_why = ("w8a8's FP8 GEMMs need Transformer Engine" if cfg.precision.fp8_scheme == "w8a8" else
+               "its FP8 weight blocks are not mapped onto Megatron's fused rows")
+    unsupported = {f"precision={cfg.precision.name} ({fp8_why})":
                    cfg.precision.train_quant.value == "fp8",
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
                    "true_on_policy=true": cfg.true_on_policy}
