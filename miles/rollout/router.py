@@ -111,6 +111,7 @@ class EngineFleet:
                 held[i] = self._get(i, future)
             except Exception as error:
                 if not self._died(i, error):
+                    self._settle(running)
                     raise
                 running[self._restart(i, error)] = i  # the restart loads these weights
         return [held[i] for i in range(len(self.engines))]
@@ -176,6 +177,7 @@ class EngineFleet:
                 result = self._get(i, future)
             except Exception as error:
                 if not self._died(i, error):
+                    self._settle(running)
                     raise
                 if item is not None:  # its unfinished chunk: the next free engine runs it again
                     queue.appendleft(item)
@@ -204,6 +206,16 @@ class EngineFleet:
 
         ready, _ = ray.wait(list(running), num_returns=1)
         return ready[0]
+
+    def _settle(self, running: dict) -> None:
+        """Wait out the other engines' calls before an error propagates, their errors dropped: a
+        failed sync usually fails on every engine, and Ray logs each error nobody collected as an
+        "Unhandled error" after the real one."""
+        for future, owner in running.items():
+            try:
+                self._get(owner if isinstance(owner, int) else owner[0], future)
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
 
     def _get(self, i: int, future: Any) -> Any:
         return future.result() if self.in_process else self.engines[i].get(future)

@@ -252,3 +252,17 @@ def test_a_ray_engine_error_is_raised_not_retried(ray_fleet):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ray_fleet.generate(PROMPTS, LABELS, n=1, max_new_tokens=500)
     assert ray_fleet.restarts == restarts
+
+
+@pytest.mark.slow
+def test_an_engine_error_waits_out_the_other_engines_calls(ray_fleet):
+    # The first error propagates only after every other running call ended (its error collected,
+    # not left for Ray to report as "Unhandled error" after the real one).
+    set_probe(ray_fleet.engines[1], delay=1.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            ray_fleet.generate(PROMPTS[:2], LABELS[:2], n=1, max_new_tokens=500)
+        assert time.monotonic() - start >= 1.0
+    finally:
+        set_probe(ray_fleet.engines[1], delay=0.0)
