@@ -11,8 +11,8 @@ the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32 unless named:
 - the export's adapter loads in PEFT on the transformers Qwen3 with the trainer's log-probs;
 - several adapters (dense and on MoE experts): routed per row (per token into experts) and stepped each on its own as trainer=torch does (an adapter
   without samples in a step left as it was, its Adam state too);
-- LoRA under precision=fp8 is refused by name, as every Megatron fp8 run (QLoRA under int4_qat:
-  test_megatron_qlora.py)."""
+- LoRA under precision=fp8 is refused by name (its frozen FP8 base is not built; fp8 w8a16 without
+  LoRA trains: test_megatron_precision.py; QLoRA under int4_qat: test_megatron_qlora.py)."""
 
 import pytest
 import torch
@@ -314,13 +314,16 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     from miles.trainer.megatron.rules import megatron_problems
 
     ckpt = _checkpoint("qwen3_moe_tiny", tmp_path)
-    with pytest.raises(ValueError, match="FP8 GEMMs in the forward need Transformer Engine"):
-        from miles.config.schema import PrecisionCfg, Quant
-        from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
+    from miles.trainer.megatron.trainer import MegatronTrainer
 
-        algo, cfg, _ = _cfgs(PROJ)
-        MegatronTrainer(ckpt, algo, cfg, PrecisionCfg(name="fp8", train_quant=Quant("fp8"), rollout_quant=Quant("fp8")),
-                        device=megatron_on_this_device, threads=1)
+    algo, cfg, _ = _cfgs(PROJ)
+    for scheme, why in [("w8a16", "the frozen FP8 base of trainer=torch's LoRA is not built on Megatron"),
+                        ("w8a8", "w8a8's FP8 GEMMs in the forward need Transformer Engine")]:
+        with pytest.raises(ValueError, match=why):
+            MegatronTrainer(ckpt, algo, cfg, PrecisionCfg(name="fp8", train_quant=Quant("fp8"), rollout_quant=Quant("fp8"),
+                                                          fp8_scheme=FP8Scheme(scheme)),
+                            device=megatron_on_this_device, threads=1)
     gpu = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "trainer.lora.rank=8"]
     assert megatron_problems(compose(gpu)) == []
     two = ["task.kind=file", "task.train_file=p.jsonl", "trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=k"]
@@ -329,6 +332,9 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     assert megatron_problems(compose([*gpu, *two, "model=qwen3_moe_tiny",
                                       "trainer.lora.target_modules=[q_proj,experts]"])) == []
     assert megatron_problems(compose([*gpu, "precision=int4_qat"])) == []  # QLoRA
-    problems = megatron_problems(compose([*gpu, "precision=fp8"]))
-    assert problems == ["trainer=megatron does not support precision=fp8 (its FP8 weight blocks are not mapped onto "
-                        "Megatron's fused rows) yet: use trainer=torch"], problems
+    problems = megatron_problems(compose([*gpu, "precision=fp8"]))  # w8a16: the base would be FP8
+    assert problems == ["trainer=megatron does not support trainer.lora under precision=fp8 (its frozen FP8 base "
+                        "is not built on Megatron) yet: use trainer=torch"], problems
+    problems = megatron_problems(compose([*gpu, "precision=fp8", "precision.fp8_scheme=w8a8"]))
+    assert problems == ["trainer=megatron does not support precision=fp8 (w8a8's FP8 GEMMs need Transformer "
+                        "Engine) yet: use trainer=torch"], problems

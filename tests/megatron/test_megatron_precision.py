@@ -1,7 +1,9 @@
 """The precision recipes on the Megatron trainer against the native trainer on the CPU (CUDA mapped to
-the CPU: cuda_on_cpu.py): INT4 QAT's fake-quantized forward (the same log-probs and first step), and
-the quantized sync payloads (INT4 and FP8 rollouts: bit for bit the native trainer's, with the same
-checksum). fp32 master weights on both sides, so the two quantize the same numbers."""
+the CPU: cuda_on_cpu.py): INT4 QAT's fake-quantized forward and FP8 w8a16's (each weight the FP8 round
+trip of its native parts: the same log-probs and first step; quantizing the fused Megatron weights
+instead gives other weights), and the quantized sync payloads (INT4 and FP8 rollouts: bit for bit
+the native trainer's, with the same checksum). fp32 master weights on both sides, so the two quantize
+the same numbers."""
 
 
 import pytest
@@ -13,15 +15,18 @@ RECIPES = {  # name: (train_quant, rollout_quant)
     "int4_qat": ("int4", "int4"),
     "fp32_train_int4_rollout": ("none", "int4"),
     "fp32_train_fp8_rollout": ("none", "fp8"),
+    "fp8": ("fp8", "fp8"),  # fp8_scheme w8a16 (fp8's default): FP8 weights, high-precision activations
 }
 
 
 def _trainers(ckpt: str, device: str, recipe: str, **precision):
-    from miles.config.schema import AlgoCfg, AlgoName, PrecisionCfg, Quant, TrainerCfg
+    from miles.config.schema import AlgoCfg, AlgoName, FP8Scheme, PrecisionCfg, Quant, TrainerCfg
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
 
     train, rollout = RECIPES[recipe]
+    if recipe == "fp8":
+        precision.setdefault("fp8_scheme", FP8Scheme.w8a16)
     cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False)
     precision = PrecisionCfg(name=recipe, train_quant=Quant(train), rollout_quant=Quant(rollout), int4_group_size=32,
                              **precision)
@@ -65,3 +70,51 @@ def test_sync_payload_equals_the_native_trainers(recipe, tmp_path, megatron_on_t
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     (_, flat_sum), (_, native_flat_sum) = mega.get_weights(in_process=True), native.get_weights(in_process=True)
     assert flat_sum == native_flat_sum
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
+def test_fp8_w8a16_forward_step_and_payload_equal_the_native_trainer(name, tmp_path, megatron_on_this_device):
+    ckpt = _checkpoint(name, tmp_path)
+    mega, native = _trainers(ckpt, megatron_on_this_device, "fp8")
+    assert mega._qat_rows, "no Megatron weight is FP8-quantized"
+    batch = _batch(mega.arch.vocab_size)
+    got, want = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
+    assert float(((got - want).abs() * batch.loss_mask).max()) < 1e-4
+    # the round trip acts: the recipe's log-probs are not the plain model's
+    plain, _ = _trainers(ckpt, megatron_on_this_device, "fp32_train_fp8_rollout")
+    assert float(((got - plain.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3
+    (payload, checksum), (want_payload, want_checksum) = mega.get_weights(), native.get_weights()
+    assert checksum == want_checksum
+    assert sorted(payload) == sorted(want_payload)
+    assert all(torch.equal(payload[k], want_payload[k]) for k in want_payload)
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/ppo_kl"] == 0.0
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)
+    assert len(mega.recipe.fp8_cache) == 0, "the forward's FP8 weights outlive the train step"
+    # after the step: the new weights' round trip, still the native trainer's log-probs (the two
+    # optimizers' fp32 weights differ in their last bits, ~4e-7, so the FP8 payloads need not be equal now)
+    got, want = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
+    assert float(((got - want).abs() * batch.loss_mask).max()) < 1e-4
+
+
+def test_fp8_blocks_are_the_native_tensors_not_the_fused_rows(tmp_path, megatron_on_this_device):
+    """The mapping matters: FP8 blocks of GPTModel's fused q/k/v and gate/up weights are not the native
+    tensors' blocks, so quantizing the fused weights directly gives other weights (and log-probs)."""
+    from miles.precision.fake_quant import fake_quant_fp8_weight
+    from miles.trainer.megatron.quant import fp8_round_trip
+
+    mega, _ = _trainers(_checkpoint("qwen3_tiny", tmp_path), megatron_on_this_device, "fp8")
+    state = mega.model.module.state_dict()
+    ours = fp8_round_trip(state, list(mega._qat_rows), mega.recipe, mega.arch, mega.te)
+    # q / k / v interleaved per query group (q 128 rows, k and v 64 each): the fused blocks mix them
+    fused = [n for n in ours if "linear_qkv" in n]
+    assert fused and all(not torch.equal(ours[n], fake_quant_fp8_weight(state[n].detach())) for n in fused)
+    # unfused, or (gate / up: 384 rows each) fused along whole blocks: the same either way
+    plain = [n for n in ours if "linear_qkv" not in n]
+    assert plain and all(torch.equal(ours[n], fake_quant_fp8_weight(state[n].detach())) for n in plain)
+    batch = _batch(mega.arch.vocab_size)
+    got = mega.logprobs(batch).cpu()
+    naive = {"module." + n: fake_quant_fp8_weight(state[n].detach()) for n in mega._qat_rows}
+    mega.recipe.fp8_cache.weights = lambda *args, **kwargs: naive
+    assert float(((got - mega.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3

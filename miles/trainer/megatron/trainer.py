@@ -24,7 +24,9 @@ attentions' shared DSASelection (miles/trainer/megatron/dsa_attention.py); coloc
 its buffers' storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
 onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
 (miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA (int4_qat):
-the frozen base held in the training dtype, its INT4 round trip taken once at build (quant.py).
+the frozen base held in the training dtype, its INT4 round trip taken once at build (quant.py). FP8
+(fp8_scheme w8a16): each forward multiplies the FP8 round trip of every quantized weight's native
+parts, as trainer=torch does (quant.py `FP8Blocks`).
 
 One process, one GPU: torch.distributed (NCCL) and Megatron's model-parallel groups are set up here
 with every parallel size 1 unless the arguments say otherwise. Megatron-core runs on CUDA only (its
@@ -47,7 +49,7 @@ from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, Tr
 from miles.models import CausalLM, from_pretrained, save_pretrained
 from miles.models.lora import LoRA
 from miles.precision.qlora import holds_quantized_base
-from miles.precision.recipe import FP8, NONE, Recipe
+from miles.precision.recipe import FP8, NONE, W8A16, Recipe
 from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
@@ -55,7 +57,7 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
-from miles.trainer.megatron.quant import fake_quantized, int4_base, quantized_rows
+from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, packed_micro_batches, padded_micro_batches
@@ -147,9 +149,9 @@ class MegatronTrainer:
         draft_dir: str | None = None,
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
-        them first): true on-policy, FP8 training (train_quant=fp8) and
-        forward_weights=rollout, an online-trained speculative draft, a CPU device; with
-        cfg.lora.rank > 0, the Transformer Engine spec."""
+        them first): true on-policy, FP8 training with FP8 GEMMs (fp8_scheme w8a8; w8a16 trains,
+        quant.py), LoRA under fp8, forward_weights=rollout, an online-trained speculative draft, a
+        CPU device; with cfg.lora.rank > 0, the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
         unsupported = {"true_on_policy": true_on_policy,
@@ -170,10 +172,16 @@ class MegatronTrainer:
         native = from_pretrained(checkpoint_dir, dtype=torch.float32)
         self.arch = native.config
         self.recipe = Recipe.from_cfg(precision, self.arch.num_layers)
-        if self.recipe.train_quant == FP8 or self.recipe.forward_dtype is not None:
-            raise ValueError(f"trainer=megatron does not train precision={precision.name} (FP8 GEMMs in the "
+        self.fp8 = self.recipe.train_quant == FP8  # w8a16: the forward's weights are FP8 round trips (quant.py)
+        if (self.fp8 and self.recipe.fp8_scheme != W8A16) or self.recipe.forward_dtype is not None:
+            raise ValueError(f"trainer=megatron does not train precision={precision.name} (w8a8's FP8 GEMMs in the "
                              "forward need Transformer Engine; forward_weights=rollout is the torch trainer's): "
                              "use trainer=torch")
+        if self.fp8 and cfg.lora.rank > 0:
+            raise ValueError(f"trainer=megatron does not train trainer.lora under precision={precision.name} (the "
+                             "frozen FP8 base of trainer=torch's LoRA is not built on Megatron): use trainer=torch")
+        if self.fp8:  # the forward's FP8 weights, freed with the recipe's training cache
+            self.recipe.fp8_cache = FP8Blocks()
         self.bf16 = precision.train_dtype == DType.bf16
         self.te = _has_transformer_engine()
         state = to_megatron(native.state_dict(), self.arch, te=self.te)
@@ -250,7 +258,7 @@ class MegatronTrainer:
         if arch.vocab_size != self.arch.vocab_size:
             raise ValueError(f"algo.teacher_checkpoint={teacher_dir}: vocabulary {arch.vocab_size}, the student's "
                              f"{self.arch.vocab_size}; the teacher must share the student's tokenizer")
-        self._teacher_dsa = arch.dsa is not None
+        self._teacher_dsa, self._teacher_arch = arch.dsa is not None, arch
         state = to_megatron(native.state_dict(), arch, te=self.te)
         self._teacher_rows = quantized_rows(native.state_dict(), self.recipe, arch, self.te)
         del native
@@ -341,7 +349,12 @@ class MegatronTrainer:
             # padded: [rows, 1], each row's adapter; THD: [1, tokens], each token's (megatron/lora.py lays it out)
             self.lora.route(mb.adapter_ids if packed is None else mb.adapter_ids.reshape(1, -1))
         rows = self._teacher_rows if model is self.teacher else self._qat_rows
-        fake_quant = fake_quantized(model, rows, self.recipe, "module." if model is self.model else "")
+        prefix = "module." if model is self.model else ""
+        if self.fp8:
+            arch = self._teacher_arch if model is self.teacher else self.arch
+            fake_quant = self.recipe.fp8_cache.weights(model, rows, self.recipe, arch, self.te, prefix)
+        else:
+            fake_quant = fake_quantized(model, rows, self.recipe, prefix)
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
@@ -411,6 +424,9 @@ class MegatronTrainer:
             for k, v in metrics.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach()
         finalize_model_grads([self.model])
+        # fp8: the forward's FP8 weights are the old weights' (the optimizer writes the parameters
+        # through DDP's buffers, whose writes their version counters need not see)
+        self.recipe.release_training_cache()
         if self.lora is not None and self.lora.num_adapters > 1:
             return {**sums, **self._step_each_adapter(adapters)}
         _, grad_norm, _ = self.optimizer.step()
@@ -548,6 +564,7 @@ class MegatronTrainer:
     def load_state(self, path: str) -> None:
         """What `save_state` wrote; training then continues as if never stopped."""
         state = torch.load(Path(path) / "megatron.pt", weights_only=False, map_location=self.device)
+        self.recipe.release_training_cache()
         self.model.module.load_state_dict(state["model"], strict=False)
         for opt, saved in zip(self._optimizers(), state["optimizers"], strict=True):
             opt.optimizer.load_state_dict(saved["inner"])
@@ -561,6 +578,7 @@ class MegatronTrainer:
     # ----------------------------------------------------------------------------- colocation
     def offload(self, tags=off.TRAINER_TAGS) -> None:
         """Free this trainer's device memory for the engine's turn (miles/trainer/megatron/offload.py)."""
+        self.recipe.release_training_cache()  # fp8: the forward's FP8 weights (rebuilt after onload)
         self.offloading.offload(tags)
         self._flat_sync = None
 
