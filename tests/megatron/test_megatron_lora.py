@@ -11,8 +11,8 @@ the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32 unless named:
 - the export's adapter loads in PEFT on the transformers Qwen3 with the trainer's log-probs;
 - several adapters (dense and on MoE experts): routed per row (per token into experts) and stepped each on its own as trainer=torch does (an adapter
   without samples in a step left as it was, its Adam state too);
-- LoRA under precision=fp8 is refused by name (its frozen FP8 base is not built; fp8 w8a16 without
-  LoRA trains: test_megatron_precision.py; QLoRA under int4_qat: test_megatron_qlora.py)."""
+- LoRA under precision=fp8 w8a8 is refused by name (its FP8 GEMMs need Transformer Engine); fp8 w8a16
+  without LoRA trains (test_megatron_precision.py), QLoRA under int4_qat and fp8 w8a16: test_megatron_qlora.py."""
 
 import pytest
 import torch
@@ -318,8 +318,7 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     algo, cfg, _ = _cfgs(PROJ)
-    for scheme, why in [("w8a16", "the frozen FP8 base of trainer=torch's LoRA is not built on Megatron"),
-                        ("w8a8", "w8a8's FP8 GEMMs in the forward need Transformer Engine")]:
+    for scheme, why in [("w8a8", "w8a8's FP8 GEMMs in the forward need Transformer Engine")]:
         with pytest.raises(ValueError, match=why):
             MegatronTrainer(ckpt, algo, cfg, PrecisionCfg(name="fp8", train_quant=Quant("fp8"), rollout_quant=Quant("fp8"),
                                                           fp8_scheme=FP8Scheme(scheme)),
@@ -332,9 +331,7 @@ def test_what_is_not_built_is_refused(tmp_path, megatron_on_this_device, compose
     assert megatron_problems(compose([*gpu, *two, "model=qwen3_moe_tiny",
                                       "trainer.lora.target_modules=[q_proj,experts]"])) == []
     assert megatron_problems(compose([*gpu, "precision=int4_qat"])) == []  # QLoRA
-    problems = megatron_problems(compose([*gpu, "precision=fp8"]))  # w8a16: the base would be FP8
-    assert problems == ["trainer=megatron does not support trainer.lora under precision=fp8 (its frozen FP8 base "
-                        "is not built on Megatron) yet: use trainer=torch"], problems
+    assert megatron_problems(compose([*gpu, "precision=fp8"])) == []  # w8a16: QLoRA over the FP8 round trip
     problems = megatron_problems(compose([*gpu, "precision=fp8", "precision.fp8_scheme=w8a8"]))
     assert problems == ["trainer=megatron does not support precision=fp8 (w8a8's FP8 GEMMs need Transformer "
                         "Engine) yet: use trainer=torch"], problems

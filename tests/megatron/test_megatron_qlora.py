@@ -1,9 +1,11 @@
-"""QLoRA on the Megatron-core trainer (trainer.lora under precision=int4_qat) against the torch
-trainer's QLoRA (miles/precision/qlora.py), on the CPU (CUDA mapped to the CPU: cuda_on_cpu.py), fp32:
+"""QLoRA on the Megatron-core trainer (trainer.lora under precision=int4_qat and fp8, fp8_scheme w8a16)
+against the torch trainer's QLoRA (miles/precision/qlora.py), on the CPU (CUDA mapped to the CPU:
+cuda_on_cpu.py), fp32:
 
-- the frozen base is the recipe's INT4 round trip, taken once at build: bit for bit the torch
-  trainer's dequantized base, and a fresh adapter gives the int4_qat trainer's log-probs (its
-  per-forward fake quantization) exactly; not the unquantized base's;
+- the frozen base is the recipe's INT4 / FP8 round trip (FP8: 128 x 128 blocks of the native tensors,
+  stacked experts per expert), taken once at build: bit for bit the torch trainer's dequantized base,
+  and a fresh adapter gives the recipe's trainer's log-probs without LoRA (its per-forward fake
+  quantization / FP8 round trip) exactly; not the unquantized base's;
 - adapters with values give the torch trainer's QLoRA log-probs, not LoRA over the unquantized base's;
 - the first step (loss, grad norm, the adapters after Adam) is the torch trainer's; the base stays
   as it was, Megatron's DDP and optimizer hold the adapters only;
@@ -22,23 +24,30 @@ from test_megatron_lora import (LR, TARGETS, _assert_only_adapters_train, _asser
 TOL = 1e-5
 
 
-def _int4(targets=None, dtype: str = "fp32"):
-    """(algo, trainer, precision) of int4_qat in `dtype` (groups of 32): LoRA on `targets`, or none."""
-    from miles.config.schema import DType, PrecisionCfg, Quant
+RECIPES = ["int4_qat", "fp8"]
+
+
+def _qlora(recipe: str, targets=None, dtype: str = "fp32"):
+    """(algo, trainer, precision) of int4_qat (groups of 32) or fp8 (w8a16) in `dtype`: LoRA on
+    `targets`, or none."""
+    from miles.config.schema import DType, FP8Scheme, PrecisionCfg, Quant
 
     algo, cfg, _ = _cfgs(targets or ["q_proj"], rank=4 if targets else 0)
-    return algo, cfg, PrecisionCfg(name="int4_qat", train_dtype=DType(dtype), rollout_dtype=DType(dtype),
-                                   train_quant=Quant("int4"), rollout_quant=Quant("int4"), int4_group_size=32)
+    quant = "int4" if recipe == "int4_qat" else "fp8"
+    extra = {"fp8_scheme": FP8Scheme.w8a16} if quant == "fp8" else {}
+    return algo, cfg, PrecisionCfg(name=recipe, train_dtype=DType(dtype), rollout_dtype=DType(dtype),
+                                   train_quant=Quant(quant), rollout_quant=Quant(quant), int4_group_size=32, **extra)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny"])
-def test_qlora_equals_the_torch_trainers_qlora(name, tmp_path, megatron_on_this_device):
+def test_qlora_equals_the_torch_trainers_qlora(name, recipe, tmp_path, megatron_on_this_device):
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
 
     ckpt, device = _checkpoint(name, tmp_path), megatron_on_this_device
-    mega = MegatronTrainer(ckpt, *_int4(TARGETS[name]), device=device, threads=1)
-    native = TorchTrainer(ckpt, *_int4(TARGETS[name]), device="cpu", threads=1)
+    mega = MegatronTrainer(ckpt, *_qlora(recipe, TARGETS[name]), device=device, threads=1)
+    native = TorchTrainer(ckpt, *_qlora(recipe, TARGETS[name]), device="cpu", threads=1)
     assert not mega._qat_rows  # nothing left for the forward to fake-quantize: the base was rounded once
     ours, theirs = mega.lora.tensors(), native.lora.tensors()
     assert list(ours) == list(theirs) and all(torch.equal(ours[k].cpu(), theirs[k]) for k in theirs)
@@ -54,11 +63,11 @@ def test_qlora_equals_the_torch_trainers_qlora(name, tmp_path, megatron_on_this_
     batch = _batch(mega.arch.vocab_size)
     mask = batch.loss_mask
     fresh = mega.logprobs(batch)
-    qat = MegatronTrainer(ckpt, *_int4(), device=device, threads=1)  # fake-quantizes every forward
-    assert qat._qat_rows
+    qat = MegatronTrainer(ckpt, *_qlora(recipe), device=device, threads=1)  # round trip at every forward
+    assert qat._qat_rows and qat.fp8 == (recipe == "fp8")
     assert _masked_max(fresh, qat.logprobs(batch), mask) == 0.0  # rounded once == rounded each forward
     worst, mean = _diff(fresh, native.logprobs(batch), mask)
-    print(f"\n{name} QLoRA, fresh adapter vs trainer=torch QLoRA: log-probs max {worst:.3g} mean {mean:.3g}")
+    print(f"\n{name} {recipe} QLoRA, fresh adapter vs trainer=torch QLoRA: log-probs max {worst:.3g} mean {mean:.3g}")
     assert worst < TOL and mean < MEAN_TOL["fp32"], (worst, mean)
 
     dense = _megatron(ckpt, device, TARGETS[name])  # LoRA over the unquantized base
@@ -71,7 +80,7 @@ def test_qlora_equals_the_torch_trainers_qlora(name, tmp_path, megatron_on_this_
     assert _masked_max(adapted, dense.logprobs(batch), mask) > 1e-3  # over the quantized base
 
     m, n, moved = _assert_sync_and_first_step_as_torch(mega, native, batch, ours, theirs)
-    print(f"{name} QLoRA: adapted log-probs max {worst:.3g} mean {mean:.3g}; after a step adapters max "
+    print(f"{name} {recipe} QLoRA: adapted log-probs max {worst:.3g} mean {mean:.3g}; after a step adapters max "
           f"{float(moved.max()):.3g} mean {float(moved.mean()):.3g}; loss {m['train/loss']:.6f} / "
           f"{n['train/loss']:.6f}, grad norm {m['train/grad_norm']:.6f} / {n['train/grad_norm']:.6f}")
     assert float(moved.max()) <= 2.5 * LR and float(moved.mean()) < 1e-6, (float(moved.max()), float(moved.mean()))
@@ -80,29 +89,32 @@ def test_qlora_equals_the_torch_trainers_qlora(name, tmp_path, megatron_on_this_
     _assert_only_adapters_train(mega)
 
 
-def test_a_bf16_base_is_the_round_trip_rounded_once(tmp_path, megatron_on_this_device):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_bf16_base_is_the_round_trip_rounded_once(recipe, tmp_path, megatron_on_this_device):
     """bf16: the base is rounded from the fp32 checkpoint's round trip (what the torch trainer's QLoRA
     multiplies under bf16 autocast: its codes dequantized to bf16), not from a bf16 copy."""
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
 
     ckpt = _checkpoint("qwen3_tiny", tmp_path)
-    mega = MegatronTrainer(ckpt, *_int4(TARGETS["qwen3_tiny"], "bf16"), device=megatron_on_this_device, threads=1)
-    held = TorchTrainer(ckpt, *_int4(TARGETS["qwen3_tiny"]), device="cpu", threads=1).model.state_dict()
+    mega = MegatronTrainer(ckpt, *_qlora(recipe, TARGETS["qwen3_tiny"], "bf16"), device=megatron_on_this_device,
+                           threads=1)
+    held = TorchTrainer(ckpt, *_qlora(recipe, TARGETS["qwen3_tiny"]), device="cpu", threads=1).model.state_dict()
     matrices = {k: v for k, v in mega._policy_state().items() if v.dim() >= 2}
     assert matrices and all(v.dtype == torch.bfloat16 for v in matrices.values())
     assert all(torch.equal(v.cpu(), held[k].to(torch.bfloat16)) for k, v in matrices.items())
 
 
-def test_the_plan_counts_the_base_in_the_training_dtype(compose, tmp_path, megatron_on_this_device):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_plan_counts_the_base_in_the_training_dtype(recipe, compose, tmp_path, megatron_on_this_device):
     """Megatron's QLoRA base is dense in the training dtype: the plan's weights are what the trainer
-    holds (fp32 here), where trainer=torch's plan counts the INT4 codes."""
+    holds (fp32 here), where trainer=torch's plan counts the INT4 / FP8 codes."""
     from miles.hardware.footprint import param_groups
     from miles.hardware.planner import TrainLayout, train_usage
     from miles.orchestrate.checkpoints import random_checkpoint
     from miles.trainer.megatron.trainer import MegatronTrainer
 
-    run = ["model=qwen3_tiny", "precision=int4_qat", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32",
+    run = ["model=qwen3_tiny", f"precision={recipe}", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32",
            "trainer.lora.rank=8", "trainer.micro_batch_size=4", "trainer.pack_sequences=false"]
     cfg = compose([*run, "trainer=megatron"])
     ckpt = random_checkpoint(cfg.model, "0123456789+=", 0, tmp_path)
@@ -112,4 +124,4 @@ def test_the_plan_counts_the_base_in_the_training_dtype(compose, tmp_path, megat
     planned = train_usage(cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"]
     assert held == (groups.embed + groups.dense + groups.routed) * 4 == planned - mega.lora.num_bytes()
     torch_cfg = compose(run)
-    assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < 0.3 * planned
+    assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < (0.3 if recipe == "int4_qat" else 0.4) * planned  # codes: ~0.5 / 1 byte

@@ -9,6 +9,8 @@ QLoRA (trainer.lora under int4_qat): the base is frozen, so its round trip is ta
 checkpoint's fp32 weights before they are cast to the training dtype (`int4_base`), and the forward
 fake-quantizes nothing: the same values the per-forward round trip gives (fp32; in bf16 the values of
 the torch trainer's QLoRA and the engine, which quantize the fp32 weights, not bf16 copies).
+QLoRA under fp8 w8a16: the same, with `fp8_round_trip` taken once on the fp32 checkpoint (the torch
+trainer's FrozenQuantLinear / frozen experts quantize the fp32 weights; its forward dequantizes them).
 FP8 w8a16 (`train_quant=fp8`, fp8_scheme w8a16, fp8's default): FP8 blocks are 128 x 128 in the
 native layout, which GPTModel's fused q/k/v (interleaved per query group) and gate/up rows are not, so
 each forward takes the weights the torch trainer multiplies: the Megatron state mapped to the native

@@ -2,8 +2,8 @@
 with the config's own rules): one CUDA process, the families `arch.py` maps, the recipes without FP8
 GEMMs (fp8's w8a16 trains, w8a8 does not); every weight-sync transport (their own rules apply:
 miles/config/rules.py; LoRA's adapters through object_store only); a teacher (on-policy
-distillation); LoRA (the config's own LoRA rules) over a bf16 / fp32 base or, under int4_qat, QLoRA
-(not under fp8: its frozen FP8 base is not built here).
+distillation); LoRA (the config's own LoRA rules) over a bf16 / fp32 base or, under int4_qat and fp8
+w8a16, QLoRA (the frozen base's round trip taken once at build).
 Pure: no megatron import, so a CPU machine validates a Megatron run's config."""
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
                         f"(got {t.tp}, {t.pp}, {t.ep}, {t.cp})")
     # w8a8 multiplies FP8 operands in the forward, which Megatron-core does through Transformer Engine
     # only; w8a16 trains: each forward's weights are the FP8 round trips of their native parts
-    # (megatron/quant.py, as INT4 QAT and the quantized rollouts). LoRA's frozen FP8 base (trainer=torch's
-    # QLoRA-style layers) is not built on Megatron.
+    # (megatron/quant.py, as INT4 QAT and the quantized rollouts); with LoRA, the frozen base's FP8 round
+    # trip, taken once at build (QLoRA).
     fp8 = cfg.precision.train_quant.value == "fp8"
     unsupported = {f"precision={cfg.precision.name} (w8a8's FP8 GEMMs need Transformer Engine)":
                    fp8 and cfg.precision.fp8_scheme == "w8a8",
-                   f"trainer.lora under precision={cfg.precision.name} (its frozen FP8 base is not built on "
-                   "Megatron)": fp8 and cfg.precision.fp8_scheme != "w8a8" and t.lora.rank > 0,
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
                    "true_on_policy=true": cfg.true_on_policy}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"

@@ -23,8 +23,8 @@ optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume.
 attentions' shared DSASelection (miles/trainer/megatron/dsa_attention.py); colocation offload through
 its buffers' storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
 onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
-(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA (int4_qat):
-the frozen base held in the training dtype, its INT4 round trip taken once at build (quant.py). FP8
+(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA (int4_qat, fp8
+w8a16): the frozen base held in the training dtype, its INT4 / FP8 round trip taken once at build (quant.py). FP8
 (fp8_scheme w8a16): each forward multiplies the FP8 round trip of every quantized weight's native
 parts, as trainer=torch does (quant.py `FP8Blocks`).
 
@@ -57,7 +57,7 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
-from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, int4_base, quantized_rows
+from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, packed_micro_batches, padded_micro_batches
@@ -150,7 +150,7 @@ class MegatronTrainer:
     ):
         """TorchTrainer's arguments (miles/trainer/torch_trainer.py); refused here (validation refuses
         them first): true on-policy, FP8 training with FP8 GEMMs (fp8_scheme w8a8; w8a16 trains,
-        quant.py), LoRA under fp8, forward_weights=rollout, an online-trained speculative draft, a
+        quant.py; so does its QLoRA), forward_weights=rollout, an online-trained speculative draft, a
         CPU device; with cfg.lora.rank > 0, the Transformer Engine spec."""
         require_megatron()
         drafts = speculative is not None and speculative.kind != "none" and speculative.train_online
@@ -177,9 +177,6 @@ class MegatronTrainer:
             raise ValueError(f"trainer=megatron does not train precision={precision.name} (w8a8's FP8 GEMMs in the "
                              "forward need Transformer Engine; forward_weights=rollout is the torch trainer's): "
                              "use trainer=torch")
-        if self.fp8 and cfg.lora.rank > 0:
-            raise ValueError(f"trainer=megatron does not train trainer.lora under precision={precision.name} (the "
-                             "frozen FP8 base of trainer=torch's LoRA is not built on Megatron): use trainer=torch")
         if self.fp8:  # the forward's FP8 weights, freed with the recipe's training cache
             self.recipe.fp8_cache = FP8Blocks()
         self.bf16 = precision.train_dtype == DType.bf16
@@ -188,9 +185,11 @@ class MegatronTrainer:
         self._native_names = list(native.state_dict())  # get_weights' order: the native model's
         rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
         qlora = cfg.lora.rank > 0 and holds_quantized_base(self.recipe)
-        if qlora:  # the frozen base (policy and KL reference) rounded once, from the fp32 checkpoint
+        if qlora and self.fp8:  # the frozen base (policy and KL reference): its FP8 round trip, once, from fp32
+            state = {**state, **fp8_round_trip(state, list(rows), self.recipe, self.arch, self.te)}
+        elif qlora:  # the frozen base (policy and KL reference) rounded once, from the fp32 checkpoint
             state = int4_base(state, rows, self.recipe)
-        self._qat_rows = {} if qlora else rows  # what each forward fake-quantizes (INT4 QAT)
+        self._qat_rows = {} if qlora else rows  # what each forward quantizes (INT4 QAT, FP8 w8a16)
         with torch.device("meta"):  # the native structure: which Linear layers a quantized engine holds
             self._skeleton = CausalLM(self.arch)
         shapes = {name: t.shape for name, t in native.state_dict().items()}
@@ -350,7 +349,7 @@ class MegatronTrainer:
             self.lora.route(mb.adapter_ids if packed is None else mb.adapter_ids.reshape(1, -1))
         rows = self._teacher_rows if model is self.teacher else self._qat_rows
         prefix = "module." if model is self.model else ""
-        if self.fp8:
+        if self.fp8 and rows:  # none for a QLoRA policy: its base is the round trip already
             arch = self._teacher_arch if model is self.teacher else self.arch
             fake_quant = self.recipe.fp8_cache.weights(model, rows, self.recipe, arch, self.te, prefix)
         else:

@@ -218,7 +218,8 @@ MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1",
     (["trainer=megatron"], "runs on CUDA only"),
     (["trainer=megatron", "trainer.num_ranks=2"], "use trainer=fsdp"),
     ([*MEGATRON_GPU, "model=qwen3_next_tiny"], "qwen3_next is not mapped yet (its gated DeltaNet"),
-    ([*MEGATRON_GPU, "precision=fp8", "trainer.lora.rank=8"], "its frozen FP8 base is not built on Megatron"),
+    ([*MEGATRON_GPU, "precision=fp8", "precision.fp8_scheme=w8a8", "trainer.lora.rank=8"],
+     "w8a8's FP8 GEMMs need Transformer Engine"),
     ([*MEGATRON_GPU, "precision=fp8", "precision.fp8_scheme=w8a8"], "w8a8's FP8 GEMMs need Transformer Engine"),
     ([*MEGATRON_GPU, "trainer.tp=2"], "set trainer.tp, pp, ep, cp to 1"),
     (["rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
@@ -258,6 +259,7 @@ def test_true_on_policy_and_scale_out_defaults_validate(compose):
                              "precision=int4_qat"])) == []
     assert validate(compose([*MEGATRON_GPU, "precision=bf16_train_fp8_rollout"])) == []
     assert validate(compose([*MEGATRON_GPU, "precision=fp8"])) == []  # w8a16 (fp8's default scheme)
+    assert validate(compose([*MEGATRON_GPU, "precision=fp8", "trainer.lora.rank=8"])) == []  # QLoRA, w8a16
     assert validate(compose([*MEGATRON_GPU, "model=deepseek_v3_tiny", "model.mtp_layers=0"])) == []
     gpu = ["hardware=h200", "hardware.gpus_per_node=1", "dry_run=true", "rollout.offload=true", "trainer.offload=true"]
     assert validate(compose(gpu)) == []
