@@ -206,7 +206,7 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
 
         adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
         # QLoRA: the projections in the rollout format, the rest fp32 masters; Megatron holds the whole base
-        # in the training dtype (its INT4 round trip: miles/trainer/megatron/quant.py), as counted above.
+        # in the training dtype (its INT4 or FP8 round trip: miles/trainer/megatron/quant.py), as counted above.
         if p.train_quant != Quant.none and t.backend != TrainerBackend.megatron:
             q_params, q_bytes = quantized_base(arch, p)
             base = (embed + dense + routed - q_params / (tp * pp)) * 4 + q_bytes / (tp * pp)
