@@ -36,15 +36,25 @@ def _trainers(ckpt: str, device: str, recipe: str, **precision):
 
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny"])
 def test_int4_qat_forward_and_step_equal_the_native_trainer(name, tmp_path, megatron_on_this_device):
-    ckpt = _checkpoint(name, tmp_path)
-    mega, native = _trainers(ckpt, megatron_on_this_device, "int4_qat")
-    assert mega._qat_rows, "no Megatron weight is fake-quantized"
+    mega, native, batch = _trainers_with_the_native_log_probs(_checkpoint(name, tmp_path), megatron_on_this_device,
+                                                              "int4_qat", "fp32_train_int4_rollout")
+    _assert_first_step_as_native(mega, native, batch)
+
+
+def _trainers_with_the_native_log_probs(ckpt, device, recipe: str, plain_recipe: str):
+    """Both trainers of `recipe`, checked to give the same log-probs on a batch, which the recipe's
+    quantization moves (against `plain_recipe`'s unquantized forward): (mega, native, batch)."""
+    mega, native = _trainers(ckpt, device, recipe)
+    assert mega._qat_rows, f"no Megatron weight is quantized under {recipe}"
     batch = _batch(mega.arch.vocab_size)
     got, want = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
     assert float(((got - want).abs() * batch.loss_mask).max()) < 1e-4
-    # the fake quantization acts: the recipe's log-probs are not the plain model's
-    plain, _ = _trainers(ckpt, megatron_on_this_device, "fp32_train_int4_rollout")
+    plain, _ = _trainers(ckpt, device, plain_recipe)
     assert float(((got - plain.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3
+    return mega, native, batch
+
+
+def _assert_first_step_as_native(mega, native, batch) -> None:
     m, n = mega.train_rl(batch), native.train_rl(batch)
     assert m["train/ppo_kl"] == 0.0
     assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
@@ -74,23 +84,13 @@ def test_sync_payload_equals_the_native_trainers(recipe, tmp_path, megatron_on_t
 
 @pytest.mark.parametrize("name", ["qwen3_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"])
 def test_fp8_w8a16_forward_step_and_payload_equal_the_native_trainer(name, tmp_path, megatron_on_this_device):
-    ckpt = _checkpoint(name, tmp_path)
-    mega, native = _trainers(ckpt, megatron_on_this_device, "fp8")
-    assert mega._qat_rows, "no Megatron weight is FP8-quantized"
-    batch = _batch(mega.arch.vocab_size)
-    got, want = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
-    assert float(((got - want).abs() * batch.loss_mask).max()) < 1e-4
-    # the round trip acts: the recipe's log-probs are not the plain model's
-    plain, _ = _trainers(ckpt, megatron_on_this_device, "fp32_train_fp8_rollout")
-    assert float(((got - plain.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3
+    mega, native, batch = _trainers_with_the_native_log_probs(_checkpoint(name, tmp_path), megatron_on_this_device,
+                                                              "fp8", "fp32_train_fp8_rollout")
     (payload, checksum), (want_payload, want_checksum) = mega.get_weights(), native.get_weights()
     assert checksum == want_checksum
     assert sorted(payload) == sorted(want_payload)
     assert all(torch.equal(payload[k], want_payload[k]) for k in want_payload)
-    m, n = mega.train_rl(batch), native.train_rl(batch)
-    assert m["train/ppo_kl"] == 0.0
-    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
-    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)
+    _assert_first_step_as_native(mega, native, batch)
     assert len(mega.recipe.fp8_cache) == 0, "the forward's FP8 weights outlive the train step"
     # after the step: the new weights' round trip, still the native trainer's log-probs (the two
     # optimizers' fp32 weights differ in their last bits, ~4e-7, so the FP8 payloads need not be equal now)
