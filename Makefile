@@ -64,10 +64,11 @@ test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -m learning $(PYTEST_ARGS)
 
 # Further Ray arrangements of paths that make test runs through Ray once already (tests marked
-# extended, ~3 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
-# suite in a Ray actor, the MTP draft's and the one-engine VLM run's Ray cases, QLoRA's FP8 bases on 2
-# FSDP ranks through a run, the two-adapter launch.py run on a fleet of two vLLM engines (its engine-level
-# checks run in make test). Run them when changing Ray actors, speculative rollout, FSDP QLoRA or vLLM LoRA.
+# extended, ~4 minutes on 2 cores; kept out of make test for CI's time): the torch trainer's contract
+# suite in a Ray actor, the MTP draft's, the resumed draft model's and the one-engine VLM run's Ray
+# cases, the asynchronous run on Ray through shared memory, QLoRA's FP8 bases on 2 FSDP ranks through a
+# run, the two-adapter launch.py run on a fleet of two vLLM engines and that fleet's failover (its
+# engine-level checks run in make test). Run them when changing Ray actors, speculative rollout, FSDP QLoRA or vLLM LoRA.
 test-extended: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -m extended $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and extended" tests/vllm $(PYTEST_ARGS)

@@ -7,7 +7,7 @@ the checks are about the draft: its metrics, its weights on both sides, its stat
 The Ray variants exist because the in-process runs alone let a trainer check that only failed inside a
 Ray actor through (issue 25, item 4); test_the_documented_command_with_ray_on_logs_the_acceptance runs
 that issue's command as a user would (MTP trained online, with Ray on), so the MTP test's own Ray case
-is in the extended tier (make test-extended).
+and the resumed draft model's are in the extended tier (make test-extended).
 """
 
 import json
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch_cli import run_launch
-from ray_runs import WITH_AND_WITHOUT_RAY, WITH_AND_WITHOUT_RAY_EXTENDED, run_with
+from ray_runs import WITH_AND_WITHOUT_RAY_EXTENDED, run_with
 from runs import TINY, journal_metrics, without_timing
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def test_the_mtp_draft_trains_online_and_the_engine_drafts_with_it(tmp_path, mon
     assert not all(torch.equal(online[k], init[k]) for k in online)
 
 
-@WITH_AND_WITHOUT_RAY
+@WITH_AND_WITHOUT_RAY_EXTENDED  # with Ray: the documented command's test runs the draft in actors
 def test_a_draft_model_run_resumes_with_its_draft_state(tmp_path, monkeypatch, compose, ray, request):
     monkeypatch.chdir(tmp_path)
     if ray:  # the three runs on one local Ray (ray_runs.run_with)

@@ -128,6 +128,7 @@ def test_a_sync_replaces_every_adapter_on_every_engine(fleet):
         router.update_weights(random_adapters(shapes_of(native), 23), "0" * 64)
 
 
+@pytest.mark.extended  # make test-extended: the fleet's restart runs in tests/unit/rollout/test_router.py
 def test_a_dead_engine_comes_back_with_every_adapter(fleet):
     """Failover: an engine actor killed between syncs is restarted by the router, given the fleet's last
     adapters (checked) before it takes work, and its chunks are served by their adapters as before."""
