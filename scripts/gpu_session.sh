@@ -10,8 +10,10 @@
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
+#   6  the Megatron and LoRA speed targets: Megatron-core against the native trainer (0.6B shape, the
+#      project's SDPA core attention), LoRA against full fine-tuning on the 4B shape
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-5)}
+PART=${1:?usage: gpu_session.sh PART (1-6)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -56,8 +58,13 @@ case $PART in
         --recipes bf16 fp8_w8a16 int4 --variants fused --new-tokens 64)
     step weight_only_variants 280 python3 benchmarks/weight_only_variants.py
     ;;
+6)
+    step train_megatron 200 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+        --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2
+    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
+    ;;
 *)
-    echo "unknown part $PART (1-5)" >&2
+    echo "unknown part $PART (1-6)" >&2
     exit 2
     ;;
 esac
