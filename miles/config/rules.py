@@ -191,9 +191,6 @@ def config_problems(cfg: RunCfg) -> list[str]:
                         "set rollout.num_engines=1")
     if cfg.trainer.max_tokens_per_micro_batch < 1:
         problems.append(f"trainer.max_tokens_per_micro_batch must be >= 1 (got {cfg.trainer.max_tokens_per_micro_batch})")
-    if cfg.trainer.recompute and (cfg.precision.train_quant.value != "none" or cfg.precision.forward_weights != "master"):
-        problems.append(f"trainer.recompute=true does not combine with precision={cfg.precision.name} (its "
-                        "quantized or cast training forward): set trainer.recompute=false")
     for key, value, least in (("checkpoint.interval", cfg.checkpoint.interval, 0),
                               ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
                               ("fault.max_retries", cfg.fault.max_retries, 0),

@@ -71,19 +71,50 @@ def token_logprobs_of(model: CausalLM, recipe: Recipe, mb: MicroBatch, temperatu
 
 
 def enable_recompute(model: CausalLM) -> None:
-    """Each decoder layer keeps only its input and recomputes the rest in backward
-    (non-reentrant checkpoint). Not with a fake-quantizing recipe: `Recipe.forward` installs its
-    quantized weights and fp8 input hooks only while it runs, so a recomputation in backward would
-    see other weights than the forward did."""
+    """Each decoder layer keeps only its input and recomputes the rest in backward (non-reentrant
+    checkpoint). A precision recipe's forward (`Recipe.forward`) swaps its quantized or cast weights
+    into the layers and patches the FP8 linears' forward only while it runs, and the recomputation
+    runs later, in backward: so each layer's forward notes the parameters and forward patches its
+    modules hold, and the recomputation runs with those again. It then computes on the same weights
+    as the forward, and the gradients (taken on the forward's graph) reach the fp32 masters as without
+    recompute."""
     for layer in model.layers:
-        layer.forward = _Recomputed(layer.forward)
+        layer.forward = _Recomputed(layer, layer.forward)
 
 
 class _Recomputed:
-    def __init__(self, forward):
-        self.forward = forward
+    def __init__(self, layer: torch.nn.Module, forward):
+        self.layer, self.forward = layer, forward
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing to keep for a backward
             return self.forward(x, ctx)
-        return checkpoint(self.forward, x, ctx, use_reentrant=False)
+        # The layer's own forward is this wrapper: only the modules inside it are noted.
+        held = _state([m for m in self.layer.modules() if m is not self.layer])
+
+        def run(x, ctx):
+            now = _state(m for m, _, _ in held)
+            _put(held)
+            try:
+                return self.forward(x, ctx)
+            finally:
+                _put(now)
+        return checkpoint(run, x, ctx, use_reentrant=False)
+
+
+_NO_PATCH = object()
+
+
+def _state(modules) -> list[tuple[torch.nn.Module, dict, object]]:
+    """(module, its parameters, its instance-level forward or _NO_PATCH) of each module, as they are now."""
+    return [(m, dict(m._parameters), m.__dict__.get("forward", _NO_PATCH)) for m in modules]
+
+
+def _put(state: list[tuple[torch.nn.Module, dict, object]]) -> None:
+    for module, params, forward in state:
+        module._parameters.clear()
+        module._parameters.update(params)
+        if forward is _NO_PATCH:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = forward

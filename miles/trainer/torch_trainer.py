@@ -55,7 +55,7 @@ import torch
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
 from miles.models import CausalLM, from_pretrained, invariant, save_pretrained
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
-from miles.precision.recipe import NONE, Recipe
+from miles.precision.recipe import Recipe
 from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
@@ -144,9 +144,6 @@ class TorchTrainer:
             if self.ref_model is not None:
                 lora_side.hold_reference(self.ref_model, self.recipe)
         if cfg.recompute:
-            if self.recipe.train_quant != NONE:
-                raise ValueError("trainer.recompute=true does not combine with a fake-quantizing precision "
-                                 f"recipe (train_quant={self.recipe.train_quant}) yet")
             enable_recompute(self.model)
         trains_draft = (speculative is not None and speculative.kind != "none" and speculative.train_online)
         if trains_draft and self.parallel.shards_policy:

@@ -125,3 +125,26 @@ def test_the_plan_counts_the_base_in_the_training_dtype(recipe, compose, tmp_pat
     assert held == (groups.embed + groups.dense + groups.routed) * 4 == planned - mega.lora.num_bytes()
     torch_cfg = compose(run)
     assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < (0.3 if recipe == "int4_qat" else 0.4) * planned  # codes: ~0.5 / 1 byte
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recompute_steps_as_the_torch_trainers_qlora(recipe, tmp_path, megatron_on_this_device):
+    """trainer.recompute under QLoRA: Megatron's full recompute re-runs each layer over the base held
+    as its round trip (nothing swapped in per forward, so nothing to lose): the first step is the
+    torch trainer's, recomputing too."""
+    import dataclasses
+
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    algo, cfg, precision = _qlora(recipe, TARGETS["qwen3_tiny"])
+    cfg = dataclasses.replace(cfg, recompute=True)
+    mega = MegatronTrainer(ckpt, algo, cfg, precision, device=megatron_on_this_device, threads=1)
+    native = TorchTrainer(ckpt, algo, cfg, precision, device="cpu", threads=1)
+    _randomize(mega.lora, native.lora)
+    batch = _batch(mega.arch.vocab_size)
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    for key in ("train/loss", "train/grad_norm"):
+        assert m[key] == pytest.approx(n[key], rel=1e-4, abs=1e-6), key
+    assert m["train/grad_norm"] > 0

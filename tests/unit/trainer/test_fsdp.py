@@ -3,6 +3,7 @@ the 1-rank native TorchTrainer on the same global batch, resume exactly from the
 checkpoint, and sync the same weights."""
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,8 @@ def native_run(ckpt, batch, algo, optimizer, calls):
     return metrics, trainer.get_weights(), trainer.logprobs(batch)
 
 
-def group_run(ckpt, batch, algo, optimizer, calls):
-    group = FSDPGroup(2, ckpt, algo, CFG, FP32, threads=1, max_response_len=8, optimizer=optimizer)
+def group_run(ckpt, batch, algo, optimizer, calls, cfg=CFG):
+    group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer=optimizer)
     try:
         metrics = [group.call(method, b) for method, b in calls]
         return metrics, group.call("get_weights"), group.call("logprobs", batch)
@@ -121,6 +122,17 @@ def test_two_ranks_sgd_equal_one_rank(ckpt, batch, local_ray):
     assert_same_metrics(g_metrics, n_metrics, 1e-6)
     assert max_diff(g_weights, n_weights) <= 1e-6
     assert float((g_logp - n_logp).abs().max()) <= 1e-6
+
+
+def test_recomputing_ranks_equal_one_rank(ckpt, batch, local_ray):
+    """trainer.recompute=true on the ranks: each sharded layer recomputes in backward, after FSDP has
+    gathered its parameters again; the steps are the one-rank trainer's (stored activations)."""
+    algo = AlgoCfg(name=AlgoName.grpo)
+    calls = [("train_rl", batch)] * 2
+    (g_metrics, (g_weights, _), _) = group_run(ckpt, batch, algo, "sgd", calls, cfg=replace(CFG, recompute=True))
+    (n_metrics, (n_weights, _), _) = native_run(ckpt, batch, algo, "sgd", calls)
+    assert_same_metrics(g_metrics, n_metrics, 1e-6)
+    assert max_diff(g_weights, n_weights) <= 1e-6
 
 
 def test_group_weights_are_the_one_rank_weights(adamw_runs):

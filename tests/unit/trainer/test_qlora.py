@@ -63,10 +63,10 @@ def batch(ckpt):
     return batch_of(NativeEngine(ckpt, RolloutCfg(max_new_tokens=5), seed=0))
 
 
-def trainer(ckpt, precision, lora=LORA8, optimizer="adamw", **algo):
+def trainer(ckpt, precision, lora=LORA8, optimizer="adamw", recompute=False, **algo):
     return TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo, **algo),
-                        TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=4, lora=lora), precision,
-                        optimizer=optimizer)
+                        TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=4, lora=lora, recompute=recompute),
+                        precision, optimizer=optimizer)
 
 
 def dense_base_attach(model, cfg, precision, seed, recipe):
@@ -105,6 +105,14 @@ def test_a_step_moves_the_adapters_as_lora_over_the_dense_masters(ckpt, batch, q
     assert mq["train/grad_norm"] == md["train/grad_norm"]
     assert all(torch.equal(q.lora.tensors()[name], t) for name, t in dense.lora.tensors().items())
     assert torch.equal(q.logprobs(batch), dense.logprobs(batch))
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8_w8a16", "int4"])
+def test_recompute_gives_the_same_adapters(ckpt, batch, quant):
+    """trainer.recompute=true: each layer's backward recomputes the product with the held codes."""
+    stored, recomputed = trainer(ckpt, recipe(quant)), trainer(ckpt, recipe(quant), recompute=True)
+    assert stored.train_rl(batch) == recomputed.train_rl(batch)
+    assert all(torch.equal(recomputed.lora.tensors()[name], t) for name, t in stored.lora.tensors().items())
 
 
 @pytest.mark.parametrize("quant,codes,scale_shape", [("fp8", torch.float8_e4m3fn, (2, 1)),
