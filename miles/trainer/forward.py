@@ -23,6 +23,7 @@ from miles.algo.losses import entropy_from_logits, token_logprobs
 from miles.models import CausalLM
 from miles.models.packed import varlen_layout
 from miles.precision.recipe import NONE, Recipe
+from miles.trainer import held_weights
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.packing import MicroBatch
 
@@ -90,31 +91,9 @@ class _Recomputed:
         if not torch.is_grad_enabled():  # nothing to keep for a backward
             return self.forward(x, ctx)
         # The layer's own forward is this wrapper: only the modules inside it are noted.
-        held = _state([m for m in self.layer.modules() if m is not self.layer])
+        state = held_weights.held(m for m in self.layer.modules() if m is not self.layer)
 
         def run(x, ctx):
-            now = _state(m for m, _, _ in held)
-            _put(held)
-            try:
+            with held_weights.holding(state):
                 return self.forward(x, ctx)
-            finally:
-                _put(now)
         return checkpoint(run, x, ctx, use_reentrant=False)
-
-
-_NO_PATCH = object()
-
-
-def _state(modules) -> list[tuple[torch.nn.Module, dict, object]]:
-    """(module, its parameters, its instance-level forward or _NO_PATCH) of each module, as they are now."""
-    return [(m, dict(m._parameters), m.__dict__.get("forward", _NO_PATCH)) for m in modules]
-
-
-def _put(state: list[tuple[torch.nn.Module, dict, object]]) -> None:
-    for module, params, forward in state:
-        module._parameters.clear()
-        module._parameters.update(params)
-        if forward is _NO_PATCH:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = forward

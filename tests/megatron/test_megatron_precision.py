@@ -19,7 +19,7 @@ RECIPES = {  # name: (train_quant, rollout_quant)
 }
 
 
-def _trainers(ckpt: str, device: str, recipe: str, **precision):
+def _trainers(ckpt: str, device: str, recipe: str, recompute: bool = False, **precision):
     from miles.config.schema import AlgoCfg, AlgoName, FP8Scheme, PrecisionCfg, Quant, TrainerCfg
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
@@ -27,7 +27,7 @@ def _trainers(ckpt: str, device: str, recipe: str, **precision):
     train, rollout = RECIPES[recipe]
     if recipe == "fp8":
         precision.setdefault("fp8_scheme", FP8Scheme.w8a16)
-    cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False)
+    cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False, recompute=recompute)
     precision = PrecisionCfg(name=recipe, train_quant=Quant(train), rollout_quant=Quant(rollout), int4_group_size=32,
                              **precision)
     args = (ckpt, AlgoCfg(name=AlgoName.grpo), cfg, precision)
@@ -118,3 +118,27 @@ def test_fp8_blocks_are_the_native_tensors_not_the_fused_rows(tmp_path, megatron
     naive = {"module." + n: fake_quant_fp8_weight(state[n].detach()) for n in mega._qat_rows}
     mega.recipe.fp8_cache.weights = lambda *args, **kwargs: naive
     assert float(((got - mega.logprobs(batch).cpu()).abs() * batch.loss_mask).max()) > 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["int4_qat", "fp8"])
+def test_recompute_steps_on_the_forwards_round_trips(recipe, tmp_path, megatron_on_this_device, monkeypatch):
+    """trainer.recompute=true: Megatron's full recompute re-runs each layer in backward after the
+    forward that swapped in the round-tripped weights has ended; the layers' noted weights make the
+    step the stored-activation step's, bit for bit. Without them (negative control) the recomputation
+    multiplies the fp32 masters and the gradients differ."""
+    from miles.trainer import held_weights
+
+    ckpt, device = _checkpoint("qwen3_tiny", tmp_path), megatron_on_this_device
+
+    def step(recompute: bool):
+        mega, _ = _trainers(ckpt, device, recipe, recompute=recompute)
+        metrics = mega.train_rl(_batch(mega.arch.vocab_size))
+        if recompute:  # the notes (the forward's round-trip tensors) are dropped when the step ends
+            assert all(noted.state is None for noted in mega._recompute_notes._layers)
+        return metrics, mega._policy_state()
+
+    (stored, weights), (recomputed, again) = step(False), step(True)
+    assert stored["train/grad_norm"] == recomputed["train/grad_norm"] and stored["train/loss"] == recomputed["train/loss"]
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    monkeypatch.setattr(held_weights, "_put", lambda state: None)
+    assert step(True)[0]["train/grad_norm"] != stored["train/grad_norm"]

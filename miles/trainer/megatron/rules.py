@@ -31,11 +31,7 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     unsupported = {f"precision={cfg.precision.name} (w8a8's FP8 GEMMs need Transformer Engine)":
                    fp8 and cfg.precision.fp8_scheme == "w8a8",
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
-                   "true_on_policy=true": cfg.true_on_policy,
-                   # Megatron's full recompute re-runs a layer in backward, outside the forward that swapped
-                   # in the round-tripped weights; QLoRA holds its round trip as the base, so it recomputes.
-                   f"trainer.recompute=true with precision={cfg.precision.name} (weights quantized per forward)":
-                   t.recompute and cfg.precision.train_quant.value != "none" and t.lora.rank == 0}
+                   "true_on_policy=true": cfg.true_on_policy}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]
     return problems

@@ -53,6 +53,7 @@ from miles.precision.recipe import FP8, NONE, W8A16, Recipe
 from miles.trainer import lora as lora_side
 from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
+from miles.trainer.held_weights import RecomputeNotes
 from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
@@ -198,6 +199,8 @@ class MegatronTrainer:
         if cfg.lora.rank > 0:  # before DDP: its buffers and the optimizer then hold the adapters only
             self.lora = self._attach_lora(policy, shapes, seed)
         self.model = self._ddp(policy)
+        # Each forward swaps in round trips (INT4 QAT, FP8 w8a16): the recomputation needs them again.
+        self._recompute_notes = RecomputeNotes(policy.decoder.layers) if cfg.recompute and self._qat_rows else None
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self._teacher_rows: dict[str, torch.Tensor] = {}
         if teacher_dir is not None:  # after the policy's _build: megatron_config stays the policy's
@@ -357,8 +360,10 @@ class MegatronTrainer:
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
+        noting = self._recompute_notes is not None and model is self.model and torch.is_grad_enabled()
         try:
-            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record):
+            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record), \
+                    self._recompute_notes.training_forward() if noting else contextlib.nullcontext():
                 hidden, weight = torch.func.functional_call(
                     model, fake_quant, (inputs, positions, mask),
                     {"output_processor": _hidden_and_output_weight, "packed_seq_params": packed}, strict=False)
@@ -426,6 +431,8 @@ class MegatronTrainer:
         # fp8: the forward's FP8 weights are the old weights' (the optimizer writes the parameters
         # through DDP's buffers, whose writes their version counters need not see)
         self.recipe.release_training_cache()
+        if self._recompute_notes is not None:  # every backward has run
+            self._recompute_notes.clear()
         if self.lora is not None and self.lora.num_adapters > 1:
             return {**sums, **self._step_each_adapter(adapters)}
         _, grad_norm, _ = self.optimizer.step()

@@ -198,16 +198,13 @@ def test_a_multi_gpu_profile_is_refused_for_a_one_gpu_run(compose, monkeypatch):
 def test_trainer_packing_and_recompute_rules(compose):
     assert validate(compose(["trainer.max_tokens_per_micro_batch=0"])) == [
         "trainer.max_tokens_per_micro_batch must be >= 1 (got 0)"]
-    # Recompute runs every recipe's training forward again (tests/unit/trainer/test_trainer_paths.py),
-    # on trainer=torch; Megatron's own recompute refuses a per-forward quantization (not its QLoRA).
+    # Recompute runs every recipe's training forward again (tests/unit/trainer/test_trainer_paths.py,
+    # tests/megatron/test_megatron_precision.py).
     for precision in (["precision=fp8"], ["precision=int4_qat"], ["precision=bf16", "precision.forward_weights=rollout"]):
         assert validate(compose(["trainer.recompute=true", *precision])) == []
     assert validate(compose(["trainer.recompute=true"])) == []
-    megatron = validate(compose([*MEGATRON_GPU, "trainer.recompute=true", "precision=int4_qat"]))
-    assert megatron == ["trainer=megatron does not support trainer.recompute=true with precision=int4_qat "
-                        "(weights quantized per forward) yet: use trainer=torch"]
-    assert validate(compose([*MEGATRON_GPU, "trainer.recompute=true", "precision=int4_qat",
-                             "trainer.lora.rank=8", "trainer.lr=3e-3"])) == []
+    for precision in ("precision=int4_qat", "precision=fp8"):
+        assert validate(compose([*MEGATRON_GPU, "trainer.recompute=true", precision])) == []
 
 
 MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1", "dry_run=true"]

@@ -24,7 +24,7 @@ from miles.config.schema import (AlgoCfg, AlgoName, CriticCfg, DType, FP8Scheme,
                                  Quant, TrainerCfg)
 from miles.models.config import MoEConfig
 from miles.orchestrate.checkpoints import random_checkpoint
-from miles.trainer import forward
+from miles.trainer import held_weights
 from miles.trainer.critic import TorchCritic
 from miles.trainer.forward import head_outside
 from miles.trainer.torch_trainer import TorchTrainer
@@ -164,7 +164,7 @@ def test_recompute_gives_the_same_update_under_every_recipe(ckpt, rollout_batch,
     # fp32 masters (why these recipes were refused with recompute before). Where the fake-quantized
     # weights are fp32 too the update silently differs; checkpoint's own checks catch w8a8 (the plain
     # nn.Linear saves other tensors than its FP8 product) and the bf16 casts (other dtypes).
-    monkeypatch.setattr(forward, "_put", lambda state: None)
+    monkeypatch.setattr(held_weights, "_put", lambda state: None)
     if recipe in ("fp8_w8a8", "forward_weights_rollout"):
         with pytest.raises(CheckpointError):
             run(ckpt, rollout_batch, algo, cfg(True, recompute=True), RECIPES[recipe])
