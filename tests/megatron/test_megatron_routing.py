@@ -11,12 +11,12 @@ import torch
 from test_megatron_cuda import _checkpoint  # noqa: E402  (tests/gpu helpers)
 
 
-def _trainers(ckpt: str, device: str, mode: str):
+def _trainers(ckpt: str, device: str, mode: str, **changes):
     from miles.config.schema import AlgoCfg, AlgoName, PrecisionCfg, TrainerCfg
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.trainer.torch_trainer import TorchTrainer
 
-    cfg = TrainerCfg(lr=1e-4, global_batch_size=8, micro_batch_size=4, pack_sequences=False)
+    cfg = TrainerCfg(**{"lr": 1e-4, "global_batch_size": 8, "micro_batch_size": 4, "pack_sequences": False, **changes})
     algo = AlgoCfg(name=AlgoName.grpo, routing_replay=mode)
     args = (ckpt, algo, cfg, PrecisionCfg(name="fp32"))
     return (MegatronTrainer(*args, device=device, threads=1, reuse_forward_for_old=False),
@@ -71,3 +71,24 @@ def test_r2_replays_the_old_pass(tmp_path, megatron_on_this_device):
     assert m["train/ppo_kl"] == 0.0
     assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
     assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["r3", "r2"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_recompute_replays_in_backward_too(mode, pack, tmp_path, megatron_on_this_device):
+    """trainer.recompute: Megatron's recomputation in backward routes by the replayed experts as the
+    forward did (megatron-core's REPLAY_BACKWARD), so two steps equal the stored-activation steps
+    exactly (without it the recomputed routers chose their own experts: R3's gradient differs, the
+    negative control); the torch trainer, recomputing too, gives the same first step."""
+    ckpt = _checkpoint("qwen3_moe_tiny", tmp_path)
+    batch = _engine_batch(ckpt, scramble=True)
+    stored, _ = _trainers(ckpt, megatron_on_this_device, mode, pack_sequences=pack)
+    recomputing, native = _trainers(ckpt, megatron_on_this_device, mode, pack_sequences=pack, recompute=True)
+    first = recomputing.train_rl(batch)
+    assert first["train/grad_norm"] == pytest.approx(native.train_rl(batch)["train/grad_norm"], rel=1e-4)
+    for m, r in ((stored.train_rl(batch), first), (stored.train_rl(batch), recomputing.train_rl(batch))):
+        assert (m["train/loss"], m["train/grad_norm"]) == (r["train/loss"], r["train/grad_norm"])
+    if mode == "r3":  # negative control: the layers recompute, the routers do not replay there
+        naive, _ = _trainers(ckpt, megatron_on_this_device, mode, pack_sequences=pack, recompute=True)
+        naive.cfg = replace(naive.cfg, recompute=False)
+        assert naive.train_rl(batch)["train/grad_norm"] != first["train/grad_norm"]

@@ -200,7 +200,8 @@ class MegatronTrainer:
             self.lora = self._attach_lora(policy, shapes, seed)
         self.model = self._ddp(policy)
         # Each forward swaps in round trips (INT4 QAT, FP8 w8a16): the recomputation needs them again.
-        self._recompute_notes = RecomputeNotes(policy.decoder.layers) if cfg.recompute and self._qat_rows else None
+        swaps = self.recipe.train_quant != NONE and bool(self._qat_rows)
+        self._recompute_notes = RecomputeNotes(policy.decoder.layers) if cfg.recompute and swaps else None
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         self._teacher_rows: dict[str, torch.Tensor] = {}
         if teacher_dir is not None:  # after the policy's _build: megatron_config stays the policy's
@@ -360,9 +361,10 @@ class MegatronTrainer:
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
-        noting = self._recompute_notes is not None and model is self.model and torch.is_grad_enabled()
+        backward = self.cfg.recompute and model is self.model and torch.is_grad_enabled()  # and a recomputation
+        noting = backward and self._recompute_notes is not None
         try:
-            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record), \
+            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record, backward), \
                     self._recompute_notes.training_forward() if noting else contextlib.nullcontext():
                 hidden, weight = torch.func.functional_call(
                     model, fake_quant, (inputs, positions, mask),
@@ -376,12 +378,14 @@ class MegatronTrainer:
         return mb.scatter(logp), None if entropy is None else mb.scatter(entropy)
 
     @contextlib.contextmanager
-    def _routing(self, model, shape: torch.Size, packed: bool, replay: dict | None, record: dict | None):
+    def _routing(self, model, shape: torch.Size, packed: bool, replay: dict | None, record: dict | None,
+                 recomputed: bool = False):
         """Route `model`'s MoE layers by `replay` and / or write their choices into `record` for one
         forward of input rows `shape` (R, L). Padded, GPTModel's tokens run sequence-major ([L, R]
         flattened), the project's row-major ([R, L]): transposed both ways. Packed (THD), GPTModel's
-        one sequence is the rows flattened row-major: reshaped only. Routers replay forward only (no
-        recomputing backward here)."""
+        one sequence is the rows flattened row-major: reshaped only. `recomputed` (trainer.recompute,
+        a training forward): the routers keep the replayed experts for the recomputation in backward
+        (megatron-core's REPLAY_BACKWARD, consumed there, cleared at the next forward)."""
         if replay is None and record is None:
             yield
             return
@@ -409,8 +413,11 @@ class MegatronTrainer:
                                          else chosen.reshape(length, rows, -1).transpose(0, 1))
         finally:
             for hook in hooks.values():
-                hook.clear_indices()
-                hook.clear_router_replay_action()
+                if recomputed and replay is not None:
+                    hook.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                else:
+                    hook.clear_indices()
+                    hook.clear_router_replay_action()
 
     # ----------------------------------------------------------------------------- optimizer step
     def step(self, items: list[tuple], loss_fn, adapters: set[int] | None = None) -> dict[str, torch.Tensor]:
@@ -433,6 +440,10 @@ class MegatronTrainer:
         self.recipe.release_training_cache()
         if self._recompute_notes is not None:  # every backward has run
             self._recompute_notes.clear()
+        if self.cfg.recompute and self.algo.routing_replay != "none":  # the recomputations' replayed experts
+            for hook in _router_replays(self.model).values():
+                hook.clear_indices()
+                hook.clear_router_replay_action()
         if self.lora is not None and self.lora.num_adapters > 1:
             return {**sums, **self._step_each_adapter(adapters)}
         _, grad_norm, _ = self.optimizer.step()

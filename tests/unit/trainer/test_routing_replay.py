@@ -60,8 +60,10 @@ def rollout(ckpt: str, precision: PrecisionCfg, dtype: DType):
     return _ROLLOUTS[key]
 
 
-def trainer(ckpt: str, mode: str, precision: PrecisionCfg, pack: bool = True, **algo) -> TorchTrainer:
-    cfg = TrainerCfg(global_batch_size=8, micro_batch_size=4, pack_sequences=pack, max_tokens_per_micro_batch=64)
+def trainer(ckpt: str, mode: str, precision: PrecisionCfg, pack: bool = True, recompute: bool = False,
+            **algo) -> TorchTrainer:
+    cfg = TrainerCfg(global_batch_size=8, micro_batch_size=4, pack_sequences=pack, max_tokens_per_micro_batch=64,
+                     recompute=recompute)
     return TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo, routing_replay=mode, **algo), cfg, precision,
                         reuse_forward_for_old=False)
 
@@ -128,6 +130,19 @@ def test_fp8_routing_flips_and_r3_replays_the_engine(checkpoints, name, pack, mo
     assert r3["mismatch/routing_agreement"] == plain["mismatch/routing_agreement"]
     assert r3["mismatch/logprob_abs_diff_no_replay"] == plain["mismatch/logprob_abs_diff"]
     assert r3["train/ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("name, pack", [("qwen3_moe_tiny", True), ("deepseek_v3_tiny", False)])
+def test_r3_under_fp8_with_recompute_is_the_stored_activation_step(checkpoints, name, pack):
+    """trainer.recompute: each layer's recomputation routes by the replayed experts (they travel in the
+    layer's context) on the forward's FP8 weights: the step's metrics and weights are exactly those
+    of the run that stores its activations."""
+    ckpt = checkpoints(name)
+    batch = rollout(ckpt, FP8, DType.bf16)
+    stored, recomputed = trainer(ckpt, "r3", FP8, pack), trainer(ckpt, "r3", FP8, pack, recompute=True)
+    assert stored.train_rl(batch) == recomputed.train_rl(batch)
+    ours, theirs = stored.model.state_dict(), recomputed.model.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_r2_replays_the_old_logprob_pass_routing(checkpoints, monkeypatch):
