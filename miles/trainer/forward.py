@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from miles.algo.losses import entropy_from_logits, token_logprobs
-from miles.models import CausalLM
+from miles.models import CausalLM, invariant
 from miles.models.packed import varlen_layout
 from miles.precision.recipe import NONE, Recipe
 from miles.trainer import held_weights
@@ -90,10 +90,12 @@ class _Recomputed:
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         if not torch.is_grad_enabled():  # nothing to keep for a backward
             return self.forward(x, ctx)
-        # The layer's own forward is this wrapper: only the modules inside it are noted.
+        # The layer's own forward is this wrapper: only the modules inside it are noted. True on-policy's
+        # batch-invariant kernels are a mode of the forward: the recomputation runs under it again.
         state = held_weights.held(m for m in self.layer.modules() if m is not self.layer)
+        invariant_kernels = invariant.active()
 
         def run(x, ctx):
-            with held_weights.holding(state):
+            with held_weights.holding(state), invariant.kernels(invariant_kernels and not invariant.active()):
                 return self.forward(x, ctx)
         return checkpoint(run, x, ctx, use_reentrant=False)

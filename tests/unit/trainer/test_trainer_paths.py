@@ -173,6 +173,16 @@ def test_recompute_gives_the_same_update_under_every_recipe(ckpt, rollout_batch,
     assert any(not torch.equal(naive[1][k][1], stored[1][k][1]) for k in stored[1])
 
 
+@pytest.mark.parametrize("recipe", ["fp32", "int4_qat"])
+def test_recompute_under_true_on_policy(ckpt, rollout_batch, recipe):
+    # The batch-invariant kernels are a mode of the forward; the recomputation in backward runs under
+    # it too (it failed checkpoint's saved-tensor check before).
+    precision = FP32 if recipe == "fp32" else RECIPES[recipe]
+    stored = run(ckpt, rollout_batch, grpo(), cfg(False), precision, true_on_policy=True)
+    assert_same(stored, run(ckpt, rollout_batch, grpo(), cfg(False, recompute=True), precision, true_on_policy=True),
+                exact=True)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_w8a16", "int4_qat"])
 def test_recompute_under_a_recipe_on_moe_experts(moe_ckpt, recipe):
     # The stacked expert tensors are fake-quantized parameters too (not nn.Linear weights).
