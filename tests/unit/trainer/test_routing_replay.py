@@ -132,11 +132,12 @@ def test_fp8_routing_flips_and_r3_replays_the_engine(checkpoints, name, pack, mo
     assert r3["train/ppo_kl"] == 0.0
 
 
-@pytest.mark.parametrize("name, pack", [("qwen3_moe_tiny", True), ("deepseek_v3_tiny", False)])
+@pytest.mark.parametrize("name, pack", [("qwen3_moe_tiny", True), ("deepseek_v3_tiny", False),
+                                       ("deepseek_v3_2_tiny", False)])
 def test_r3_under_fp8_with_recompute_is_the_stored_activation_step(checkpoints, name, pack):
-    """trainer.recompute: each layer's recomputation routes by the replayed experts (they travel in the
-    layer's context) on the forward's FP8 weights: the step's metrics and weights are exactly those
-    of the run that stores its activations."""
+    """trainer.recompute: each layer's recomputation routes by the replayed experts (DSA: and keys; they
+    travel in the layer's context) on the forward's FP8 weights: the step's metrics and weights are
+    exactly those of the run that stores its activations."""
     ckpt = checkpoints(name)
     batch = rollout(ckpt, FP8, DType.bf16)
     stored, recomputed = trainer(ckpt, "r3", FP8, pack), trainer(ckpt, "r3", FP8, pack, recompute=True)
