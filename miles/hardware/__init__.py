@@ -18,7 +18,8 @@ def check_plan(cfg: RunCfg) -> Plan:
     if cfg.dry_run or not plan.fits:
         console.print(plan_table(cfg, plan))
     if not plan.fits:
-        raise PlanRefused("the run does not fit the hardware: " + "; ".join(plan.problems))
+        change = f"; change: {' or '.join(plan.suggestions)}" if plan.suggestions else ""
+        raise PlanRefused("the run does not fit the hardware: " + "; ".join(plan.problems) + change)
     return plan
 
 

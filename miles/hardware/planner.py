@@ -440,6 +440,27 @@ def _colocation_problems(cfg: RunCfg, plan: Plan) -> list[str]:
             f"trainer needs {plan.train_total / GB:,.1f} GB: {plan.capacity / GB:,.1f} GB usable"]
 
 
+def _activation_suggestions(cfg: RunCfg) -> list[str]:
+    """The training state does not fit: recompute (if off), or else the largest micro-batch, halved
+    from the configured one, that fits (with recompute when that helps too)."""
+    t = cfg.trainer
+    recomputed = replace(cfg, trainer=replace(t, recompute=True))
+    if not t.recompute and _plan(recomputed, suggest=False).fits:
+        return ["trainer.recompute=true (each layer's activations recomputed in backward)"]
+    packed = micro_batch_shape(cfg, model_arch(cfg)).how.startswith("packed")
+    key = "max_tokens_per_micro_batch" if packed else "micro_batch_size"
+    size = getattr(t, key) // 2
+    while size >= 1:
+        for base, also in ((cfg, ""), (recomputed, " trainer.recompute=true")):
+            if base is recomputed and t.recompute:
+                continue
+            smaller = replace(base, trainer=replace(base.trainer, **{key: size}))
+            if _plan(smaller, suggest=False).fits:
+                return [f"trainer.{key}={size}{also} (the largest halving of the micro-batch that fits)"]
+        size //= 2
+    return []
+
+
 def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
     """What to change: the smallest engine or node count that fits, or a lighter rollout format."""
     out = []
@@ -465,6 +486,8 @@ def _suggestions(cfg: RunCfg, plan: Plan) -> list[str]:
                 keys = [k for k, on in (("rollout.offload", engine), ("trainer.offload", trainer)) if on]
                 out.append(" ".join(f"{k}=true" for k in keys) + " (the sides take turns on the GPU)")
                 break
+    if any(p.startswith("training state") for p in plan.problems):
+        out += _activation_suggestions(cfg)
     if any(p.startswith(("training state", "host memory", "colocated")) for p in plan.problems):
         if hw.device == "cpu":
             out.append("a *_tiny model config (docs/models.md) or a GPU hardware profile")

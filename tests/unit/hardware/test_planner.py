@@ -2,9 +2,11 @@
 
 import pytest
 
-from miles.validate import validate
+from miles.config.errors import PlanRefused
+from miles.hardware import check_plan
 from miles.hardware.footprint import kv_bytes_per_token, param_groups
 from miles.hardware.planner import TrainLayout, make_plan, model_arch, resolve_offload, rollout_usage, train_usage
+from miles.validate import validate
 
 # qwen3_tiny with a 100-token vocabulary: embed 100 x 128 (tied) = 12,800; per layer q 128x128,
 # k and v 128x64 each, o 128x128, q/k norms 32 each, MLP 3 x 128x384, two layer norms 128 each
@@ -164,3 +166,23 @@ def test_true_on_policy_engine_holds_fp32_weights_and_keys(compose):
     room = normal.capacity - normal.rollout_total  # what the KV cache gets; fp32 keys take twice the bytes
     assert exact.kv_sequences == pytest.approx(normal.kv_sequences / 2 * (normal.capacity - exact.rollout_total)
                                                / room, abs=1)
+
+
+# Qwen3-4B, bf16, 4K-token responses on an 80 GB GPU: the packed micro-batch's activations are what
+# does not fit (the weights, gradients and the offloaded optimizer would).
+LONG_4B = ["model=qwen3_4b", "precision=bf16", "hardware=gpu", "hardware.memory_gb=80", "rollout.max_new_tokens=4096",
+           "ray.enabled=false"]
+
+
+def test_activations_that_do_not_fit_name_recompute_or_a_smaller_micro_batch(compose):
+    plan = make_plan(compose(LONG_4B + ["trainer.max_tokens_per_micro_batch=16384"]))
+    assert not plan.fits and plan.suggestions == [
+        "trainer.recompute=true (each layer's activations recomputed in backward)"]
+    assert make_plan(compose(LONG_4B + ["trainer.max_tokens_per_micro_batch=16384", "trainer.recompute=true"])).fits
+    # Twice the tokens: recompute alone is not enough (72.9 of 72 GB), half the micro-batch with it is.
+    plan = make_plan(compose(LONG_4B + ["trainer.max_tokens_per_micro_batch=32768"]))
+    change = "trainer.max_tokens_per_micro_batch=16384 trainer.recompute=true"
+    assert not plan.fits and plan.suggestions == [f"{change} (the largest halving of the micro-batch that fits)"]
+    assert make_plan(compose(LONG_4B + change.split())).fits
+    with pytest.raises(PlanRefused, match=f"; change: {change}"):  # what the refusal prints names it too
+        check_plan(compose(LONG_4B + ["trainer.max_tokens_per_micro_batch=32768"]))
