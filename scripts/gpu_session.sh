@@ -4,8 +4,8 @@
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
 # does not cost the rest of a call. Parts, most urgent first:
-#   1  the GPU tests of what changed last (fp8's default scheme, w8a16; Megatron: its CPU tier on CUDA
-#      and the contract suite)
+#   1  the GPU tests of what changed last (fp8's default scheme, w8a16; recompute under the recipes;
+#      Megatron: its CPU tier on CUDA and the contract suite)
 #   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
@@ -34,6 +34,7 @@ case $PART in
 1)  # fp8's new default (w8a16) through the real loop, w8a8's expected failure, true on-policy per scheme
     step fp8_schemes 400 python3 -m pytest -q -rf tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_fp8_fused_cuda.py \
         tests/gpu/test_fp8_invariant_cuda.py
+    step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
     step megatron 150 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;
