@@ -34,9 +34,6 @@ def lora_problems(cfg: RunCfg) -> list[str]:
         problems.append(f"trainer.lora.rank={lo.rank}: rollout.weight_sync={r.weight_sync.value} carries the whole "
                         "flat state dict; the adapters travel through rollout.weight_sync=object_store")
     problems += _precision_problems(cfg)
-    if cfg.true_on_policy:
-        problems.append("trainer.lora.rank > 0 with true_on_policy=true: the adapters' matmuls are not yet checked "
-                        "bit for bit between the engine's decode and the trainer: set true_on_policy=false")
     if r.speculative.kind != "none" and r.speculative.train_online:
         problems.append("trainer.lora.rank > 0 with rollout.speculative.train_online=true: the draft's trainer "
                         "updates model weights LoRA keeps frozen: set rollout.speculative.train_online=false")
@@ -85,6 +82,10 @@ def _merge_problems(cfg: RunCfg) -> list[str]:
                         f"base quantized ({cfg.precision.rollout_quant.value}), which cannot hold W + alpha / rank * "
                         "B A exactly (each sync would round the sum to the quantized grid): set "
                         "trainer.lora.merge_in_engine=false (the adapters applied unmerged)")
+    if cfg.true_on_policy:
+        problems.append("trainer.lora.merge_in_engine=true with true_on_policy=true: the engine's W + alpha / rank * "
+                        "B A rounds other sums than the trainer's unmerged adapters (1e-7 apart, not 0): set "
+                        "trainer.lora.merge_in_engine=false")
     return problems
 
 

@@ -213,6 +213,8 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
             usage["weights"] = base + tower.get("weights", 0.0)
             if "reference" in usage:  # the KL reference is held as the policy's base
                 usage["reference"] = usage["weights"]
+        elif cfg.true_on_policy:  # the base kept as the fp32 masters the engine runs (miles/trainer/lora.py)
+            usage["weights"] = (embed + dense + routed) * 4 + tower.get("weights", 0.0)
         if t.backend == TrainerBackend.fsdp:  # each rank a shard of the frozen base (the codes too) and reference;
             for item in ("weights", "reference"):  # the adapters replicated (miles/trainer/fsdp_qlora.py)
                 if item in usage:

@@ -34,15 +34,17 @@ from miles.transport.checksum import checksum, to_dtype
 ADAPTER_DIR = "adapter"  # beside the model in resume checkpoints and the final export
 
 
-def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: int, recipe: Recipe) -> LoRA:
+def attach(model: torch.nn.Module, cfg: LoRACfg, precision: PrecisionCfg, seed: int, recipe: Recipe,
+           masters: bool = False) -> LoRA:
     """Freeze the base and hook the adapters onto it. QLoRA (fp8, int4_qat): the quantized projections
     and stacked MoE experts held in the rollout format, the rest fp32 as the recipe's masters (a fresh adapter then gives the
-    recipe's log-probs exactly); a bf16 recipe: all of it in bf16."""
+    recipe's log-probs exactly); a bf16 recipe: all of it in bf16, unless `masters` (true on-policy: the
+    engine runs the fp32 masters under autocast, so the trainer keeps the frozen base as those masters)."""
     model.requires_grad_(False)
     if qlora.holds_quantized_base(recipe):
         qlora.quantize_frozen_base(model, recipe)
         quantize_frozen_experts(model, recipe)
-    elif precision.train_dtype == DType.bf16:
+    elif precision.train_dtype == DType.bf16 and not masters:
         model.to(torch.bfloat16)
     return LoRA(model, cfg.rank, cfg.alpha, cfg.dropout, cfg.target_modules, dtype=torch.float32, seed=seed,
                 adapters=cfg.adapters)

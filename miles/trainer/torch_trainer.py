@@ -140,7 +140,8 @@ class TorchTrainer:
         if self.model.config.vision is not None and cfg.freeze_vision:  # trainer.freeze_vision: no gradient
             self.model.visual.requires_grad_(False)
         if cfg.lora.rank > 0:  # after the reference copy: the reference is the base model
-            self.lora = lora_side.attach(self.model, cfg.lora, precision, seed, self.recipe)
+            self.lora = lora_side.attach(self.model, cfg.lora, precision, seed, self.recipe,
+                                         masters=self.true_on_policy)
             if self.ref_model is not None:
                 lora_side.hold_reference(self.ref_model, self.recipe)
         if cfg.recompute:

@@ -57,7 +57,8 @@ def test_off_by_default_and_a_lora_run_validates(compose):
     (["trainer.lora.rank=600", "rollout=vllm"], "vLLM serves LoRA ranks up to 512"),
     (["trainer.lora.rank=8", "rollout=vllm", "rollout.num_gpus_per_engine=2"], "rollout.num_gpus_per_engine=1"),
     (["trainer.lora.rank=8", "rollout.weight_sync=shared_memory"], "rollout.weight_sync=object_store"),
-    (["trainer.lora.rank=8", "true_on_policy=true"], "true_on_policy=false"),
+    (["trainer.lora.rank=8", "true_on_policy=true", "trainer.lora.merge_in_engine=true"],
+     "set trainer.lora.merge_in_engine=false"),
     (["trainer.lora.rank=8", "algo=sft"], "algo=sft"),
     # Several adapters (trainer.lora.adapters).
     (["trainer.lora.adapters=[a,b]", "trainer.lora.adapter_key=adapter"], "set trainer.lora.rank > 0"),
