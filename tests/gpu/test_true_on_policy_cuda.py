@@ -48,14 +48,16 @@ def test_triton_matmul_tile_configs_do_not_change_the_bits(dtype):
     assert torch.equal(it.triton_matmul(a[1500:1501], b, torch.float32), full[1500:1501])
 
 
-@pytest.mark.parametrize("model", ["qwen3_tiny", "qwen3_moe_tiny"])
-def test_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model):
+@pytest.mark.parametrize("model, extra", [("qwen3_tiny", []), ("qwen3_moe_tiny", []),
+                                         ("qwen3_tiny", ["trainer.lora.rank=8", "trainer.lr=3e-3"])],
+                         ids=["qwen3_tiny", "qwen3_moe_tiny", "qwen3_tiny-lora"])
+def test_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model, extra):
     pytest.importorskip("hydra")
     from gpu_runs import run_inprocess
 
     monkeypatch.chdir(tmp_path)
     metrics = run_inprocess(compose, tmp_path, [
-        f"model={model}", "hardware=gpu", "precision=bf16", "true_on_policy=true", f"steps={STEPS}",
+        f"model={model}", "hardware=gpu", "precision=bf16", "true_on_policy=true", f"steps={STEPS}", *extra,
         "warm_start.enabled=false", f"eval.interval={STEPS}", "task.eval_size=16", "rollout.batch_size=8",
         "trainer.global_batch_size=64", "trainer.micro_batch_size=32", "algo.entropy_coef=0.01"])
     diffs = [metrics[s]["mismatch/logprob_abs_diff"] for s in range(1, STEPS + 1)]
