@@ -181,3 +181,16 @@ def test_kl_reference_held_quantized_on_two_ranks(ckpt, batch, local_ray):
     assert n_steps[1]["train/kl_ref"] > 0  # the adapters moved the policy off the reference
     assert abs(g_steps[1]["train/kl_ref"] - n_steps[1]["train/kl_ref"]) <= 1e-5 * n_steps[1]["train/kl_ref"]
     assert_same_step(g_steps[1], n_steps[1], g_weights, one.get_weights()[0])
+
+
+def test_recomputing_ranks_train_the_adapters_of_one_process(ckpt, batch, local_ray):
+    """trainer.recompute=true on the ranks (now open to the quantizing recipes): each layer's
+    recomputation runs over the gathered codes its forward multiplied; the step is the 1-process
+    trainer's (which stores its activations)."""
+    precision = fp32_compute("fp8")
+    _, n_metrics, n_weights, g_metrics, _, g_weights = one_step_both_ways(ckpt, replace(CFG, recompute=True),
+                                                                        precision, batch)
+    one = TorchTrainer(ckpt, ALGO, CFG, precision, threads=1)
+    stored = one.train_rl(batch)
+    assert_same_step(g_metrics, stored, g_weights, one.get_weights()[0])
+    assert_same_step(n_metrics, stored, n_weights, one.get_weights()[0])
