@@ -56,7 +56,10 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
          f"what the checked sync predicts; {family(cfg)}'s is not): set rollout=native"),
         (r.slot_decode is True, "rollout.slot_decode=true: a VLM decodes on the padded path; set rollout.slot_decode=null"),
         (r.speculative.kind != "none", "rollout.speculative.kind must be none (no draft with images yet)"),
-        (cfg.true_on_policy, "true_on_policy=true is not wired for the vision tower yet: set false"),
+        # True on-policy is exact on the CPU (tests/integration/test_vlm_runs.py); a GPU decodes VLMs on the
+        # padded path, not the slot layout its batch-invariant kernels need (miles/config/rules.py).
+        (cfg.true_on_policy and cfg.hardware.device != "cpu",
+         "true_on_policy=true on a GPU needs the slot decode, and VLMs decode padded: run it with hardware=cpu"),
         (cfg.trainer.backend != "torch", f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
         (bool(t.tools), "task.tools (multi-turn) does not carry images yet: set task.tools=[]"),
         (a.advantage == "gae", "algo.advantage=gae: the critic does not take images yet; use e.g. algo=grpo"),
