@@ -66,6 +66,8 @@ class TorchCritic:
         self.num_steps_per_rollout = num_steps_per_rollout
         self.device = torch.device(device)
         self.model = ValueModel(from_pretrained(checkpoint_dir, dtype=torch.float32)).to(self.device).train()
+        if self.model.body.config.vision is not None and trainer.freeze_vision:  # as the policy's tower
+            self.model.body.visual.requires_grad_(False)
         if trainer.recompute:
             enable_recompute(self.model.body)
         self.optimizer = torch.optim.AdamW(
@@ -78,9 +80,10 @@ class TorchCritic:
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """Values [n, T-1] aligned with the trainer's log-probs: position t is the state after
-        tokens[: t + 1], in which tokens[t + 1] is chosen (0 off the loss positions)."""
+        tokens[: t + 1], in which tokens[t + 1] is chosen (0 off the loss positions). A
+        vision-language model's forward takes the micro-batch's images."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision.train_dtype == DType.bf16):
-            return mb.scatter(gather_outputs(self.model, mb))
+            return mb.scatter(gather_outputs(self.model, mb, **mb.vision_inputs()))
 
     def _plan(self, batch: TrainBatch) -> list[MicroBatch]:
         dtype = torch.bfloat16 if self.precision.train_dtype == DType.bf16 else torch.float32

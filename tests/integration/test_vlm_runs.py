@@ -7,6 +7,7 @@
 - video records (frame directories) through the same run;
 - image prompt files (task.kind=images): a missing image exits 2 naming the file and the line;
 - true on-policy with images: exactly 0.0 mismatch (the vision tower under the invariant kernels too);
+- PPO with images: the critic's value model takes them too and trains;
 - combinations not wired for images exit 2 naming the key;
 - the preset learns (learning tier): held-out accuracy at the last step +0.15 over the warm start's (the
   step-0 eval, so the gain is RL's), within 15 minutes including the warm start.
@@ -118,6 +119,19 @@ def test_true_on_policy_with_images_is_exact(tmp_path, model, precision):
     metrics = journal_metrics(run_dir)
     assert [metrics[s]["mismatch/logprob_abs_diff"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
     assert all(metrics[s]["train/grad_norm"] > 0 for s in (1, 2))
+
+
+def test_ppo_with_images_fits_the_critic(tmp_path):
+    """algo=ppo (GAE) through launch.py: the critic's value model forwards the images too
+    (tests/unit/rollout/test_vlm_rollout.py checks that its values depend on them): it gets a gradient
+    at every step, and the values GAE uses move off the zero-initialised head's after the first fit."""
+    proc = run_launch([*TINY, "ray.enabled=false", "algo=ppo", "steps=3", "eval.interval=100"], cwd=tmp_path,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    assert all(metrics[s]["critic/grad_norm"] > 0 for s in (1, 2, 3))
+    assert metrics[1]["critic/value_mean"] == 0.0 and metrics[2]["critic/value_mean"] != 0.0
 
 
 @pytest.mark.no_ray

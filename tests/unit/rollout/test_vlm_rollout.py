@@ -141,3 +141,30 @@ def test_an_engine_fleet_sends_each_prompt_its_images(checkpoint):
                           torch.tensor([lp for s in want for lp in s.rollout_logprobs]), atol=1e-5)
     swapped = fleet.generate(texts, labels, n=2, prompt_ids=ids, seeds=seeds, images=images[::-1])
     assert [s.rollout_logprobs for s in swapped] != [s.rollout_logprobs for s in got]  # the images matter
+
+
+def test_critic_values_see_each_samples_images(checkpoint):
+    """PPO's critic on a VLM (algo.advantage=gae): its value model forwards each sample with the
+    sample's images, so padded and packed micro-batches give the same values, and moving the images
+    to other samples moves them. Its vision tower follows trainer.freeze_vision, as the policy's."""
+    from miles.config.schema import CriticCfg
+    from miles.trainer.critic import TorchCritic
+
+    directory, examples = checkpoint
+    engine, samples = _rollout(directory, examples[:3], n=2)
+    batch = build_train_batch(samples, torch.zeros(len(samples)), engine.pad_id)
+
+    def values(trainer_cfg, batch):
+        critic = TorchCritic(str(directory), CriticCfg(), trainer_cfg, FP32)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(critic.model.value_head.weight, std=0.1)  # values that depend on the hidden states
+        return critic.values(batch), critic
+
+    padded, critic = values(TrainerCfg(pack_sequences=False, micro_batch_size=len(samples)), batch)
+    packed, _ = values(TrainerCfg(share_prompts=False, max_tokens_per_micro_batch=256), batch)
+    assert torch.allclose(padded, packed, atol=1e-5, rtol=0)
+    assert not any(p.requires_grad for p in critic.model.body.visual.parameters())  # trainer.freeze_vision
+    swapped = replace(batch, images=batch.images[2:] + batch.images[:2])  # each prompt's images to another prompt
+    moved, _ = values(TrainerCfg(pack_sequences=False, micro_batch_size=len(samples)), swapped)
+    assert float((moved - padded).abs().max()) > 1e-4
+
