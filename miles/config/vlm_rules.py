@@ -62,7 +62,6 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
          "true_on_policy=true on a GPU needs the slot decode, and VLMs decode padded: run it with hardware=cpu"),
         (cfg.trainer.backend != "torch", f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
         (bool(t.tools), "task.tools (multi-turn) does not carry images yet: set task.tools=[]"),
-        (a.opd_kl_coef > 0, "on-policy distillation with images is not wired yet: set algo.opd_kl_coef=0"),
         (cfg.debug.save_rollouts is not None or cfg.debug.load_rollouts is not None,
          "debug.save_rollouts / load_rollouts do not store images yet: set them to null"),
     ]

@@ -157,8 +157,9 @@ def teacher_checkpoint(cfg: RunCfg, student_dir: Path, log=print) -> Path | None
     on the built-in task the warm-start SFT recipe trained further, until it solves
     TEACHER_TARGET_ACCURACY of the training problems (at most TEACHER_STEPS steps); built once and
     cached like the warm start, so the student (the warm start) learns from a better policy.
-    Raises ConfigError if its vocabulary differs from the student's: OPD compares the two models'
-    log-probs of the same token ids."""
+    Raises ConfigError if its vocabulary differs from the student's (OPD compares the two models'
+    log-probs of the same token ids), or, for a vision-language student, if the teacher has no vision
+    tower or processes images otherwise (its forward reads the student's pixel values)."""
     from tokenizers import Tokenizer
 
     from miles.config.errors import ConfigError
@@ -174,7 +175,22 @@ def teacher_checkpoint(cfg: RunCfg, student_dir: Path, log=print) -> Path | None
     if vocab[0] != vocab[1]:
         raise ConfigError([f"algo.teacher_checkpoint={teacher} has another vocabulary than the student "
                            f"({student_dir}); the teacher must share the student's tokenizer"])
+    if _vision_config(student_dir) is not None:
+        if _vision_config(teacher) is None:
+            raise ConfigError([f"algo.teacher_checkpoint={teacher} has no vision tower, and the student ({student_dir}) "
+                               "is a vision-language model whose prompts hold images: the teacher must be one too"])
+        processors = [(d / "preprocessor_config.json").read_text() if (d / "preprocessor_config.json").exists()
+                      else None for d in (teacher, student_dir)]
+        if json.loads(processors[0] or "null") != json.loads(processors[1] or "null"):
+            raise ConfigError([f"algo.teacher_checkpoint={teacher} processes images otherwise than the student "
+                               f"({student_dir}: preprocessor_config.json differs); the teacher reads the student's "
+                               "pixel values"])
     return teacher
+
+
+def _vision_config(directory: Path) -> dict | None:
+    """The checkpoint's vision_config (config.json), None for a text model."""
+    return json.loads((Path(directory) / "config.json").read_text()).get("vision_config")
 
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"

@@ -7,7 +7,8 @@
 - video records (frame directories) through the same run;
 - image prompt files (task.kind=images): a missing image exits 2 naming the file and the line;
 - true on-policy with images: exactly 0.0 mismatch (the vision tower under the invariant kernels too);
-- PPO with images: the critic's value model takes them too and trains;
+- PPO with images: the critic's value model takes them too and trains; distillation from a VLM
+  teacher: the teacher reads the images too;
 - combinations not wired for images exit 2 naming the key;
 - the preset learns (learning tier): held-out accuracy at the last step +0.15 over the warm start's (the
   step-0 eval, so the gain is RL's), within 15 minutes including the warm start.
@@ -15,6 +16,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +134,29 @@ def test_ppo_with_images_fits_the_critic(tmp_path):
     metrics = journal_metrics(run_dir)
     assert all(metrics[s]["critic/grad_norm"] > 0 for s in (1, 2, 3))
     assert metrics[1]["critic/value_mean"] == 0.0 and metrics[2]["critic/value_mean"] != 0.0
+
+
+def test_distillation_from_a_vision_language_teacher_reads_the_images(tmp_path):
+    """algo=opd with a VLM teacher: the teacher's forward takes each sample's images as the student's
+    does, so a teacher with the student's own weights gives a reverse KL of exactly 0.0 (a forward
+    without the images would not)."""
+    from omegaconf import OmegaConf
+
+    from miles.config.schema import ModelCfg
+    from miles.data import shape_count
+    from miles.orchestrate.checkpoints import random_checkpoint
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / "qwen2_5_vl_tiny.yaml"
+    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(conf)))
+    examples = shape_count.examples(0, "train", 64) + shape_count.examples(0, "eval", 8, train_size=64)
+    alphabet = "".join(sorted({c for e in examples for c in e.prompt + e.label}))
+    ckpt = random_checkpoint(model, alphabet, 0, tmp_path / "ckpt", chat=True)
+    proc = run_launch([*TINY, "ray.enabled=false", "algo=opd", f"algo.teacher_checkpoint={ckpt}",
+                       f"model.hf_checkpoint={ckpt}", "eval.interval=100"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    metrics = journal_metrics(run_dir)
+    assert [metrics[s]["train/reverse_kl"] for s in (1, 2)] == [0.0, 0.0]
 
 
 @pytest.mark.no_ray
