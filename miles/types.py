@@ -217,17 +217,18 @@ def keys_replay(keys: torch.Tensor, layers: list[int]) -> dict:
     return {("keys", layer): keys[..., j, :] for j, layer in enumerate(layers)}
 
 
-def routing_to_json(routing: torch.Tensor | None) -> dict | None:
-    """Routed experts in a JSON-able form (debug.save_rollouts): dtype, shape, base64 bytes."""
-    if routing is None:
+def tensor_to_json(tensor: torch.Tensor | None) -> dict | None:
+    """A tensor (routed experts, selected keys, a prompt's images) in a JSON-able form
+    (debug.save_rollouts): dtype, shape, base64 bytes."""
+    if tensor is None:
         return None
-    raw = routing.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return {"dtype": str(routing.dtype).removeprefix("torch."), "shape": list(routing.shape),
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
             "data": base64.b64encode(raw).decode("ascii")}
 
 
-def routing_from_json(data: dict | None) -> torch.Tensor | None:
-    """Inverse of `routing_to_json`."""
+def tensor_from_json(data: dict | None) -> torch.Tensor | None:
+    """Inverse of `tensor_to_json`."""
     if data is None:
         return None
     raw = bytearray(base64.b64decode(data["data"]))

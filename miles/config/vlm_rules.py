@@ -62,8 +62,6 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
          "true_on_policy=true on a GPU needs the slot decode, and VLMs decode padded: run it with hardware=cpu"),
         (cfg.trainer.backend != "torch", f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
         (bool(t.tools), "task.tools (multi-turn) does not carry images yet: set task.tools=[]"),
-        (cfg.debug.save_rollouts is not None or cfg.debug.load_rollouts is not None,
-         "debug.save_rollouts / load_rollouts do not store images yet: set them to null"),
     ]
     # rollout=vllm's own limits with images are its rules' (miles/rollout/vllm_rules.py, run by miles/validate.py).
     return problems + [f"{cfg.model.name} is a vision-language model: {message}" for bad, message in refused if bad]

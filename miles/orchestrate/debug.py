@@ -6,7 +6,8 @@
     python launch.py debug.compare_weights_tensorwise=true                            # name tensors a sync got wrong
 
 A saved rollout batch is one JSON file per step, `step_000001.json`: the scored samples exactly as
-the trainer received them (token ids, engine log-probs, rewards, groups) and the rollout metrics.
+the trainer received them (token ids, engine log-probs, rewards, groups; a vision-language prompt's
+images once per group) and the rollout metrics.
 `rollouts.json` beside them records the config they came from; replay refuses another model, task
 or batch shape. Replaying the batches of a run reproduces its training bit for bit.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -24,14 +25,17 @@ import torch
 from miles.config.debug_rules import META, replay_config, step_file
 from miles.config.schema import RunCfg
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError
-from miles.types import FinishReason, Sample, routing_from_json, routing_to_json
+from miles.types import FinishReason, Sample, tensor_from_json, tensor_to_json
 
 
 def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, float]) -> None:
-    data = {"step": step, "metrics": metrics,
-            "samples": [{**asdict(s), "finish_reason": s.finish_reason.value,
-                         "routed_experts": routing_to_json(s.routed_experts),
-                         "selected_keys": routing_to_json(s.selected_keys)} for s in samples]}
+    # A prompt's images once, under its group: its n samples share them (as the engine hands them out).
+    images = {str(s.group): {k: tensor_to_json(v) if isinstance(v, torch.Tensor) else v for k, v in s.images.items()}
+              for s in samples if s.images is not None}
+    data = {"step": step, "metrics": metrics, "images": images,
+            "samples": [{**asdict(replace(s, images=None)), "finish_reason": s.finish_reason.value,
+                         "routed_experts": tensor_to_json(s.routed_experts),
+                         "selected_keys": tensor_to_json(s.selected_keys)} for s in samples]}
     tmp = step_file(root, step).with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, step_file(root, step))  # a replay never reads a half-written batch
@@ -39,9 +43,12 @@ def save_batch(root: Path, step: int, samples: list[Sample], metrics: dict[str, 
 
 def load_batch(root: Path, step: int) -> tuple[list[Sample], dict[str, float]]:
     data = json.loads(step_file(root, step).read_text())
+    images = {group: {k: tensor_from_json(v) if isinstance(v, dict) and "data" in v else v for k, v in saved.items()}
+              for group, saved in data.get("images", {}).items()}
     samples = [Sample(**{**s, "finish_reason": FinishReason(s["finish_reason"]),
-                         "routed_experts": routing_from_json(s.get("routed_experts")),
-                         "selected_keys": routing_from_json(s.get("selected_keys"))}) for s in data["samples"]]
+                         "routed_experts": tensor_from_json(s.get("routed_experts")),
+                         "selected_keys": tensor_from_json(s.get("selected_keys")),
+                         "images": images.get(str(s["group"]))}) for s in data["samples"]]
     return samples, data["metrics"]
 
 

@@ -50,6 +50,23 @@ def test_replayed_rollouts_reproduce_training(tmp_path, monkeypatch, compose):
     assert "eval/arithmetic/accuracy" in journal_metrics(tmp_path / "replayed")[2]
 
 
+def test_replayed_rollouts_with_images_reproduce_training(tmp_path, monkeypatch, compose):
+    """A vision-language run's saved batches hold each prompt's images (once per group); training on
+    them alone gives the recorded run's metrics and weights bit for bit."""
+    monkeypatch.chdir(tmp_path)
+    rollouts = tmp_path / "rollouts"
+    vlm = ["+experiment=shape_count_vlm", "steps=2", "warm_start.enabled=false", "eval.interval=100",
+           "task.eval_size=8", "task.train_size=64", "rollout.batch_size=2", "rollout.n_samples_per_prompt=4",
+           "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "ray.enabled=false", "tracking.log_samples=0"]
+    run_inprocess(compose, [*vlm, f"debug.save_rollouts={rollouts}"], tmp_path / "recorded")
+    batch = json.loads((rollouts / "step_000001.json").read_text())
+    assert sorted(batch["images"]) == ["0", "1"] and all(s["images"] is None for s in batch["samples"])
+    run_inprocess(compose, [*vlm, "debug.train_only=true", f"debug.load_rollouts={rollouts}"], tmp_path / "train_only")
+    assert train_metrics(tmp_path / "recorded") == train_metrics(tmp_path / "train_only")
+    assert file_digest(tmp_path / "recorded/checkpoint/model.safetensors") == \
+        file_digest(tmp_path / "train_only/checkpoint/model.safetensors")
+
+
 def test_debug_mode_mistakes_are_config_errors(tmp_path, compose):
     assert "debug.train_only needs debug.load_rollouts" in "\n".join(validate(compose(["debug.train_only=true"])))
     assert "exclude each other" in "\n".join(validate(compose(["debug.train_only=true", "debug.rollout_only=true"])))

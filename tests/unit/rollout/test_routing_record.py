@@ -13,7 +13,7 @@ from miles.config.schema import ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.rollout.native import NativeEngine
-from miles.types import (build_train_batch, index_layers, moe_layers, routing_from_json, routing_to_json, stack_keys,
+from miles.types import (build_train_batch, index_layers, moe_layers, tensor_from_json, tensor_to_json, stack_keys,
                          stack_routing)
 
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model"
@@ -105,7 +105,7 @@ def test_samples_carry_routing_through_pickle_json_and_the_train_batch(checkpoin
     samples = engine.generate(PROMPTS, ["?"] * 4, n=2)
     for s in samples:
         assert torch.equal(pickle.loads(pickle.dumps(s)).routed_experts, s.routed_experts)  # Ray pickles Samples
-        assert torch.equal(routing_from_json(routing_to_json(s.routed_experts)), s.routed_experts)
+        assert torch.equal(tensor_from_json(tensor_to_json(s.routed_experts)), s.routed_experts)
     batch = build_train_batch(samples, torch.zeros(len(samples)), engine.pad_id)
     assert batch.routed_experts.shape == (*batch.tokens.shape, 2, 1)  # llama4_tiny: 2 MoE layers, top-1
     for i, s in enumerate(samples):
@@ -132,7 +132,7 @@ def test_dsa_engines_record_the_keys_a_full_forward_selects(checkpoints, name):
         engine.model(ids, routing_record=record)
         assert torch.equal(keys, stack_keys(record, layers, torch.int16)[0])
         assert torch.equal(pickle.loads(pickle.dumps(s)).selected_keys, keys)
-        assert torch.equal(routing_from_json(routing_to_json(keys)), keys)
+        assert torch.equal(tensor_from_json(tensor_to_json(keys)), keys)
     assert any((s.selected_keys[-1] >= 0).all() for s in samples)  # past index_topk keys: every slot used
     batch = build_train_batch(samples, torch.zeros(len(samples)), engine.pad_id)
     assert batch.selected_keys.shape == (*batch.tokens.shape, len(layers), topk)
