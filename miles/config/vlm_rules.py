@@ -60,7 +60,7 @@ def vlm_problems(cfg: RunCfg) -> list[str]:
         # padded path, not the slot layout its batch-invariant kernels need (miles/config/rules.py).
         (cfg.true_on_policy and cfg.hardware.device != "cpu",
          "true_on_policy=true on a GPU needs the slot decode, and VLMs decode padded: run it with hardware=cpu"),
-        (cfg.trainer.backend != "torch", f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
+        (cfg.trainer.backend not in ("torch", "fsdp"), f"trainer={cfg.trainer.backend.value} does not take images yet: set trainer=torch"),
         (bool(t.tools), "task.tools (multi-turn) does not carry images yet: set task.tools=[]"),
     ]
     # rollout=vllm's own limits with images are its rules' (miles/rollout/vllm_rules.py, run by miles/validate.py).

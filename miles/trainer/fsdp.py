@@ -57,6 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from miles.config.schema import DType
 from miles.models import CausalLM, save_pretrained
+from miles.models.hf_io import model_class
 from miles.precision.recipe import NONE
 from miles.trainer import fsdp_qlora
 from miles.trainer import offload as off
@@ -196,7 +197,7 @@ class FSDPSharding:
         state = self.policy_state(model)
         if self.writes:
             with torch.device("meta"):  # the structure only; the gathered tensors become its weights
-                whole = CausalLM(model.config)
+                whole = model_class(model.config)(model.config)  # VisionLM for a vision-language model
             whole.load_state_dict(state, assign=True)
             save_pretrained(whole, path)
 

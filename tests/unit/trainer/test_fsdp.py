@@ -194,3 +194,45 @@ def test_a_rank_that_cannot_start_fails_the_group_and_frees_its_cpus(ckpt, local
     while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == cpus
+
+
+def test_two_ranks_train_a_vision_language_model_as_one_process(tmp_path, local_ray):
+    """A tiny Qwen2.5-VL (tower trained too, trainer.freeze_vision=false) on engine samples with
+    images: each rank's micro-batches carry their samples' images, and 2 ranks' SGD steps are the
+    1-process trainer's; the gathered policy saves as a vision-language checkpoint."""
+    from miles.data import shape_count
+    from miles.data.prompt_format import PromptFormat
+    from miles.data.tokenizer import TokenizerInfo
+    from miles.data.vision_inputs import VisionInputs
+
+    model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg),
+                                                OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml")))
+    examples = shape_count.examples(0, "train", 4)
+    alphabet = "".join(sorted({c for e in examples for c in e.prompt + e.label}))
+    ckpt = str(random_checkpoint(model, alphabet, 0, tmp_path / "vlm", chat=True))
+    tok = TokenizerInfo.load(ckpt)
+    fmt = PromptFormat(tok, apply_chat_template=False, vision=VisionInputs.load(ckpt, tok))
+    encoded = [fmt.encode(e) for e in examples]
+    engine = NativeEngine(ckpt, RolloutCfg(max_new_tokens=6), seed=0)
+    samples = engine.generate([fmt(e) for e in examples], [e.label for e in examples], n=2,
+                              prompt_ids=[ids for ids, _ in encoded], images=[images for _, images in encoded])
+    for s in samples:
+        s.images = encoded[s.group][1]
+    vlm_batch = build_train_batch(samples, torch.linspace(-1, 1, len(samples)), engine.pad_id)
+    cfg = replace(CFG, freeze_vision=False)
+    algo = AlgoCfg(name=AlgoName.grpo)
+    group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
+    try:
+        g_metrics = [group.call("train_rl", vlm_batch) for _ in range(2)]
+        g_weights, _ = group.call("get_weights")
+        group.call("save", str(tmp_path / "saved"))
+    finally:
+        group.shutdown()
+    native = TorchTrainer(ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
+    n_metrics = [native.train_rl(vlm_batch) for _ in range(2)]
+    assert_same_metrics(g_metrics, n_metrics, 1e-6)
+    n_weights, _ = native.get_weights()
+    assert any(k.startswith("visual.") for k in n_weights) and max_diff(g_weights, n_weights) <= 1e-6
+    assert float((n_weights["visual.patch_embed.proj.weight"] - from_pretrained(ckpt).state_dict()[
+        "visual.patch_embed.proj.weight"]).abs().max()) > 0  # the tower trained
+    assert type(from_pretrained(str(tmp_path / "saved"))).__name__ == "VisionLM"
