@@ -69,7 +69,7 @@ def trainer(ckpt, precision, lora=LORA8, optimizer="adamw", recompute=False, **a
                         precision, optimizer=optimizer)
 
 
-def dense_base_attach(model, cfg, precision, seed, recipe):
+def dense_base_attach(model, cfg, precision, seed, recipe, masters=False):
     """The reference: LoRA over the recipe's fp32 masters, frozen, quantized by Recipe.forward in
     every forward (fp8_train_linear / fake_quant_int4), the recipe's dense training path."""
     model.requires_grad_(False)
