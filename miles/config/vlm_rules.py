@@ -37,7 +37,7 @@ def family(cfg: RunCfg) -> str:
 
 
 def vlm_problems(cfg: RunCfg) -> list[str]:
-    t, r, a = cfg.task, cfg.rollout, cfg.algo
+    t, r = cfg.task, cfg.rollout
     vlm = is_vlm(cfg)
     problems = []
     if t.kind in IMAGE_TASKS and not vlm:
