@@ -451,11 +451,10 @@ def _activation_suggestions(cfg: RunCfg) -> list[str]:
         return ["trainer.recompute=true (each layer's activations recomputed in backward)"]
     packed = micro_batch_shape(cfg, model_arch(cfg)).how.startswith("packed")
     key = "max_tokens_per_micro_batch" if packed else "micro_batch_size"
+    bases = [(cfg, "")] if t.recompute else [(cfg, ""), (recomputed, " trainer.recompute=true")]
     size = getattr(t, key) // 2
     while size >= 1:
-        for base, also in ((cfg, ""), (recomputed, " trainer.recompute=true")):
-            if base is recomputed and t.recompute:
-                continue
+        for base, also in bases:
             smaller = replace(base, trainer=replace(base.trainer, **{key: size}))
             if _plan(smaller, suggest=False).fits:
                 return [f"trainer.{key}={size}{also} (the largest halving of the micro-batch that fits)"]

@@ -361,10 +361,11 @@ class MegatronTrainer:
         dsa = self._dsa.get(id(model))
         if dsa is not None:  # DSA's ("keys", layer) entries, in mb's row layout as the core attention reads them;
             dsa.replay, dsa.record = replay, record  # replay stays for a recomputing backward of this micro-batch
-        backward = self.cfg.recompute and model is self.model and torch.is_grad_enabled()  # and a recomputation
-        noting = backward and self._recompute_notes is not None
+        # A training forward under trainer.recompute: its layers run again in backward.
+        recomputed = self.cfg.recompute and model is self.model and torch.is_grad_enabled()
+        noting = recomputed and self._recompute_notes is not None
         try:
-            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record, backward), \
+            with self._routing(model, mb.input_ids.shape, packed is not None, replay, record, recomputed), \
                     self._recompute_notes.training_forward() if noting else contextlib.nullcontext():
                 hidden, weight = torch.func.functional_call(
                     model, fake_quant, (inputs, positions, mask),
