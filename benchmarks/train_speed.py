@@ -22,6 +22,11 @@ Configurations (rows of the table; `--configs`, `--compare` = packed,padded):
   megatron        trainer=megatron (CUDA, megatron-core installed): the policy a Megatron-core
                   GPTModel in bf16 with Megatron's distributed optimizer, padded micro-batches as
                   padded-chunked (miles/trainer/megatron)
+`--profile` (CUDA): one more call of each configuration under torch.profiler, kernel time by category
+(GEMMs, attention, compiled Triton kernels, eager elementwise work, the optimizer, copies), the
+GPU's busy share and the host ops with the most self time (benchmarks/gpu_profile.py).
+`--eager-ops` keeps the decoder's RMSNorm / RoPE / SwiGLU eager; by default the trainer on CUDA runs
+them compiled (miles/models/fused.py), as it does in a launch.
 Both take the old log-probs from the training forward (GRPO, ppo_clip, token mean, one optimizer
 step per call); `--separate-old` adds the no-grad old-log-prob forward to both. The pre-issue-9
 trainer also synced to the host after every micro-batch and used the unfused AdamW; that is not
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -63,6 +69,19 @@ from miles.types import TrainBatch
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"packed": (True, 4096), "padded": (False, 0), "padded-chunked": (False, 4096),  # pack, chunk tokens
            "megatron": (False, 4096)}
+
+
+# Training kernels by name, first match wins (--profile).
+PROFILE_CATEGORIES = [
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
+    ("GEMM (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+    ("compiled (Triton)", re.compile(r"^triton_")),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copy / fill / cast", re.compile(r"memcpy|memset|copy|fill|cast", re.I)),
+    ("reduction", re.compile(r"reduce|norm|softmax|logsumexp", re.I)),
+    ("elementwise (eager)", re.compile(r"elementwise|vectorized", re.I)),
+    ("other", re.compile(r".")),
+]
 
 
 @dataclass
@@ -159,6 +178,11 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
             times.append(time.perf_counter() - start)
         first = first or metrics  # every configuration's first step starts from the same weights
     seconds = statistics.median(times)
+    if args.profile:
+        from gpu_profile import profile_call, report
+
+        events, wall, host = profile_call(lambda: trainer.train_rl(batch), top=12)
+        report(f"{case.name}, {config}", events, wall, 1, 12, host, PROFILE_CATEGORIES)
     tokens, flops = batch_flops(ckpt, batch)
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del trainer
@@ -201,6 +225,8 @@ def main() -> None:
                    help="torch CPU threads (1: on a shared machine, OpenMP threads waiting for a descheduled "
                         "peer can stall a step for seconds)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the MFU denominator (H100/H200 dense bf16)")
+    p.add_argument("--profile", action="store_true", help="CUDA: profile one more call of each configuration")
+    p.add_argument("--eager-ops", action="store_true", help="CUDA: RMSNorm / RoPE / SwiGLU eager, not compiled")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
@@ -211,6 +237,12 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
+    if args.profile and device.type != "cuda":
+        raise SystemExit("error: --profile reads CUDA kernel times: add --device cuda")
+    if args.eager_ops:  # the trainer enables the compiled ops on CUDA; keep them eager instead
+        from miles.models import fused
+
+        fused.enable = lambda: None
 
     configs = (args.configs or ("packed,padded" if args.compare else "packed")).split(",")
     if unknown := set(configs) - set(CONFIGS):

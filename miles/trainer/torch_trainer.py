@@ -23,7 +23,9 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
 - True on-policy (`true_on_policy`): the policy's forwards run batch-invariant kernels
   (miles/models/invariant.py) on padded rows, what the engine computes in its decode.
 - bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
-  the device until the end of the call, so no host sync per micro-batch.
+  the device until the end of the call, so no host sync per micro-batch. On CUDA the decoder's
+  RMSNorm / RoPE / SwiGLU run compiled (miles/models/fused.py), as the engine's do: the same function
+  on both sides whether or not an engine shares the process.
 - Vision-language models: micro-batches carry each sample's images and mRoPE positions
   (miles/trainer/packing.py); `trainer.freeze_vision` keeps the vision tower out of the optimizer.
 - Colocation (`rollout.colocate`): `offload(tags)` parks the parameters (policy, reference, teacher)
@@ -53,7 +55,7 @@ from dataclasses import replace
 import torch
 
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
-from miles.models import CausalLM, from_pretrained, invariant, save_pretrained
+from miles.models import CausalLM, from_pretrained, fused, invariant, save_pretrained
 from miles.transport.checksum import TORCH_DTYPES, checksum, to_dtype
 from miles.precision.recipe import Recipe
 from miles.trainer import lora as lora_side
@@ -115,6 +117,8 @@ class TorchTrainer:
         self.true_on_policy = true_on_policy
         self.max_response_len = max_response_len  # the generation budget: loss_agg=constant divides by it
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            fused.enable()
         self.logits_chunk_tokens, self.reuse_forward_for_old = logits_chunk_tokens, reuse_forward_for_old
         # Log-probs are those of the sampling distribution, softmax(logits / T), as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0

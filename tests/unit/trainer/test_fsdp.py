@@ -196,10 +196,9 @@ def test_a_rank_that_cannot_start_fails_the_group_and_frees_its_cpus(ckpt, local
     assert ray.available_resources().get("CPU", 0) == cpus
 
 
-def test_two_ranks_train_a_vision_language_model_as_one_process(tmp_path, local_ray):
-    """A tiny Qwen2.5-VL (tower trained too, trainer.freeze_vision=false) on engine samples with
-    images: each rank's micro-batches carry their samples' images, and 2 ranks' SGD steps are the
-    1-process trainer's; the gathered policy saves as a vision-language checkpoint."""
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(checkpoint, batch): a tiny Qwen2.5-VL and engine samples of shape_count prompts with their images."""
     from miles.data import shape_count
     from miles.data.prompt_format import PromptFormat
     from miles.data.tokenizer import TokenizerInfo
@@ -209,7 +208,7 @@ def test_two_ranks_train_a_vision_language_model_as_one_process(tmp_path, local_
                                                 OmegaConf.load(CONF / "model" / "qwen2_5_vl_tiny.yaml")))
     examples = shape_count.examples(0, "train", 4)
     alphabet = "".join(sorted({c for e in examples for c in e.prompt + e.label}))
-    ckpt = str(random_checkpoint(model, alphabet, 0, tmp_path / "vlm", chat=True))
+    ckpt = str(random_checkpoint(model, alphabet, 0, tmp_path_factory.mktemp("vlm"), chat=True))
     tok = TokenizerInfo.load(ckpt)
     fmt = PromptFormat(tok, apply_chat_template=False, vision=VisionInputs.load(ckpt, tok))
     encoded = [fmt.encode(e) for e in examples]
@@ -218,7 +217,14 @@ def test_two_ranks_train_a_vision_language_model_as_one_process(tmp_path, local_
                               prompt_ids=[ids for ids, _ in encoded], images=[images for _, images in encoded])
     for s in samples:
         s.images = encoded[s.group][1]
-    vlm_batch = build_train_batch(samples, torch.linspace(-1, 1, len(samples)), engine.pad_id)
+    return ckpt, build_train_batch(samples, torch.linspace(-1, 1, len(samples)), engine.pad_id)
+
+
+def test_two_ranks_train_a_vision_language_model_as_one_process(vlm, tmp_path, local_ray):
+    """A tiny Qwen2.5-VL (tower trained too, trainer.freeze_vision=false) on engine samples with
+    images: each rank's micro-batches carry their samples' images, and 2 ranks' SGD steps are the
+    1-process trainer's; the gathered policy saves as a vision-language checkpoint."""
+    ckpt, vlm_batch = vlm
     cfg = replace(CFG, freeze_vision=False)
     algo = AlgoCfg(name=AlgoName.grpo)
     group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
@@ -236,3 +242,33 @@ def test_two_ranks_train_a_vision_language_model_as_one_process(tmp_path, local_
     assert float((n_weights["visual.patch_embed.proj.weight"] - from_pretrained(ckpt).state_dict()[
         "visual.patch_embed.proj.weight"]).abs().max()) > 0  # the tower trained
     assert type(from_pretrained(str(tmp_path / "saved"))).__name__ == "VisionLM"
+
+
+def test_two_ranks_train_a_vision_language_models_adapters_as_one_process(vlm, tmp_path, local_ray):
+    """LoRA on the VLM (the decoder's projections; the tower frozen as the base): 2 ranks' SGD steps
+    on the samples with their images give the 1-process trainer's adapters, only the adapters travel,
+    and the gathered export is the adapted vision-language model."""
+    from miles.config.schema import LoRACfg
+
+    ckpt, vlm_batch = vlm
+    cfg = replace(CFG, lora=LoRACfg(rank=4, alpha=8.0))
+    algo = AlgoCfg(name=AlgoName.grpo)
+    group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
+    try:
+        g_metrics = [group.call("train_rl", vlm_batch) for _ in range(2)]
+        g_weights, _ = group.call("get_weights")
+        group.call("save", str(tmp_path / "saved"))
+    finally:
+        group.shutdown()
+    native = TorchTrainer(ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
+    n_metrics = [native.train_rl(vlm_batch) for _ in range(2)]
+    assert_same_metrics(g_metrics, n_metrics, 1e-6)
+    n_weights, _ = native.get_weights()
+    assert set(g_weights) == set(n_weights) == set(native.lora.tensors())  # the adapters only
+    assert not any(k.startswith("visual.") for k in n_weights)
+    assert any(float(w.abs().max()) > 0 for k, w in n_weights.items() if "lora_B" in k)  # B moved off zero
+    assert max_diff(g_weights, n_weights) <= 1e-6
+    merged = TorchTrainer(str(tmp_path / "saved"), algo, replace(CFG, lora=LoRACfg()), FP32, threads=1,
+                          max_response_len=8)
+    assert type(merged.model).__name__ == "VisionLM"
+    torch.testing.assert_close(merged.logprobs(vlm_batch), native.logprobs(vlm_batch), atol=1e-5, rtol=0)
