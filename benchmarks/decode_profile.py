@@ -68,7 +68,7 @@ def main() -> None:
                     return e.generate(texts, ["?"] * len(texts), n=SAMPLES)
 
                 call()  # warm-up: graphs captured, kernels compiled
-                events, wall, host = profile_call(call, args.top)
+                events, wall, host, _ = profile_call(call, args.top)
                 print(f"\n# {args.model}, {rows} rows", end="")
                 figures = report(name, events, wall, args.new_tokens, args.top, host, CATEGORIES)
                 summary.append(dict(rows=rows, recipe=name, **figures))

@@ -54,15 +54,23 @@ def host_ops(prof, top: int) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def profile_call(fn, top: int) -> tuple[list, float, list]:
-    """The kernels of one call, its wall time in us, and its top host-side ops."""
+def ops_by_shape(prof, top: int) -> list[tuple[str, str, float, int]]:
+    """(op, its input shapes, self GPU us, calls) of the ops whose own kernels take the most GPU time."""
+    rows = [(e.key, str(e.input_shapes), e.self_device_time_total, e.count)
+            for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def profile_call(fn, top: int, shapes: int = 0) -> tuple[list, float, list, list]:
+    """The kernels of one call, its wall time in us, its top host-side ops and (shapes > 0) the
+    `shapes` ops with the most GPU time by input shape (recording shapes costs host time)."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes > 0) as prof:
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    return kernel_events(prof), wall * 1e6, host_ops(prof, top)
+    return kernel_events(prof), wall * 1e6, host_ops(prof, top), ops_by_shape(prof, shapes) if shapes else []
 
 
 def report(title: str, events: list, wall_us: float, steps: int, top: int, host: list,

@@ -26,7 +26,8 @@ Configurations (rows of the table; `--configs`, `--compare` = packed,padded):
 (GEMMs, attention, compiled Triton kernels, eager elementwise work, the optimizer, copies), the
 GPU's busy share and the host ops with the most self time (benchmarks/gpu_profile.py).
 `--eager-ops` keeps the decoder's RMSNorm / RoPE / SwiGLU eager; by default the trainer on CUDA runs
-them compiled (miles/models/fused.py), as it does in a launch.
+them compiled (miles/models/fused.py), as it does in a launch. `--eager-ce` keeps the chunked LM
+head's softmax eager (else fused Triton passes on CUDA, miles/trainer/chunked_ce_triton.py).
 Both take the old log-probs from the training forward (GRPO, ppo_clip, token mean, one optimizer
 step per call); `--separate-old` adds the no-grad old-log-prob forward to both. The pre-issue-9
 trainer also synced to the host after every micro-batch and used the unfused AdamW; that is not
@@ -181,8 +182,11 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
     if args.profile:
         from gpu_profile import profile_call, report
 
-        events, wall, host = profile_call(lambda: trainer.train_rl(batch), top=12)
+        events, wall, host, by_shape = profile_call(lambda: trainer.train_rl(batch), top=12, shapes=args.profile)
         report(f"{case.name}, {config}", events, wall, 1, 12, host, PROFILE_CATEGORIES)
+        print("| op (its own kernels) | input shapes | GPU us | calls |\n|---|---|---:|---:|")
+        for op, shapes, us, calls in by_shape:
+            print(f"| `{op}` | {shapes[:120]} | {us:.0f} | {calls} |")
     tokens, flops = batch_flops(ckpt, batch)
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del trainer
@@ -225,8 +229,11 @@ def main() -> None:
                    help="torch CPU threads (1: on a shared machine, OpenMP threads waiting for a descheduled "
                         "peer can stall a step for seconds)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the MFU denominator (H100/H200 dense bf16)")
-    p.add_argument("--profile", action="store_true", help="CUDA: profile one more call of each configuration")
+    p.add_argument("--profile", type=int, nargs="?", const=20, default=0, metavar="OPS",
+                   help="CUDA: profile one more call of each configuration, listing the OPS ops (default 20) "
+                        "with the most GPU time by input shape")
     p.add_argument("--eager-ops", action="store_true", help="CUDA: RMSNorm / RoPE / SwiGLU eager, not compiled")
+    p.add_argument("--eager-ce", action="store_true", help="CUDA: the LM head's softmax eager, not fused")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
@@ -243,6 +250,10 @@ def main() -> None:
         from miles.models import fused
 
         fused.enable = lambda: None
+    if args.eager_ce:
+        from miles.trainer import chunked_ce_triton
+
+        chunked_ce_triton.enabled = False
 
     configs = (args.configs or ("packed,padded" if args.compare else "packed")).split(",")
     if unknown := set(configs) - set(CONFIGS):

@@ -9,7 +9,9 @@ per 1k tokens in fp32) never exist whole: forward computes them `chunk_tokens` r
 keeps only the per-token results; backward recomputes each chunk's logits and turns them into the
 gradients of the hidden states and of the weight at once. Under autocast the matmuls run in the
 autocast dtype and the softmax in fp32, exactly as autocast's `F.linear` + `token_logprobs` do.
-`chunk_tokens=0` materializes the logits whole (the reference path).
+`chunk_tokens=0` materializes the logits whole (the reference path). On CUDA each chunk's softmax
+(forward) and its gradient (backward) run as one Triton pass over the chunk's logits each
+(miles/trainer/chunked_ce_triton.py), not as eager fp32 passes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.algo.losses import entropy_from_logits, token_logprobs
+from miles.trainer import chunked_ce_triton as fused
 
 CHUNK_TOKENS = 4096  # 4096 x 152k fp32 logits = 2.5 GB per buffer; a chunk holds two or three at once
 
@@ -37,9 +40,9 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logp, entropy if with_entropy else None
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature of one chunk; the matmul in h's (compute) dtype, like autocast's."""
-    z = (h @ w.t()).float()
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature of one chunk, from the matmul's output in the compute dtype (as autocast's)."""
+    z = logits.float()
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -50,13 +53,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             w = weight.to(dtype)
             logp = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
             entropy = torch.zeros_like(logp)
+            lse = torch.empty_like(logp)  # logsumexp(logits / T) of each row, where the fused pass ran
             for start in range(0, hidden.shape[0], chunk):
                 end = start + chunk
-                lp = torch.log_softmax(_chunk_logits(hidden[start:end].to(dtype), w, temperature), dim=-1)
+                z = hidden[start:end].to(dtype) @ w.t()
+                if fused.applies(z):
+                    logp[start:end], lse[start:end], entropy[start:end] = fused.row_logprobs(
+                        z, targets[start:end], temperature, with_entropy)
+                    continue
+                lp = torch.log_softmax(_scaled(z, temperature), dim=-1)
                 logp[start:end] = lp.gather(1, targets[start:end, None]).squeeze(1)
                 if with_entropy:
                     entropy[start:end] = -(lp.exp() * lp).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, entropy)
+        ctx.save_for_backward(hidden, weight, targets, entropy, lse)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         # An unused entropy (entropy_coef 0) then costs backward nothing.
         ctx.set_materialize_grads(False)
@@ -69,10 +78,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         """Per chunk, with z = logits / T and log p = log_softmax(z): d logp_t / dz = onehot(t) - p
         and d H / dz = -p (log p + H), so dz = onehot(t) g_logp - p (g_logp + g_H (log p + H));
         then d logits = dz / T, d hidden = d logits @ W, d W = d logits^T @ hidden."""
-        hidden, weight, targets, entropy = ctx.saved_tensors
+        hidden, weight, targets, entropy, lse = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         if grad_logp is None:
             grad_logp = torch.zeros_like(entropy)
+        grad_logp = grad_logp.contiguous()  # the fused pass reads one value per row
+        grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
         grad_hidden = torch.empty_like(hidden)
         # A frozen head (the speculative draft's detached, shared one) takes no gradient: none computed.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
@@ -81,19 +92,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 end = start + chunk
                 h = hidden[start:end].to(dtype)
-                lp = torch.log_softmax(_chunk_logits(h, w, t), dim=-1)
-                g_logp = grad_logp[start:end, None]
-                p = lp.exp()
-                if grad_entropy is None:
-                    dz = p.mul_(g_logp)
-                else:  # in place on lp: two [chunk, V] fp32 buffers at most
-                    dz = lp.add_(entropy[start:end, None]).mul_(grad_entropy[start:end, None]).add_(g_logp).mul_(p)
-                del p, lp
-                dz.neg_().scatter_add_(1, targets[start:end, None], g_logp)
-                if t != 1.0:
-                    dz.div_(t)
-                dz = dz.to(dtype)
+                z = h @ w.t()
+                g_entropy = None if grad_entropy is None else grad_entropy[start:end]
+                if fused.applies(z):
+                    dz = fused.grad_logits_(z, lse[start:end], targets[start:end], grad_logp[start:end], g_entropy,
+                                            entropy[start:end], t)
+                else:
+                    dz = _grad_logits(z, targets[start:end], grad_logp[start:end], g_entropy, entropy[start:end], t)
                 grad_hidden[start:end] = dz @ w
                 if grad_weight is not None:
                     grad_weight += (dz.t() @ h).float()
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _grad_logits(logits: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor,
+                 grad_entropy: torch.Tensor | None, entropy: torch.Tensor, t: float) -> torch.Tensor:
+    """The eager path of `_ChunkedLogprobs.backward`'s d loss / d logits for one chunk, in the logits' dtype."""
+    lp = torch.log_softmax(_scaled(logits, t), dim=-1)
+    g_logp = grad_logp[:, None]
+    p = lp.exp()
+    if grad_entropy is None:
+        dz = p.mul_(g_logp)
+    else:  # in place on lp: two [chunk, V] fp32 buffers at most
+        dz = lp.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(g_logp).mul_(p)
+    del p, lp
+    dz.neg_().scatter_add_(1, targets[:, None], g_logp)
+    if t != 1.0:
+        dz.div_(t)
+    return dz.to(logits.dtype)
