@@ -28,6 +28,7 @@ GPU's busy share and the host ops with the most self time (benchmarks/gpu_profil
 `--eager-ops` keeps the decoder's RMSNorm / RoPE / SwiGLU eager; by default the trainer on CUDA runs
 them compiled (miles/models/fused.py), as it does in a launch. `--eager-ce` keeps the chunked LM
 head's softmax eager (else fused Triton passes on CUDA, miles/trainer/chunked_ce_triton.py).
+`--fp32-residual`: the bf16 trainer's residual stream in fp32 (precision.fp32_residual), else bf16.
 Both take the old log-probs from the training forward (GRPO, ppo_clip, token mean, one optimizer
 step per call); `--separate-old` adds the no-grad old-log-prob forward to both. The pre-issue-9
 trainer also synced to the host after every micro-batch and used the unfused AdamW; that is not
@@ -159,7 +160,7 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
                              max_tokens_per_micro_batch=case.max_tokens, recompute=args.recompute,
                              micro_batch_size=max(1, case.max_tokens // seq_len))
     dtype = DType.bf16 if args.dtype == "bf16" else DType.fp32
-    precision = PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype)
+    precision = PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype, fp32_residual=args.fp32_residual)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -233,6 +234,7 @@ def main() -> None:
                    help="CUDA: profile one more call of each configuration, listing the OPS ops (default 20) "
                         "with the most GPU time by input shape")
     p.add_argument("--eager-ops", action="store_true", help="CUDA: RMSNorm / RoPE / SwiGLU eager, not compiled")
+    p.add_argument("--fp32-residual", action="store_true", help="bf16: precision.fp32_residual=true")
     p.add_argument("--eager-ce", action="store_true", help="CUDA: the LM head's softmax eager, not fused")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()

@@ -4,14 +4,14 @@
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
 # does not cost the rest of a call. Parts, most urgent first:
-#   1  the GPU tests of what changed last (fp8's default scheme, w8a16; recompute under the recipes;
-#      Megatron: its CPU tier on CUDA and the contract suite)
+#   1  the GPU tests of what changed last (the chunked LM head's fused softmax; fp8's default scheme,
+#      w8a16; recompute under the recipes; Megatron: its CPU tier on CUDA and the contract suite)
 #   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
-#   6  the Megatron and LoRA speed targets: Megatron-core against the native trainer (0.6B shape, the
-#      project's SDPA core attention), LoRA against full fine-tuning on the 4B shape
+#   6  the training speed targets: where a native step goes (profile, the fused LM-head softmax on and
+#      off), Megatron-core against the native trainer (0.6B shape), LoRA against full fine-tuning (4B)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-6)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -32,6 +32,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 
 case $PART in
 1)  # fp8's new default (w8a16) through the real loop, w8a8's expected failure, true on-policy per scheme
+    step chunked_ce 100 python3 -m pytest -q -rf tests/unit/trainer/test_chunked_ce_triton.py \
+        tests/unit/trainer/test_chunked_ce.py
     step fp8_schemes 400 python3 -m pytest -q -rf tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_fp8_fused_cuda.py \
         tests/gpu/test_fp8_invariant_cuda.py
     step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
@@ -60,6 +62,10 @@ case $PART in
     step weight_only_variants 280 python3 benchmarks/weight_only_variants.py
     ;;
 6)
+    for ce in --eager-ce ""; do
+        step "train_profile$ce" 150 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+            --cases fixed,seq-2k --configs packed --repeats 3 --profile 25 $ce
+    done
     step train_megatron 200 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
         --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32

@@ -193,9 +193,11 @@ class PrecisionCfg:
     keep_first_layers: int = 0
     keep_last_layers: int = 0
     # What the training forward multiplies: "master" (the fp32 master weights, autocast to train_dtype
-    # at each matmul: the residual stream stays fp32) or "rollout" (the weights cast to rollout_dtype,
-    # as the engine holds them: the residual stream in that dtype too, Megatron's bf16 params).
+    # at each matmul) or "rollout" (the weights cast to rollout_dtype, as the engine holds them).
     forward_weights: ForwardWeights = ForwardWeights.master
+    # Under a bf16 train_dtype: the residual stream (embeddings, residual adds, the norms' inputs) in
+    # fp32 (true), or in bf16 as the engine's bf16 weights compute it (false: Megatron's default too).
+    fp32_residual: bool = False
     # The FP8 GEMM of the engine and of the fp8 training forward (one choice: both sides run it).
     fp8_gemm: FP8Gemm = FP8Gemm.auto
     # FP8 weights with FP8 (w8a8) or bf16 (w8a16) activations, on both sides (fp8 recipes only).

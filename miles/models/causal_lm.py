@@ -55,6 +55,10 @@ class CausalLM(nn.Module):
     def __init__(self, config: ArchConfig, seed: Optional[int] = None):
         super().__init__()
         self.config = config
+        # Under autocast: keep the residual stream (the embeddings and the sums of the layers' outputs)
+        # in fp32 (True), or in the autocast dtype as the engine's weights keep it (False, the default;
+        # precision.fp32_residual, set by the trainer).
+        self.fp32_residual = False
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
@@ -164,7 +168,7 @@ class CausalLM(nn.Module):
         ctx = self._context(input_ids, attention_mask, position_ids, cache, routing_record, routing_replay,
                             segment_ids, branch_ids)
         ctx.mrope_position_ids = mrope_position_ids
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = self.residual(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
         additions = layer_additions or []
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx)
@@ -202,7 +206,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"hidden must have shape {(*input_ids.shape, self.config.hidden_size)} "
                              f"(input_ids' batch and length, hidden_size), got {tuple(hidden.shape)}")
         ctx = self._context(input_ids, attention_mask, position_ids, cache, context=MTPContext)
-        embeds = self.embed_tokens(input_ids)
+        embeds = self.residual(self.embed_tokens(input_ids))
         h = layer(embeds.detach() if detach_embedding else embeds, hidden, ctx)
         if cache is not None:
             cache.advance(input_ids.shape[1])
@@ -236,6 +240,15 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         return context(position_ids, attention_mask, past, cache, routing_record, routing_replay,
                        segment_ids=segment_ids, branch_ids=branch_ids)
+
+    def residual(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: the embeddings in the autocast dtype under autocast (unless
+        `fp32_residual`), so the layers add and normalize in it as with weights held in that dtype;
+        as they are otherwise (weights in the compute dtype already, or fp32 compute)."""
+        device = embeds.device.type
+        if self.fp32_residual or not torch.is_autocast_enabled(device):
+            return embeds
+        return embeds.to(torch.get_autocast_dtype(device))
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [..., hidden] -> logits [..., V] (through lm_head's own module,

@@ -76,7 +76,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = _wide(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
+        h = self.weight.to(x.dtype) * h.to(x.dtype)  # x's dtype, as RMSNorm (miles/models/fused.py)
         return (h * F.silu(_wide(gate))).to(x.dtype)
 
 

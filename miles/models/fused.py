@@ -16,9 +16,12 @@ from miles.models import invariant
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """In x's dtype, as with weights held in it: fp32 master weights under autocast are cast to it
+    (the engine's bf16 arithmetic; an fp32 weight would promote the output, and every matmul after
+    it would cast it back)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight.to(x.dtype) * h.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

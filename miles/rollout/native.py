@@ -125,6 +125,8 @@ class NativeEngine:
         self.dtype = TORCH_DTYPES[DType(dtype)]
         self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device).eval()
         self.model.requires_grad_(False)
+        # True on-policy computes under the trainer's autocast: its residual stream's dtype too.
+        self.model.fp32_residual = precision is not None and precision.fp32_residual
         # FP8 / INT4 recipes: quantized Linear layers hold the rollout format, built from the
         # checkpoint by the quantizer the trainer uses (later syncs replace it).
         self.recipe = Recipe.from_cfg(precision or PrecisionCfg(name="none"), self.model.config.num_layers)

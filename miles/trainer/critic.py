@@ -66,6 +66,7 @@ class TorchCritic:
         self.num_steps_per_rollout = num_steps_per_rollout
         self.device = torch.device(device)
         self.model = ValueModel(from_pretrained(checkpoint_dir, dtype=torch.float32)).to(self.device).train()
+        self.model.body.fp32_residual = self.precision.fp32_residual  # as the policy's (torch_trainer.py)
         if self.model.body.config.vision is not None and trainer.freeze_vision:  # as the policy's tower
             self.model.body.visual.requires_grad_(False)
         if trainer.recompute:

@@ -123,6 +123,7 @@ class TorchTrainer:
         # Log-probs are those of the sampling distribution, softmax(logits / T), as the engine reports them.
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = from_pretrained(checkpoint_dir, dtype=torch.float32).to(self.device)
+        self.model.fp32_residual = precision.fp32_residual  # under bf16 autocast (miles/models/causal_lm.py)
         self.model.train()
         # The precision recipe: the forward sees the rollout's quantization (fp8 / int4_qat) and
         # weight sync carries the rollout format.
@@ -140,6 +141,7 @@ class TorchTrainer:
         self.teacher = None
         if teacher_dir is not None:
             teacher = from_pretrained(teacher_dir, dtype=torch.float32).to(self.device)
+            teacher.fp32_residual = precision.fp32_residual
             self.teacher = teacher.eval().requires_grad_(False)
         if self.model.config.vision is not None and cfg.freeze_vision:  # trainer.freeze_vision: no gradient
             self.model.visual.requires_grad_(False)

@@ -31,6 +31,8 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     unsupported = {f"precision={cfg.precision.name} (w8a8's FP8 GEMMs need Transformer Engine)":
                    fp8 and cfg.precision.fp8_scheme == "w8a8",
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
+                   "precision.fp32_residual=true (its residual stream is in the parameters' bf16)":
+                   cfg.precision.fp32_residual,
                    "true_on_policy=true": cfg.true_on_policy}
     problems += [f"trainer=megatron does not support {what} yet: use trainer=torch"
                  for what, bad in unsupported.items() if bad]

@@ -138,8 +138,8 @@ def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
 def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant, scheme):
     """precision.forward_weights=rollout: the training forward multiplies the master weights cast to
     the engine's dtype (bf16 here), so its residual stream is the engine's too: the logits equal the
-    engine's full forward bit for bit (with the fp32 masters under autocast they do not), and the
-    gradients still reach the fp32 masters."""
+    engine's full forward bit for bit (with the fp32 masters under autocast and precision.fp32_residual
+    they do not), and the gradients still reach the fp32 masters."""
     from miles.config.schema import DType
 
     model = CausalLM(ARCH, seed=0)
@@ -153,9 +153,27 @@ def test_forward_on_rollout_weights_is_the_engines_bf16_forward_bitwise(quant, s
     ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(r.forward(model, ids), engine(ids))
+        model.fp32_residual = True
         with torch.autocast("cpu", dtype=torch.bfloat16):
             master = Recipe.from_cfg(PrecisionCfg(name="t", train_quant=Quant(quant), rollout_quant=Quant(quant),
                                                   fp8_scheme=FP8Scheme(scheme)), ARCH.num_layers).forward(model, ids)
+        model.fp32_residual = False
         assert not torch.equal(master, engine(ids))
     r.forward(model, ids).float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_masters_under_autocast_compute_the_engines_bf16_forward_bitwise():
+    """The bf16 recipe's training forward (fp32 masters under autocast, the default bf16 residual
+    stream: embeddings, norms and residual adds in bf16) gives the logits of the engine's bf16 weights
+    bit for bit on the CPU; precision.fp32_residual=true keeps the stream in fp32 and moves them."""
+    model = CausalLM(ARCH, seed=0)
+    engine = copy.deepcopy(model).requires_grad_(False).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16_stream = model(ids)
+            model.fp32_residual = True
+            fp32_stream = model(ids)
+        assert torch.equal(bf16_stream, engine(ids))
+        assert float((fp32_stream.float() - engine(ids).float()).abs().max()) > 1e-3
