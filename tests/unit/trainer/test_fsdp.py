@@ -220,23 +220,28 @@ def vlm(tmp_path_factory):
     return ckpt, build_train_batch(samples, torch.linspace(-1, 1, len(samples)), engine.pad_id)
 
 
-def test_two_ranks_train_a_vision_language_model_as_one_process(vlm, tmp_path, local_ray):
-    """A tiny Qwen2.5-VL (tower trained too, trainer.freeze_vision=false) on engine samples with
-    images: each rank's micro-batches carry their samples' images, and 2 ranks' SGD steps are the
-    1-process trainer's; the gathered policy saves as a vision-language checkpoint."""
-    ckpt, vlm_batch = vlm
-    cfg = replace(CFG, freeze_vision=False)
+def vlm_ranks_and_one_process(ckpt, vlm_batch, cfg, saved: Path):
+    """2 SGD steps on the VLM batch by 2 ranks (their gathered policy saved to `saved`) and by the
+    1-process trainer, checked equal in their metrics; -> (the ranks' weights, the 1-process trainer)."""
     algo = AlgoCfg(name=AlgoName.grpo)
     group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
     try:
         g_metrics = [group.call("train_rl", vlm_batch) for _ in range(2)]
         g_weights, _ = group.call("get_weights")
-        group.call("save", str(tmp_path / "saved"))
+        group.call("save", str(saved))
     finally:
         group.shutdown()
     native = TorchTrainer(ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
-    n_metrics = [native.train_rl(vlm_batch) for _ in range(2)]
-    assert_same_metrics(g_metrics, n_metrics, 1e-6)
+    assert_same_metrics(g_metrics, [native.train_rl(vlm_batch) for _ in range(2)], 1e-6)
+    return g_weights, native
+
+
+def test_two_ranks_train_a_vision_language_model_as_one_process(vlm, tmp_path, local_ray):
+    """A tiny Qwen2.5-VL (tower trained too, trainer.freeze_vision=false) on engine samples with
+    images: each rank's micro-batches carry their samples' images, and 2 ranks' SGD steps are the
+    1-process trainer's; the gathered policy saves as a vision-language checkpoint."""
+    ckpt, vlm_batch = vlm
+    g_weights, native = vlm_ranks_and_one_process(ckpt, vlm_batch, replace(CFG, freeze_vision=False), tmp_path / "saved")
     n_weights, _ = native.get_weights()
     assert any(k.startswith("visual.") for k in n_weights) and max_diff(g_weights, n_weights) <= 1e-6
     assert float((n_weights["visual.patch_embed.proj.weight"] - from_pretrained(ckpt).state_dict()[
@@ -251,24 +256,14 @@ def test_two_ranks_train_a_vision_language_models_adapters_as_one_process(vlm, t
     from miles.config.schema import LoRACfg
 
     ckpt, vlm_batch = vlm
-    cfg = replace(CFG, lora=LoRACfg(rank=4, alpha=8.0))
-    algo = AlgoCfg(name=AlgoName.grpo)
-    group = FSDPGroup(2, ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
-    try:
-        g_metrics = [group.call("train_rl", vlm_batch) for _ in range(2)]
-        g_weights, _ = group.call("get_weights")
-        group.call("save", str(tmp_path / "saved"))
-    finally:
-        group.shutdown()
-    native = TorchTrainer(ckpt, algo, cfg, FP32, threads=1, max_response_len=8, optimizer="sgd")
-    n_metrics = [native.train_rl(vlm_batch) for _ in range(2)]
-    assert_same_metrics(g_metrics, n_metrics, 1e-6)
+    g_weights, native = vlm_ranks_and_one_process(ckpt, vlm_batch, replace(CFG, lora=LoRACfg(rank=4, alpha=8.0)),
+                                                  tmp_path / "saved")
     n_weights, _ = native.get_weights()
     assert set(g_weights) == set(n_weights) == set(native.lora.tensors())  # the adapters only
     assert not any(k.startswith("visual.") for k in n_weights)
     assert any(float(w.abs().max()) > 0 for k, w in n_weights.items() if "lora_B" in k)  # B moved off zero
     assert max_diff(g_weights, n_weights) <= 1e-6
-    merged = TorchTrainer(str(tmp_path / "saved"), algo, replace(CFG, lora=LoRACfg()), FP32, threads=1,
-                          max_response_len=8)
+    merged = TorchTrainer(str(tmp_path / "saved"), AlgoCfg(name=AlgoName.grpo), replace(CFG, lora=LoRACfg()), FP32,
+                          threads=1, max_response_len=8)
     assert type(merged.model).__name__ == "VisionLM"
     torch.testing.assert_close(merged.logprobs(vlm_batch), native.logprobs(vlm_batch), atol=1e-5, rtol=0)
