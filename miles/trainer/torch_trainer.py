@@ -22,7 +22,7 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   micro-batches the update uses, so the first step still has ppo_kl == 0 bit for bit.
 - True on-policy (`true_on_policy`): the policy's forwards run batch-invariant kernels
   (miles/models/invariant.py) on padded rows, what the engine computes in its decode.
-- bf16 autocast over fp32 master weights; AdamW fused on CUDA (foreach elsewhere); metrics stay on
+- bf16 autocast over fp32 master weights; AdamW fused (foreach for FSDP ranks on the CPU); metrics stay on
   the device until the end of the call, so no host sync per micro-batch. On CUDA the decoder's
   RMSNorm / RoPE / SwiGLU run compiled (miles/models/fused.py), as the engine's do: the same function
   on both sides whether or not an engine shares the process.
@@ -158,7 +158,11 @@ class TorchTrainer:
                              f"one process; {self.parallel.name} shards the policy across ranks: set "
                              "rollout.speculative.train_online=false or trainer=torch")
         self.parallel.shard_models(self)  # before the optimizer takes the parameters
-        kernel = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        # Fused AdamW: one kernel over all parameters (on the CPU too: 0.7 ms against foreach's 2.0 ms a
+        # step for the 0.7M-parameter default model; values within 1e-8). FSDP's sharded (DTensor)
+        # parameters keep foreach there, and SGD has no fused CPU kernel.
+        fused_adam = self.device.type == "cuda" or (optimizer == "adamw" and not self.parallel.shards_policy)
+        kernel = {"fused": True} if fused_adam else {"foreach": True}
         if optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(
                 self._policy_parameters(),
