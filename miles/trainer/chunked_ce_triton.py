@@ -50,9 +50,10 @@ if triton is not None:
 
     @triton.jit
     def _scaled(x, t, SCALE: tl.constexpr):
-        # logits / T as the eager path's `z.div_(T)`: IEEE division, not a multiply by 1 / T.
+        # logits / T as the eager path's `z.div_(T)`: IEEE division, not a multiply by 1 / T (the
+        # divisor broadcast to x's shape, as fp8_triton.py passes it).
         if SCALE:
-            return tl.math.div_rn(x, t)
+            return tl.math.div_rn(x, tl.zeros_like(x) + t)
         else:
             return x
 
@@ -62,21 +63,26 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * V
         offs = tl.arange(0, BLOCK)
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        # sum of exp(z - m) * (z - m): the entropy is log s - sz / s, with no cancellation against lse
-        sz = tl.zeros((), tl.float32)
-        for start in range(0, V, BLOCK):
+        # The first block starts the running max m, sum s of exp(z - m) and sz, the sum of
+        # exp(z - m) * (z - m) (the entropy is log s - sz / s: no cancellation against lse).
+        ok = offs < V
+        z = _scaled(tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32), t, SCALE)
+        m = tl.max(z, 0)
+        shift = tl.where(ok, z - m, 0.0)
+        e = tl.where(ok, tl.exp(shift), 0.0)
+        s = tl.sum(e, 0)
+        sz = tl.sum(e * shift, 0)
+        for start in range(BLOCK, V, BLOCK):
             cols = start + offs
             ok = cols < V
             z = _scaled(tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32), t, SCALE)
             m_new = tl.maximum(m, tl.max(z, 0))
             shift = tl.where(ok, z - m_new, 0.0)
             e = tl.where(ok, tl.exp(shift), 0.0)
-            delta = m - m_new  # -inf at the first block, where s = sz = 0
+            delta = m - m_new
             rescale = tl.exp(delta)
             if ENTROPY:
-                sz = tl.where(s > 0, rescale * (sz + delta * s), 0.0) + tl.sum(e * shift, 0)
+                sz = rescale * (sz + delta * s) + tl.sum(e * shift, 0)
             s = s * rescale + tl.sum(e, 0)
             m = m_new
         lse = m + tl.log(s)
@@ -112,8 +118,7 @@ if triton is not None:
             else:
                 dz = -(p * g)
             dz = tl.where(cols == target, dz + g, dz)
-            if SCALE:
-                dz = tl.math.div_rn(dz, t)
+            dz = _scaled(dz, t, SCALE)
             tl.store(base + cols, _round(dz, z_ptr.dtype.element_ty, INTERPRET), mask=ok)
 
 
