@@ -172,8 +172,8 @@ class CausalLM(nn.Module):
         additions = layer_additions or []
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx)
-            if i < len(additions):
-                h = h + additions[i]
+            if i < len(additions):  # in the stream's dtype: else fp32 features would promote every position
+                h = h + additions[i].to(h.dtype)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         h = self.norm(h)

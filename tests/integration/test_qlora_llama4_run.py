@@ -34,7 +34,9 @@ def test_qlora_llama4_experts_run(tmp_path, monkeypatch, compose, recipe):
     metrics = journal_metrics(tmp_path / "run")
     print({step: metrics[step]["mismatch/logprob_abs_diff"] for step in (1, 2)})
     assert metrics[1]["train/ppo_kl"] == 0.0
-    assert all(0.0 < metrics[step]["mismatch/logprob_abs_diff"] < BOUND[recipe] for step in (1, 2)), metrics
+    # fp8 (w8a16) measured exactly 0.0 since the bf16 residual stream (precision.fp32_residual=false):
+    # the trainer rounds as the engine does, on the same dequantized weights.
+    assert all(0.0 <= metrics[step]["mismatch/logprob_abs_diff"] < BOUND[recipe] for step in (1, 2)), metrics
     export = tmp_path / "run/checkpoint"
     config = json.loads((export / "adapter/adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == [f"model.layers.{i}.feed_forward.experts.{t}"
