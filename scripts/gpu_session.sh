@@ -10,8 +10,9 @@
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
-#   6  the training speed targets: where a native step goes (profile, the fused LM-head softmax on and
-#      off), Megatron-core against the native trainer (0.6B shape), LoRA against full fine-tuning (4B)
+#   6  the training speed targets: where a native step goes (profile; the fused LM-head softmax and the
+#      bf16 residual stream on and off), Megatron-core against the native trainer (0.6B shape), LoRA
+#      against full fine-tuning (4B)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-6)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -62,9 +63,10 @@ case $PART in
     step weight_only_variants 280 python3 benchmarks/weight_only_variants.py
     ;;
 6)
-    for ce in --eager-ce ""; do
-        step "train_profile$ce" 150 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
-            --cases fixed,seq-2k --configs packed --repeats 3 --profile 25 $ce
+    # before both changes, the fused LM-head softmax alone, and with the bf16 residual stream too
+    for flags in "--fp32-residual --eager-ce" "--fp32-residual" ""; do
+        step "train_profile$(echo "$flags" | tr -d ' -')" 120 python3 benchmarks/train_speed.py --model qwen3_0_6b \
+            --device cuda --cases fixed,seq-2k --configs packed --repeats 3 --profile 25 $flags
     done
     step train_megatron 200 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
         --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2
