@@ -4,7 +4,7 @@ timestamps, one machine) against the driver's submit and receive (docs/benchmark
     .venv/bin/python benchmarks/ray_calls.py --shape 8x8x8 --steps 15
 
 The components are the default experiment's at that shape (trl_grpo_cpu.miles_cfg, ray.enabled=true,
-no stop ids); each step runs generate, train_rl, get_weights and update_weights (checked) one after
+an actor each: ray.hybrid=false, no stop ids); each step runs generate, train_rl, get_weights and update_weights (checked) one after
 the other through `handle.apply`, so the weights pass through the driver here (in the loop they go
 from the trainer's future to the engine's call directly). Reported: medians of the time from submit
 to the method's start, of the method itself, and from its end to the driver holding the result.
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     p, n, t = parse_shape(args.shape)
     torch.set_num_threads(args.threads)
-    cfg, _ = miles_cfg(p, n, t, args.threads, ray=True)
+    cfg, _ = miles_cfg(p, n, t, args.threads, ray=True, two_actors=True)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{tempfile.mkdtemp()}/ckpt"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (args.steps + 3), np.random.default_rng(0))
     engine, trainer, _ = _spawn_components(cfg, Path(ckpt), None)

@@ -3,8 +3,10 @@ by side (issue 28's target: the Ray step <= 1.15x the in-process step; docs/benc
 
     .venv/bin/python benchmarks/ray_share.py --steps 23 --repeats 1
 
-Each mode runs `launch.py ray.enabled=<false|true> warm_start.enabled=false` (random init: the speed,
-not the learning) for the same steps and seed, modes alternating per repeat. Reported: medians of
+Each mode runs `launch.py warm_start.enabled=false` (random init: the speed, not the learning) for the
+same steps and seed, modes alternating per repeat: in-process (`ray.enabled=false`), Ray with the engine
+and the trainer in one actor (`ray.hybrid`, the default where it applies), and Ray with an actor each
+(`ray.hybrid=false`). Reported: medians of
 `perf/step_time_s`, `perf/rollout_time_s` and `perf/train_time_s` over the steps after the first
 three (warm-up), and what the step spends outside rollout and training (weight sync and the calls).
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 from async_rollout import launch_metrics
 
 TIMES = ("perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s")
+MODES = [("in-process", ["ray.enabled=false"]), ("Ray, one actor", ["ray.enabled=true"]),
+         ("Ray, an actor each", ["ray.enabled=true", "ray.hybrid=false"])]
 
 
 def medians(metrics: dict[int, dict]) -> dict[str, float]:
@@ -37,11 +41,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             inprocess = None
-            for ray in ("false", "true"):
-                m = medians(launch_metrics([*base, f"ray.enabled={ray}"], Path(tmp) / f"ray_{ray}_{repeat}"))
+            for i, (mode, overrides) in enumerate(MODES):
+                m = medians(launch_metrics([*base, *overrides], Path(tmp) / f"mode_{i}_{repeat}"))
                 step, rollout, train = (m[k] for k in TIMES)
                 inprocess = inprocess or step
-                mode = "Ray actors" if ray == "true" else "in-process"
                 print(f"| {repeat} | {mode} | {step:.3f} | {rollout:.3f} | {train:.3f} | {step - rollout - train:.3f} | "
                       f"{step / inprocess:.2f} |", flush=True)
 

@@ -9,7 +9,7 @@ Set-up (a venv of its own; the project's .venv is not touched) and the run:
 
     [--shapes 8x8x8,64x8x8] [--warmup 3] [--steps 10]   # prompts x samples x tokens; steps timed per side
     [--trl-micro-batch N]                              # TRL's per-device batch (default 128, as Miles')
-    [--ray] [--settle-ms MS]                           # Miles' components as Ray actors (the default experiment's)
+    [--ray] [--two-actors] [--settle-ms MS]            # Miles' components as Ray actors (the default experiment's)
 
 Both sides start from the same random checkpoint of the default experiment's model (`qwen3_tiny`,
 written by `random_checkpoint`; TRL loads it with `AutoModelForCausalLM`, Miles with its own
@@ -27,10 +27,11 @@ A Miles step is what `miles.orchestrate.loop.rl_loop` does in-process (`ray.enab
 components `miles.orchestrate.run` builds from the composed default config: `collect_rollout`
 (NativeEngine.generate + reward) = rollout, `make_train_batch` + `TorchTrainer.train_rl` = train,
 `sync_weights` (get_weights + update_weights with the checksum check) = sync. With `--ray` the engine
-and the trainer are Ray actors (`ray.enabled=true`, the default experiment's setting: the weights go
-through Ray's object store, SHA-256 checked); each side's step then starts after an untimed `--settle-ms` pause (default 100),
-so that the other side's idle OpenMP threads, in another process now, have stopped spinning on the
-cores.
+and the trainer are in one Ray actor (`ray.enabled=true` and `ray.hybrid`, the default experiment's
+settings: the weights copied inside it, device-checksum checked); with `--two-actors` too, in an actor
+each (the weights through Ray's object store or a /dev/shm segment, SHA-256 checked). Each side's step
+then starts after an untimed `--settle-ms` pause (default 100), so that the other side's idle OpenMP
+threads, in another process now, have stopped spinning on the cores.
 A TRL step is one optimizer step of `trl.GRPOTrainer.train()` (transformers `generate`, no vLLM),
 timed between consecutive `on_step_end` callbacks, so it includes everything TRL does per step
 (data loading, generation, scoring, loss, optimizer, its metric bookkeeping). Its generation +
@@ -103,8 +104,9 @@ class FixedSource:
         return batch
 
 
-def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False):
-    """The default experiment's composed RunCfg at this shape, in-process or (ray) as Ray actors."""
+def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actors: bool = False):
+    """The default experiment's composed RunCfg at this shape, in-process or (ray) as Ray actors: one
+    for the engine and the trainer (ray.hybrid, the default), or (two_actors) an actor each."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -116,6 +118,7 @@ def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False):
         f"rollout.batch_size={p}", f"rollout.n_samples_per_prompt={n}", f"rollout.max_new_tokens={t}",
         f"trainer.global_batch_size={p * n}", f"trainer.micro_batch_size={min(128, p * n)}",
         f"hardware.cpu_threads={threads}", f"ray.enabled={str(ray).lower()}", "warm_start.enabled=false",
+        *(["ray.hybrid=false"] if two_actors else []),
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
@@ -285,14 +288,14 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
 
 
 def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
-              trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0) -> dict:
+              trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0, two_actors: bool = False) -> dict:
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
     from miles.orchestrate.checkpoints import random_checkpoint
 
     p, n, t = shape
     total = warmup + steps
-    cfg, overrides = miles_cfg(p, n, t, threads, ray)
+    cfg, overrides = miles_cfg(p, n, t, threads, ray, two_actors)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{workdir}/ckpt-{p}x{n}x{t}"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (total + 1), np.random.default_rng(0))
     torch.set_num_threads(threads)
@@ -313,7 +316,7 @@ def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int
     med = lambda rows, key: statistics.median(r[key] for r in rows)
     pair = [a["step"] / b["step"] for a, b in zip(trl_steps, miles_steps)]
     return {
-        "shape": f"{p}x{n}x{t}", "ray": ray, "settle_s": settle_s, "prompts": p, "samples": n, "new_tokens": t, "rows": p * n,
+        "shape": f"{p}x{n}x{t}", "ray": ray, "two_actors": two_actors, "settle_s": settle_s, "prompts": p, "samples": n, "new_tokens": t, "rows": p * n,
         "micro_batch": cfg.trainer.micro_batch_size, "trl_micro_batch": trl_micro,
         "miles_trainer_cfg": str(cfg.trainer), "params": params, "overrides": overrides,
         "same_prompts": miles.first_prompts == [x.removeprefix("<bos>") for x in trl_prompts],
@@ -396,7 +399,8 @@ def main() -> None:
                     help="TRL's per_device_train_batch_size (gradient accumulation makes up the rest of the step); "
                          "default: Miles' trainer.micro_batch_size")
     ap.add_argument("--ray", action="store_true", help="Miles' engine and trainer as Ray actors (the default "
-                    "experiment's ray.enabled=true); else in-process")
+                    "experiment's ray.enabled=true: one actor for both, ray.hybrid); else in-process")
+    ap.add_argument("--two-actors", action="store_true", help="with --ray: an actor each (ray.hybrid=false)")
     ap.add_argument("--settle-ms", type=float, default=None,
                     help="untimed pause before each side's step (default: 100 with --ray, else 0)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -413,7 +417,7 @@ def main() -> None:
         for text in args.shapes.split(","):
             settle = (args.settle_ms if args.settle_ms is not None else 100.0 if args.ray else 0.0) / 1000
             res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch,
-                            args.ray, settle)
+                            args.ray, settle, args.two_actors)
             print(f"{res['shape']}: miles {res['miles']['step']:.3f} s/step, trl {res['trl']['step']:.3f} s/step, "
                   f"trl/miles {res['ratio_trl_over_miles']:.2f}x; {res['params']:,} params; same prompts "
                   f"{res['same_prompts']}; max logit diff {res['max_logit_diff']:.1e}; TRL log-prob forwards per step "
@@ -428,7 +432,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"env": env, "results": results}, indent=2) + "\n")
     print(f"\ntorch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
           f"{args.threads} threads, {env['cpu']}; median of {args.steps} steps after {args.warmup} warm-up; "
-          f"Miles {'with Ray actors' if args.ray else 'in-process'}\n")
+          f"Miles {('in Ray actors of their own' if args.two_actors else 'in one Ray actor') if args.ray else 'in-process'}\n")
     print(table(results))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg, RolloutCfg, RunCfg, SpeculativeKind,
                                  TaskKind, TrainerBackend)
 from miles.config.debug_rules import debug_problems
+from miles.config.hybrid_rules import hybrid_problems
 from miles.config.lora_rules import lora_problems
 from miles.config.vlm_rules import vlm_problems
 from miles.transport.protocol import TransportName
@@ -93,6 +94,7 @@ def config_problems(cfg: RunCfg) -> list[str]:
     problems += engine_problems(cfg)
     problems += scale_out_problems(cfg)
     problems += asynchronous_problems(cfg)
+    problems += hybrid_problems(cfg)
     problems += offload_problems(cfg)
     problems += speculative_problems(cfg)
     if t.grad_clip < 0:

@@ -455,6 +455,7 @@ class RayCfg:
     enabled: bool = True
     address: Optional[str] = None
     num_cpus: Optional[int] = None
+    hybrid: Optional[bool] = None  # engine and trainer in one actor (miles/config/hybrid_rules.py); null: where it applies
 
 
 @dataclass

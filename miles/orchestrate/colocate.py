@@ -17,7 +17,7 @@ methods, miles/rollout/native.py `release_memory` and miles/trainer/torch_traine
                    captured again)
 
 `phase_memory` reads the device peak of a phase (`perf/peak_mem_rollout_gb`, `perf/peak_mem_train_gb`)
-in every process that holds a component, and sums them.
+in every process that holds a component (once where both share one), and sums them.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def phase_memory(ctx) -> float:
     """GB: the device peak since the last call, summed over the processes of the engine and the
     trainer (one, in-process), and a new window opened."""
     handles = [h for h in (ctx.engine, ctx.trainer) if h is not None]
-    if all(getattr(h, "in_process", False) for h in handles):
-        handles = handles[:1]  # one process, one allocator
+    if all(getattr(h, "in_process", False) for h in handles) or \
+            (len(handles) == 2 and getattr(handles[1], "same_process", lambda other: False)(handles[0])):
+        handles = handles[:1]  # one process (in-process, or one Ray actor: ray.hybrid), one allocator
     peaks = [sum(h.apply_all(_peak, True)) if hasattr(h, "apply_all") else h.apply(_peak, True) for h in handles]
     return sum(peaks) / 2**30
 

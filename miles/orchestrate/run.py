@@ -13,6 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from miles.algo.registry import TOKEN_ADVANTAGES
+from miles.config.hybrid_rules import hybrid_actor
 from miles.config.schema import AlgoName, DType, RunCfg, SpeculativeKind
 from miles.hardware.planner import resolve_offload
 from miles.data.rewards import build_scorer
@@ -22,6 +23,7 @@ from miles.orchestrate import determinism
 from miles.orchestrate.checkpoints import copy_tokenizer, draft_checkpoint, initial_checkpoint, teacher_checkpoint
 from miles.orchestrate.debug import check_sync_tensors, rollout_hook
 from miles.orchestrate.handles import spawn, start_ray
+from miles.orchestrate.hybrid import HybridWorker, PartHandle
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
 from miles.orchestrate.prompting import adapter_routing, prompt_setup
 from miles.orchestrate.resume import CheckpointStore
@@ -151,9 +153,10 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 
 
 def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, draft_dir: Path | None = None):
-    """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled)
-    or in-process objects; the critic is None when the advantages need none, a `Critics` (one value
-    model per adapter, one actor) with named LoRA adapters."""
+    """The rollout engine, the trainer and (GAE advantages) the critic, as Ray actors (ray.enabled;
+    the engine and the trainer in one where ray.hybrid applies) or in-process objects; the critic is
+    None when the advantages need none, a `Critics` (one value model per adapter, one actor) with
+    named LoRA adapters."""
     from miles.rollout.router import EngineFleet
     from miles.trainer.critic import Critics, TorchCritic
 
@@ -175,12 +178,13 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
     draft = {"draft_dir": str(draft_dir)} if draft_dir is not None else {}
     if cfg.trainer.lora.rank > 0:  # syncs carry the adapters; every engine serves them (docs/lora.md)
         engine_options = {**engine_options, "lora": cfg.trainer.lora}
-    fleet = [spawn(engine_cls, use_ray, str(init_dir), cfg.rollout, precision.rollout_dtype,
-                   hw.device, component_threads(cfg), cfg.seed, precision=precision, max_slots=_kv_slots(cfg),
-                   record_routing=cfg.algo.routing_replay == "r3",
-                   true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None, num_gpus=gpu,
-                   **engine_options, **draft)
-             for _ in range(engines)]
+    engine_args = (str(init_dir), cfg.rollout, precision.rollout_dtype, hw.device, component_threads(cfg), cfg.seed)
+    engine_kwargs = dict(precision=precision, max_slots=_kv_slots(cfg), record_routing=cfg.algo.routing_replay == "r3",
+                         true_on_policy=cfg.precision.train_dtype if cfg.true_on_policy else None,
+                         **engine_options, **draft)
+    hybrid = hybrid_actor(cfg)
+    fleet = [] if hybrid else [spawn(engine_cls, use_ray, *engine_args, num_gpus=gpu, **engine_kwargs)
+                               for _ in range(engines)]
     # Several engines: one router in front (seeded per prompt group, so they sample as one engine).
     engine = None if not fleet else fleet[0] if len(fleet) == 1 else \
         EngineFleet(fleet, max_restarts=cfg.fault.max_retries, log=console.print)
@@ -190,9 +194,20 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
                           teacher_dir=str(teacher_dir) if teacher_dir else None)
     if cfg.rollout.speculative.kind != SpeculativeKind.none and cfg.rollout.speculative.train_online:
         trainer_kwargs.update(speculative=cfg.rollout.speculative, **draft)  # validate(): a trainer that trains it
+
+    def spawn_trainer(cls: type):
+        if not hybrid:
+            return spawn(cls, use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)
+        # One actor for both (ray.hybrid): the engine part is built first, as in-process.
+        worker = spawn(HybridWorker, True, {"engine": (engine_cls, engine_args, engine_kwargs),
+                                            "trainer": (cls, trainer_args, trainer_kwargs)}, num_gpus=2 * gpu)
+        fleet.append(PartHandle(worker, "engine"))
+        return PartHandle(worker, "trainer")
+
     trainer = None if cfg.debug.rollout_only else start_trainer(cfg.trainer.backend, TrainerStart(
-        trainer_args, trainer_kwargs, cfg.trainer.num_ranks,
-        spawn=lambda cls: spawn(cls, use_ray, *trainer_args, **trainer_kwargs, num_gpus=gpu)))
+        trainer_args, trainer_kwargs, cfg.trainer.num_ranks, spawn=spawn_trainer))
+    if hybrid:
+        engine = fleet[0]
     if len(fleet) > 1 and trainer is not None:  # an engine the fleet restarts when no sync went through it
         engine.weights_source = lambda: trainer.submit("get_weights", num_returns=2)
     critic = None

@@ -15,7 +15,8 @@ engine that are Ray actors on one node goes through a shared-memory segment inst
 engine holds and verifies exactly what the object store would have brought. Why: for the default
 model (2.4 MB) the object store's hop took ~5 ms of a ~12 ms Ray sync (docs/benchmarks.md, issue 28).
 Anything else (another node, a GPU, LoRA adapters, FSDP ranks, other engine backends, a /dev/shm
-without room) keeps the object store. The snapshots stay in the object store: a snapshot must outlive
+without room) keeps the object store. Both in one Ray actor (`ray.hybrid`, miles/orchestrate/hybrid.py):
+the in-process copy above, run inside that actor. The snapshots stay in the object store: a snapshot must outlive
 the trainer's next refill of the segment.
 
 The only transport whose sync splits in two (`snapshots`): `fetch` takes the trainer's weights as
@@ -72,8 +73,10 @@ class ObjectStoreTransport:
 
     def sync(self, check: bool) -> float:
         start = time.perf_counter()
-        segment = self._same_node_segment()
-        if segment:
+        trainer, engine = self.components.trainer, self.components.engine
+        if getattr(trainer, "same_process", lambda other: False)(engine):
+            trainer.sync_in_process(check)  # one Ray actor holds both (ray.hybrid): its in-process copy
+        elif segment := self._same_node_segment():
             segment.sync(check)
         else:
             self.load(self.fetch(), check)

@@ -43,7 +43,8 @@ def test_sigterm_saves_a_checkpoint_and_resuming_continues(tmp_path):
 
 
 def test_killed_engine_actor_is_restarted_and_every_step_logged_once(tmp_path):
-    live = LiveRun([*TINY, "steps=4"], cwd=tmp_path)  # killed in step 3: restarted, steps 3 and 4 logged once
+    # An engine actor of its own (ray.hybrid=false): one that shares the trainer's dies with it (below).
+    live = LiveRun([*TINY, "steps=4", "ray.hybrid=false"], cwd=tmp_path)  # killed in step 3: restarted, steps 3 and 4 logged once
     live.wait_for("step    2/4")
     os.kill(actor_pid(live.proc.pid, "NativeEngine"), signal.SIGKILL)
     assert live.finish() == 0, live.output[-3000:]
@@ -63,9 +64,11 @@ def test_killed_engine_actor_is_restarted_and_every_step_logged_once(tmp_path):
 
 
 def test_killed_trainer_actor_resumes_from_the_last_checkpoint(tmp_path):
+    """The default run's engine and trainer share one actor (ray.hybrid): a dead one is a failed
+    trainer, and the run resumes with both built again (a lone trainer actor takes the same path)."""
     live = LiveRun([*TINY, "steps=6", "checkpoint.interval=1"], cwd=tmp_path)
     live.wait_for("step    3/6")
-    os.kill(actor_pid(live.proc.pid, "TorchTrainer"), signal.SIGKILL)
+    os.kill(actor_pid(live.proc.pid, "HybridWorker"), signal.SIGKILL)
     assert live.finish() == 0, live.output[-3000:]
     assert "the run failed" in live.output and "resuming from" in live.output
     assert "done: final held-out accuracy" in live.output

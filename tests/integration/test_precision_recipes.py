@@ -90,7 +90,8 @@ EXPECTED_DTYPES = {"fp32": {torch.float32}, "bf16": {torch.bfloat16},
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, module_ray, recipe):
     """The FP8 payload used to fail to load in the engine actor (torch cannot unpickle float8:
-    miles/transport/ray_tensors.py). Both checks on: the checksum, and tensor by tensor."""
+    miles/transport/ray_tensors.py). Both checks on: the checksum, and tensor by tensor. Actors of
+    their own (ray.hybrid=false), so the payload crosses the object store."""
     import ray
 
     import miles.orchestrate.run as run_module
@@ -106,7 +107,7 @@ def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, module_r
 
     monkeypatch.setattr(run_module, "spawn", recording)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    cfg = compose([*overrides(recipe), "ray.enabled=true", "steps=2", "eval.interval=2", "task.eval_size=8",
+    cfg = compose([*overrides(recipe), "ray.enabled=true", "ray.hybrid=false", "steps=2", "eval.interval=2", "task.eval_size=8",
                    "warm_start.enabled=false", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                    "trainer.global_batch_size=16", "trainer.micro_batch_size=8", "tracking.log_samples=0",
                    "rollout.check_weight_sync=true", "debug.compare_weights_tensorwise=true",

@@ -8,7 +8,7 @@ is an equality."""
 import pytest
 
 from ray_runs import WITH_AND_WITHOUT_RAY, run_with
-from runs import TINY, file_digest, journal_metrics
+from runs import TINY, file_digest, journal_metrics, without_timing
 
 pytestmark = pytest.mark.slow
 TRAIN_KEYS = ("train/", "mismatch/")
@@ -25,8 +25,8 @@ def test_true_on_policy_is_bitwise_exact_with_ray(tmp_path, monkeypatch, compose
     """The trainer's log-probs equal the engine's bit for bit when the two are separate processes
     (each with its own threads and batch-invariant kernels), not only two objects of one process."""
     monkeypatch.chdir(tmp_path)
-    run_with(compose, [*TINY, "eval.interval=100", "model=qwen3_moe_tiny", "true_on_policy=true", "steps=3"],
-             tmp_path / "run", ray=True)
+    run_with(compose, [*TINY, "eval.interval=100", "model=qwen3_moe_tiny", "true_on_policy=true", "steps=3",
+                       "ray.hybrid=false"], tmp_path / "run", ray=True)
     metrics = journal_metrics(tmp_path / "run")
     assert [metrics[s]["mismatch/logprob_abs_diff"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
 
@@ -70,3 +70,30 @@ def test_debug_modes_with_ray_train_as_in_process(tmp_path, monkeypatch, compose
     assert train_metrics(with_ray) == train_metrics(in_process) and sorted(train_metrics(with_ray)) == [1, 2]
     assert file_digest(with_ray / "checkpoint/model.safetensors") == file_digest(
         in_process / "checkpoint/model.safetensors")
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["one_actor", "two_actors"])
+def test_ray_run_trains_as_in_process(tmp_path, monkeypatch, compose, module_ray, hybrid):
+    """With Ray on, the engine and the trainer in one actor (ray.hybrid: the default where it
+    applies, the weights copied inside it) or in actors of their own (the weights through the object
+    store): the run logs the metrics of an in-process run and ends with its weights, bit for bit."""
+    import miles.orchestrate.run as run_module
+
+    monkeypatch.chdir(tmp_path)
+    spawned, spawn = [], run_module.spawn
+
+    def recording(cls, use_ray, *args, **kwargs):
+        if use_ray:
+            spawned.append(cls.__name__)
+        return spawn(cls, use_ray, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "spawn", recording)
+    overrides = [*TINY, "steps=3", "eval.interval=3", "checkpoint.enabled=false"]
+    run_with(compose, [*overrides, f"ray.hybrid={str(hybrid).lower()}"], tmp_path / "ray", ray=True)
+    run_with(compose, overrides, tmp_path / "in_process", ray=False)
+    assert spawned == (["HybridWorker"] if hybrid else ["NativeEngine", "TorchTrainer"])
+    with_ray, in_process = journal_metrics(tmp_path / "ray"), journal_metrics(tmp_path / "in_process")
+    assert sorted(with_ray) == [0, 1, 2, 3] and without_timing(with_ray) == without_timing(in_process)
+    assert all(with_ray[s]["perf/weight_sync_s"] > 0 for s in (1, 2, 3))
+    assert file_digest(tmp_path / "ray/checkpoint/model.safetensors") == file_digest(
+        tmp_path / "in_process/checkpoint/model.safetensors")
