@@ -35,9 +35,10 @@ case $PART in
 1)  # fp8's new default (w8a16) through the real loop, w8a8's expected failure, true on-policy per scheme
     step chunked_ce 100 python3 -m pytest -q -rf tests/unit/trainer/test_chunked_ce_triton.py \
         tests/unit/trainer/test_chunked_ce.py
-    step fp8_schemes 400 python3 -m pytest -q -rf tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_fp8_fused_cuda.py \
-        tests/gpu/test_fp8_invariant_cuda.py
+    # -s: the w8a16 file prints the bf16 / w8a16 mismatch on the GPU (issue 33)
+    step fp8_w8a16 200 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py
     step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
+    step fp8_fused 200 python3 -m pytest -q -rf tests/gpu/test_fp8_fused_cuda.py tests/gpu/test_fp8_invariant_cuda.py
     step megatron 150 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;
