@@ -69,3 +69,27 @@ def test_two_steps_through_the_phases_equal_the_resident_steps(ckpt, monkeypatch
     assert samples == resident_samples
     assert samples[0] != samples[1]  # the second step sampled from the trained weights (and other seeds)
     assert all(torch.equal(weights[k], resident_weights[k]) for k in weights)
+
+
+class _PartOfProcess:
+    """A Ray-side handle (in_process False) whose component lives in process `pid`: the engine and
+    the trainer of one HybridWorker (ray.hybrid) share one; actors of their own do not."""
+    in_process = False
+
+    def __init__(self, pid: int, peak: int):
+        self.pid, self.peak = pid, peak
+
+    def same_process(self, other) -> bool:
+        return isinstance(other, _PartOfProcess) and other.pid == self.pid
+
+    def apply(self, fn, *args):
+        return self.peak
+
+
+@pytest.mark.parametrize("pids, expected_gb", [((1, 1), 3.0), ((1, 2), 6.0)], ids=["one_actor", "two_actors"])
+def test_phase_memory_reads_a_shared_process_once(pids, expected_gb):
+    """One process, one allocator: its peak counts once, not once per component in it."""
+    from miles.orchestrate.colocate import phase_memory
+
+    engine, trainer = (_PartOfProcess(pid, 3 * 2**30) for pid in pids)
+    assert phase_memory(SimpleNamespace(engine=engine, trainer=trainer)) == expected_gb
