@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -119,13 +120,26 @@ class FlatWeights:
         row sums weighted by row index, the column sums weighted by column index. Any single
         changed bit changes the total; moved blocks change a weighted sum. An integrity check of
         a copy, not a cryptographic hash."""
-        words = self.buffer.view(torch.int32).view(-1, ROW)
-        rows = words.sum(dim=1, dtype=torch.int64)
-        cols = words.sum(dim=0, dtype=torch.int64)
-        row_index = torch.arange(1, rows.numel() + 1, device=words.device)
-        col_index = torch.arange(1, ROW + 1, device=words.device)
-        digest = torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
-        return "flat:" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in digest)
+        return "flat:" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in _word_sums(self.buffer.view(torch.int32)))
+
+
+def _word_sums(words: torch.Tensor) -> list[int]:
+    """The checksums' three int64 reductions of contiguous int32 `words` seen as [rows, ROW]: the
+    total, the row sums weighted by row index, the column sums weighted by column index (wrapping
+    mod 2^64, so any summation order gives the same digest). On the CPU numpy's reductions cast to
+    int64 in small buffers; torch's `sum(dtype=int64)` casts the whole matrix first, per reduction:
+    1.7-2.7 ms against 0.44-0.54 ms for the default model's 2.4 MB (2 threads, medians of 50)."""
+    words = words.view(-1, ROW)
+    if words.device.type == "cpu":
+        w = words.numpy()
+        rows, cols = np.add.reduce(w, axis=1, dtype=np.int64), np.add.reduce(w, axis=0, dtype=np.int64)
+        row_index, col_index = np.arange(1, rows.size + 1, dtype=np.int64), np.arange(1, ROW + 1, dtype=np.int64)
+        return [int(rows.sum()), int((rows * row_index).sum()), int((cols * col_index).sum())]
+    rows = words.sum(dim=1, dtype=torch.int64)
+    cols = words.sum(dim=0, dtype=torch.int64)
+    row_index = torch.arange(1, rows.numel() + 1, device=words.device)
+    col_index = torch.arange(1, ROW + 1, device=words.device)
+    return torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -148,10 +162,5 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     data = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
     if data.numel() % (ROW * 4):  # whole [ROW]-word rows; zero bytes at the end
         data = torch.nn.functional.pad(data, (0, -data.numel() % (ROW * 4)))
-    words = data.view(torch.int32).view(-1, ROW)
-    rows = words.sum(dim=1, dtype=torch.int64)
-    cols = words.sum(dim=0, dtype=torch.int64)
-    row_index = torch.arange(1, rows.numel() + 1, device=words.device)
-    col_index = torch.arange(1, ROW + 1, device=words.device)
-    digest = torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
+    digest = _word_sums(data.view(torch.int32))
     return DEVICE_DIGEST + meta.hexdigest()[:16] + "-" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in digest)

@@ -52,3 +52,20 @@ def test_mismatched_layouts_are_refused():
         flat.copy_from(other)
     with pytest.raises(ValueError, match="do not match the flat layout"):
         flat.fill_from({"embed_tokens.weight": torch.zeros(50, 32)})
+
+
+@pytest.mark.parametrize("words", [
+    torch.randint(-2**31, 2**31 - 1, (300 * 4096,), dtype=torch.int32, generator=torch.Generator().manual_seed(0)),
+    torch.full((700 * 4096,), -2**31, dtype=torch.int32),  # the weighted sums wrap around 2^64
+    torch.full((5 * 4096,), 2**31 - 1, dtype=torch.int32),
+], ids=["random", "min_words", "max_words"])
+def test_cpu_word_sums_equal_torchs_int64_reductions(words):
+    """The CPU reduces the checksum's words in numpy (faster); the digest is torch's int64 sums,
+    which a device computes, bit for bit: integer sums, any order."""
+    from miles.transport.flat import ROW, _word_sums
+
+    m = words.view(-1, ROW)
+    rows, cols = m.sum(dim=1, dtype=torch.int64), m.sum(dim=0, dtype=torch.int64)
+    expected = torch.stack([rows.sum(), (rows * torch.arange(1, rows.numel() + 1)).sum(),
+                            (cols * torch.arange(1, ROW + 1)).sum()]).tolist()
+    assert _word_sums(words) == expected
