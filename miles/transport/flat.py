@@ -127,8 +127,8 @@ def _word_sums(words: torch.Tensor) -> list[int]:
     """The checksums' three int64 reductions of contiguous int32 `words` seen as [rows, ROW]: the
     total, the row sums weighted by row index, the column sums weighted by column index (wrapping
     mod 2^64, so any summation order gives the same digest). On the CPU numpy's reductions cast to
-    int64 in small buffers; torch's `sum(dtype=int64)` casts the whole matrix first, per reduction:
-    1.7-2.7 ms against 0.44-0.54 ms for the default model's 2.4 MB (2 threads, medians of 50)."""
+    int64 in small buffers; torch's `sum(dtype=int64)` casts the whole matrix first, per reduction
+    (the sync's time with each: docs/benchmarks.md, "One actor for the engine and the trainer")."""
     words = words.view(-1, ROW)
     if words.device.type == "cpu":
         w = words.numpy()
