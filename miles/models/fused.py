@@ -5,6 +5,12 @@ RoPE ~7 per tensor, SwiGLU's gate 2. `enable()` swaps in `torch.compile`d versio
 each into one Triton kernel; dynamic shapes, so one compile serves every batch bucket). The math is
 the same code, so the trainer (same process) and the engine keep computing the same function.
 Never enabled on the CPU, where the eager versions stay (CPU numerics unchanged).
+
+Each compiled op has its backward written out (`BACKWARD`, compiled too) and runs through `_Fused`,
+whose forward is the inference kernel whether or not autograd records the call. Inductor compiles a
+call that needs gradients into another forward kernel (its training graph), which rounded RMSNorm
+otherwise than the no-grad kernel: a separate no-grad pass for the old log-probs then differed from
+the training forward (first-step `train/ppo_kl` 1.5e-8, not 0, on an H100).
 """
 
 from __future__ import annotations
@@ -38,6 +44,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 EAGER = {"rms_norm": rms_norm, "rotate": rotate, "silu_mul": silu_mul}
 
 
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(d x, d weight) of `rms_norm`, in float32 then cast to each input's dtype."""
+    h = x.float()
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    n = h * r
+    g = grad.float() * weight.to(x.dtype).float()  # d n (the cast to x's dtype passes gradients through)
+    dx = r * (g - n * (g * n).mean(-1, keepdim=True))
+    dw = (grad * n.to(x.dtype)).float().reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def rotate_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """d x of `rotate` (the tables are constants): grad * cos, plus the rotation's transpose of grad * sin."""
+    cos, sin = cos[:, None].to(grad.dtype), sin[:, None].to(grad.dtype)
+    g1, g2 = (grad * sin).chunk(2, dim=-1)
+    return grad * cos + torch.cat((g2, -g1), dim=-1), None, None
+
+
+def silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """(d gate, d up) of `silu_mul`, in float32 then cast."""
+    g, u, dy = gate.float(), up.float(), grad.float()
+    sig = torch.sigmoid(g)
+    return (dy * u * sig * (1 + g * (1 - sig))).to(gate.dtype), (dy * g * sig).to(up.dtype)
+
+
+BACKWARD = {"rms_norm": rms_norm_backward, "rotate": rotate_backward, "silu_mul": silu_mul_backward}
+
+
 class _Ops(dict):
     """The eager versions inside batch-invariant kernels (true on-policy), whose fixed reduction
     order a compiled kernel would not keep."""
@@ -60,5 +94,35 @@ def enable() -> None:
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8192)
     for name, fn in EAGER.items():
-        ops[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        ops[name] = _differentiable(name, torch.compile(fn, dynamic=True, fullgraph=True),
+                                    torch.compile(BACKWARD[name], dynamic=True, fullgraph=True))
+
+
+class _Fused(torch.autograd.Function):
+    """forward(ctx, forward_fn, backward_fn, *args): forward_fn on detached inputs (the kernel a
+    no-grad call runs); backward_fn(grad, *args) gives one gradient per argument."""
+
+    @staticmethod
+    def forward(ctx, forward_fn, backward_fn, *args):
+        ctx.backward_fn = backward_fn
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.layout = [isinstance(a, torch.Tensor) for a in args]
+        ctx.constants = [None if is_tensor else a for a, is_tensor in zip(args, ctx.layout)]
+        return forward_fn(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved) if is_tensor else c for is_tensor, c in zip(ctx.layout, ctx.constants)]
+        return (None, None, *ctx.backward_fn(grad.contiguous(), *args))
+
+
+def _differentiable(name: str, forward_fn, backward_fn):
+    def call(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return _Fused.apply(forward_fn, backward_fn, *args)
+        return forward_fn(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))  # as _Fused calls it
+    call.__name__ = name
+    return call
 

@@ -89,7 +89,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> CUDA from pinned memory, asynchronously: a plain .to() from pageable memory waits for
     the copy, and with it for all the work queued before it. Made contiguous first: a strided
     source would be staged through pageable memory again."""
-    if t.device == device or device.type != "cuda":
+    if t.device.type != "cpu" or device.type != "cuda":  # only host memory can be pinned
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)
 

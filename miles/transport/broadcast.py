@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import sys
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -153,14 +154,13 @@ def sender_tensors(trainer) -> tuple[dict[str, torch.Tensor], torch.dtype | None
 
 def _listen(trainer, group_name: str, bucket_bytes: int, timeout_s: float) -> tuple[str, int, tuple[Bucket, ...]]:
     """Rank 0, first: host the store on a free port and plan the buckets; (address, port, plan)."""
-    import ray
-
     tensors, dtype, _ = sender_tensors(trainer)
     plan = plan_buckets({n: (dtype or t.dtype, tuple(t.shape)) for n, t in tensors.items()}, bucket_bytes)
     store = TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                      wait_for_workers=False)
     _MEMBERS.setdefault(trainer, {})[group_name] = _Member(store, buckets=plan)
-    address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    ray = sys.modules.get("ray")  # a run without Ray (in-process, a GPU node without it) never imports it
+    address = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
     return address, store.port, plan
 
 
