@@ -54,10 +54,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
             entropy = torch.zeros_like(logp)
             lse = torch.empty_like(logp)  # logsumexp(logits / T) of each row, where the fused pass ran
+            # Backward takes each chunk's forward path: it may run after the batch-invariant kernels'
+            # mode ended (true on-policy), where `applies` would say yes to a chunk whose lse the
+            # eager forward never wrote.
+            ctx.fused_chunks = []
             for start in range(0, hidden.shape[0], chunk):
                 end = start + chunk
                 z = hidden[start:end].to(dtype) @ w.t()
-                if fused.applies(z):
+                ctx.fused_chunks.append(fused.applies(z))
+                if ctx.fused_chunks[-1]:
                     logp[start:end], lse[start:end], entropy[start:end] = fused.row_logprobs(
                         z, targets[start:end], temperature, with_entropy)
                     continue
@@ -89,12 +94,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            for start in range(0, hidden.shape[0], chunk):
+            for start, fused_chunk in zip(range(0, hidden.shape[0], chunk), ctx.fused_chunks):
                 end = start + chunk
                 h = hidden[start:end].to(dtype)
                 z = h @ w.t()
                 g_entropy = None if grad_entropy is None else grad_entropy[start:end]
-                if fused.applies(z):
+                if fused_chunk:
                     dz = fused.grad_logits_(z, lse[start:end], targets[start:end], grad_logp[start:end], g_entropy,
                                             entropy[start:end], t)
                 else:

@@ -14,6 +14,7 @@ import torch
 
 from triton_interpreter import run_under_interpreter
 
+from miles.models import invariant
 from miles.trainer import chunked_ce
 from miles.trainer import chunked_ce_triton as fused
 
@@ -77,30 +78,48 @@ def test_backward_matches_the_eager_gradient(with_entropy, t):
     assert float((got[rows, targets].float() - want[rows, targets].float()).abs().max()) < 1e-2
 
 
-@needs_kernel
-def test_the_chunked_head_takes_the_fused_path_under_autocast():
-    """hidden_logprobs under bf16 autocast gives the eager path's values and gradients with the fused
-    passes on (CUDA / the interpreter) as with them off."""
+def _head_run(invariant_forward: bool = False):
+    """hidden_logprobs of a small head under bf16 autocast (the forward under the batch-invariant
+    kernels with `invariant_forward`, as true on-policy runs it; backward after the mode ended), and
+    the gradients of a loss on its log-probs and entropies."""
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(9, 16, generator=g).to(DEV).requires_grad_()
     weight = (torch.randn(fused.BLOCK_V + 5, 16, generator=g) * 0.5).to(DEV).requires_grad_()
     targets = torch.randint(0, fused.BLOCK_V + 5, (9,), generator=g).to(DEV)
+    with torch.autocast(DEV, dtype=torch.bfloat16), invariant.kernels(invariant_forward):
+        logp, entropy = chunked_ce.hidden_logprobs(hidden, weight, targets, 0.7, with_entropy=True, chunk_tokens=4)
+    grads = torch.autograd.grad((logp * 0.3).sum() + (entropy * 0.1).sum(), (hidden, weight))
+    return logp, entropy, grads
 
-    def run():
-        with torch.autocast(DEV, dtype=torch.bfloat16):
-            logp, entropy = chunked_ce.hidden_logprobs(hidden, weight, targets, 0.7, with_entropy=True,
-                                                       chunk_tokens=4)
-        grads = torch.autograd.grad((logp * 0.3).sum() + (entropy * 0.1).sum(), (hidden, weight))
-        return logp, entropy, grads
 
-    logp, entropy, grads = run()
+def _eager_head_run(invariant_forward: bool = False):
     original = fused.applies
     fused.applies = lambda logits: False
     try:
-        ref_logp, ref_entropy, ref_grads = run()
+        return _head_run(invariant_forward)
     finally:
         fused.applies = original
+
+
+@needs_kernel
+def test_the_chunked_head_takes_the_fused_path_under_autocast():
+    """hidden_logprobs under bf16 autocast gives the eager path's values and gradients with the fused
+    passes on (CUDA / the interpreter) as with them off."""
+    logp, entropy, grads = _head_run()
+    ref_logp, ref_entropy, ref_grads = _eager_head_run()
     torch.testing.assert_close(logp, ref_logp, atol=2e-6, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=2e-6, rtol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=0)
+
+
+@needs_kernel
+def test_backward_takes_the_forwards_path_after_the_invariant_mode():
+    """True on-policy: the forward ran the eager path under the batch-invariant kernels and backward
+    runs after the mode ended. Backward must take the eager path too: the fused one reads the rows'
+    logsumexp, which only the fused forward writes (on an H100 it read uninitialized memory: wrong
+    gradients, NaN after a few steps)."""
+    _, _, grads = _head_run(invariant_forward=True)
+    _, _, want = _eager_head_run(invariant_forward=True)
+    for got, ref in zip(grads, want):
+        assert torch.equal(got, ref)
