@@ -55,8 +55,9 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
-def rotate_backward(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """d x of `rotate` (the tables are constants): grad * cos, plus the rotation's transpose of grad * sin."""
+def rotate_backward(grad: torch.Tensor, x: None, cos: torch.Tensor, sin: torch.Tensor):
+    """d x of `rotate` (the tables are constants; x itself is not needed): grad * cos, plus the
+    rotation's transpose of grad * sin."""
     cos, sin = cos[:, None].to(grad.dtype), sin[:, None].to(grad.dtype)
     g1, g2 = (grad * sin).chunk(2, dim=-1)
     return grad * cos + torch.cat((g2, -g1), dim=-1), None, None
@@ -70,6 +71,8 @@ def silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
 
 
 BACKWARD = {"rms_norm": rms_norm_backward, "rotate": rotate_backward, "silu_mul": silu_mul_backward}
+# The arguments each backward reads (the others reach it as None): RoPE's input is not kept alive.
+SAVED = {"rms_norm": (0, 1), "rotate": (1, 2), "silu_mul": (0, 1)}
 
 
 class _Ops(dict):
@@ -99,29 +102,29 @@ def enable() -> None:
 
 
 class _Fused(torch.autograd.Function):
-    """forward(ctx, forward_fn, backward_fn, *args): forward_fn on detached inputs (the kernel a
-    no-grad call runs); backward_fn(grad, *args) gives one gradient per argument."""
+    """forward(ctx, forward_fn, backward_fn, saved, *args): forward_fn on detached inputs (the kernel
+    a no-grad call runs); backward_fn(grad, *args) gives one gradient per argument, the tensors not
+    in `saved` (indices) passed as None."""
 
     @staticmethod
-    def forward(ctx, forward_fn, backward_fn, *args):
-        ctx.backward_fn = backward_fn
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.layout = [isinstance(a, torch.Tensor) for a in args]
-        ctx.constants = [None if is_tensor else a for a, is_tensor in zip(args, ctx.layout)]
+    def forward(ctx, forward_fn, backward_fn, saved, *args):
+        ctx.backward_fn, ctx.saved = backward_fn, saved
+        ctx.save_for_backward(*(args[i] for i in saved))
+        ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         return forward_fn(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
 
     @staticmethod
     def backward(ctx, grad):
-        saved = iter(ctx.saved_tensors)
-        args = [next(saved) if is_tensor else c for is_tensor, c in zip(ctx.layout, ctx.constants)]
-        return (None, None, *ctx.backward_fn(grad.contiguous(), *args))
+        args = list(ctx.constants)
+        for i, t in zip(ctx.saved, ctx.saved_tensors):
+            args[i] = t
+        return (None, None, None, *ctx.backward_fn(grad.contiguous(), *args))
 
 
 def _differentiable(name: str, forward_fn, backward_fn):
     def call(*args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return _Fused.apply(forward_fn, backward_fn, *args)
+            return _Fused.apply(forward_fn, backward_fn, SAVED[name], *args)
         return forward_fn(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))  # as _Fused calls it
     call.__name__ = name
     return call
