@@ -165,6 +165,42 @@ def test_the_local_decoder_spec_builds_the_projects_core_attention(parallel):
 
     config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
                                moe_layer_freq=[0, 1, 1], moe_ffn_hidden_size=16)
-    block = decoder_block_spec(config, te=False, layer_spec={"normalization": "RMSNorm"})
+    block = decoder_block_spec(config, te=False, layer_spec={"normalization": "RMSNorm", "rope_theta": 1e6})
     cores = [layer.submodules.self_attention.submodules.core_attention for layer in block.layer_specs]
-    assert cores == [SDPACoreAttention] * 3
+    assert [(core.module, core.params) for core in cores] == [(SDPACoreAttention, {"rope_theta": 1e6})] * 3
+
+
+def _megatron_rope(x, theta):
+    """megatron-core's own RoPE (RotaryEmbedding + apply_rotary_pos_emb, unfused, bshd) of x
+    [s, b, h, d] at positions 0..s-1 (one sequence): what GPTModel does without the swap."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    freqs = RotaryEmbedding(x.shape[-1], rotary_percent=1.0, rotary_base=theta)(x.shape[0]).to(x.device)
+    return _apply_rotary_pos_emb_bshd(x, freqs[: x.shape[0]])
+
+
+def test_rope_in_the_core_attention_equals_megatrons(parallel):
+    """With `rope_theta` the core attention rotates query and key as megatron-core's RoPE does, then
+    attends: padded rows (positions 0..s-1) and a THD pack (positions restarting per sequence)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from miles.trainer.megatron.core_attention import SDPACoreAttention, packed_positions
+
+    theta, (heads, groups) = 10000.0, (4, 2)
+    plain = SDPACoreAttention(_config(heads, groups, 8), 1, AttnMaskType.causal, "self")
+    rotating = SDPACoreAttention(_config(heads, groups, 8), 1, AttnMaskType.causal, "self", rope_theta=theta)
+    q, k, v = _qkv(12, 3, heads, groups, 8, 8, parallel, seed=6)
+    want = plain(_megatron_rope(q, theta), _megatron_rope(k, theta), v, None)
+    assert float((rotating(q, k, v, None) - want).abs().max()) < 1e-6
+    assert float((plain(q, k, v, None) - want).abs().max()) > 1e-2  # the rotation matters here
+
+    cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32, device=parallel)
+    assert packed_positions(cu, 12).tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    qt, kt, vt = (t[:, 0] for t in (q, k, v))  # [t, h, d]
+    got = rotating(qt, kt, vt, None, packed_seq_params=params)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = plain(*(_megatron_rope(t[start:end, None], theta) for t in (qt, kt)), vt[start:end, None], None)
+        assert float((got[start:end] - alone[:, 0]).abs().max()) < 1e-6

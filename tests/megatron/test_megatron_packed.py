@@ -72,9 +72,12 @@ def test_packed_logprobs_equal_padded_and_the_torch_trainers_packing(name, tmp_p
 def test_positions_restart_at_each_packed_sample(name, tmp_path, megatron_on_this_device, monkeypatch):
     """Packed at other offsets (other micro-batch sizes), the log-probs stay the padded ones. RoPE
     sees relative positions only, so what must hold is that they restart exactly at each sample's
-    start: megatron-core's THD RoPE restarting one token late (its cu_seqlens shifted by one) moves
-    the log-probs, and the parity above would fail."""
+    start: RoPE restarting one token late (cu_seqlens shifted by one) moves the log-probs, and the
+    parity above would fail. That RoPE is the project's core attention's for the GQA families
+    (miles/trainer/megatron/specs.py), megatron-core's THD RoPE for MLA."""
     from megatron.core.models.common.embeddings import rope_utils
+
+    from miles.trainer.megatron import core_attention
 
     ckpt = _checkpoint(name, tmp_path)
     mega = _megatron(ckpt, megatron_on_this_device)
@@ -84,15 +87,26 @@ def test_positions_restart_at_each_packed_sample(name, tmp_path, megatron_on_thi
         mega.cfg = dataclasses.replace(mega.cfg, max_tokens_per_micro_batch=tokens)
         worst, _ = _diff(mega.logprobs(batch), padded, batch.loss_mask)
         assert worst < TOL, (tokens, worst)
-    thd = rope_utils._apply_rotary_pos_emb_thd
+    if mega.arch.mla is None:
+        positions = core_attention.packed_positions
 
-    def one_late(t, cu_seqlens, freqs, **kwargs):
-        late = cu_seqlens.clone()
-        late[1:-1] += 1  # a sample may now be one token longer than the table: freqs[p] = p * freqs[1]
-        longer = torch.arange(freqs.shape[0] + 1, dtype=freqs.dtype, device=freqs.device)[:, None, None, None] * freqs[1:2]
-        return thd(t, late, longer, **kwargs)
+        def late_positions(starts, tokens):
+            late = starts.clone()
+            late[1:-1] += 1
+            return positions(late, tokens)
 
-    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", one_late)
+        monkeypatch.setattr(core_attention, "packed_positions", late_positions)
+    else:
+        thd = rope_utils._apply_rotary_pos_emb_thd
+
+        def one_late(t, cu_seqlens, freqs, **kwargs):
+            late = cu_seqlens.clone()
+            late[1:-1] += 1  # a sample may now be one token longer than the table: freqs[p] = p * freqs[1]
+            longer = torch.arange(freqs.shape[0] + 1, dtype=freqs.dtype,
+                                  device=freqs.device)[:, None, None, None] * freqs[1:2]
+            return thd(t, late, longer, **kwargs)
+
+        monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", one_late)
     moved, _ = _diff(mega.logprobs(batch), padded, batch.loss_mask)
     print(f"\n{name}: RoPE restarting one token late moves the log-probs by {moved:.3g}")
     assert moved > 10 * TOL, moved  # deepseek_v3_tiny's 8 rotary dims move least

@@ -3,7 +3,7 @@
     spec = megatron_spec(arch, bf16=True, recompute=False)
     config = specs.transformer_config(spec.config_class, **spec.transformer, activation_func=F.silu)
     layers = specs.decoder_block_spec(config, te, spec.layer_spec)       # megatron-core's, with the project's swaps
-    GPTModel(config, layers, **spec.model)
+    GPTModel(config, layers, **specs.gpt_model_kwargs(spec.model, te, spec.layer_spec))
 
 Mapped families: qwen3 and qwen2 (dense GQA, RoPE, RMSNorm, SwiGLU; QK-norm or q/k/v bias),
 qwen3_moe (softmax top-k router, renormalized or not, dropless experts, dense `mlp_only_layers`),
@@ -30,7 +30,8 @@ MAPPED_FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "deepseek_v3", "glm4_moe_lite"
 class MegatronSpec:
     transformer: dict[str, Any]  # TransformerConfig keyword arguments (activation_func apart)
     # get_gpt_decoder_block_spec keyword arguments (it reads the layers' kinds from the config), and
-    # the project's own: latent_norm_eps (MLA), dsa (the ArchConfig, for DSA's core attention; specs.py)
+    # the project's own: latent_norm_eps (MLA), dsa (the ArchConfig, for DSA's core attention),
+    # rope_theta (GQA families: RoPE in the project's core attention; specs.py)
     layer_spec: dict[str, Any]
     model: dict[str, Any]  # GPTModel keyword arguments (config and layer spec apart)
     activation: str = "silu"  # TransformerConfig.activation_func, by name
@@ -154,7 +155,9 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
     if any(pattern):
         transformer.update(_moe(arch.moe), moe_layer_freq=pattern)
     layer_spec: dict[str, Any] = dict(normalization="RMSNorm")
-    if arch.mla is not None:
+    if arch.mla is None:
+        layer_spec["rope_theta"] = arch.rope_theta  # the project's core attention rotates (specs.py)
+    else:
         transformer.update(_mla(arch))
         layer_spec["latent_norm_eps"] = LATENT_NORM_EPS
         if arch.dsa is not None:

@@ -24,6 +24,12 @@ the causal mask types; output [t, heads * v], zeros in the padding between seque
 Both compute softmax(q k^T * scale) v within each sequence: the same function.
 (MLA pads THD values to the query's head dim and trims the output after: the value's own width is
 the output's.)
+
+RoPE (`rope_theta`, the GQA families; miles/trainer/megatron/specs.py builds GPTModel without its
+own): query and key are rotated here with the native model's RoPE (miles/models/rope.py), at
+positions 0, 1, ... of each row, or of each packed sequence from `cu_seqlens` on the device.
+megatron-core's THD RoPE copies cu_seqlens to the host and rotates one sequence at a time in
+every layer.
 """
 
 from __future__ import annotations
@@ -41,14 +47,25 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from miles.models.packed import _causal_kwargs, _takes_enable_gqa, _varlen_attn, uses_varlen
+from miles.models.rope import apply_rope, rope_cos_sin
+
+
+def packed_positions(starts: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each token's position within its packed sequence ([tokens], int64; `starts`: cu_seqlens),
+    computed on the device (no host copy of cu_seqlens)."""
+    starts = starts.long()
+    index = torch.arange(tokens, device=starts.device)
+    return index - starts[torch.searchsorted(starts, index, right=True) - 1]
 
 
 class SDPACoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None,
-                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 rope_theta: float | None = None):
         super().__init__(config=config)
+        self.rope_theta = rope_theta  # None: the attention module rotated query and key already
         refused = {"context parallelism (context_parallel_size > 1)": config.context_parallel_size > 1,
                    f"softmax_type={config.softmax_type}": config.softmax_type != "vanilla",
                    "sliding-window attention (window_size)": config.window_size is not None}
@@ -91,6 +108,11 @@ class SDPACoreAttention(MegatronModule):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                                   scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
 
+    def _rotate(self, x, positions):
+        """RoPE on x [b, heads, s, d] at positions [b or 1, s]."""
+        cos, sin = rope_cos_sin(positions, x.shape[-1], self.rope_theta)
+        return apply_rope(x, cos, sin)
+
     def _packed(self, query, key, value, params, mask_type: AttnMaskType):
         """THD: one attention per packed sequence (see the module docstring)."""
         if params.qkv_format != "thd":
@@ -100,6 +122,9 @@ class SDPACoreAttention(MegatronModule):
                                                                                params.cu_seqlens_kv):
             raise NotImplementedError("SDPACoreAttention: packed queries and keys of different lengths")
         starts = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+        if self.rope_theta is not None:  # [t, h, d] as [1, h, t, d]
+            positions = packed_positions(starts, query.shape[0])[None]
+            query, key = (self._rotate(x.transpose(0, 1)[None], positions)[0].transpose(0, 1) for x in (query, key))
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if causal and starts is params.cu_seqlens_q and self._takes_varlen(query, value):
             return self._varlen(query, key, value, params)
@@ -138,5 +163,8 @@ class SDPACoreAttention(MegatronModule):
         sq, b = query.shape[:2]
         mask, causal = self._mask(mask_type, attention_mask, sq, key.shape[0], query.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
+        if self.rope_theta is not None:
+            positions = torch.arange(sq, device=q.device)[None]
+            q, k = self._rotate(q, positions), self._rotate(k, positions)
         out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

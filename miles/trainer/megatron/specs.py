@@ -10,6 +10,10 @@ them with the decoder's layernorm_epsilon, and GLM-4.7-Flash's checkpoints diffe
 DSA (`dsa`, the project's key holding the ArchConfig: DeepSeek-V3.2, GLM-5): the core attention is the
 project's DSACoreAttention (miles/trainer/megatron/dsa_attention.py: the native lightning indexer and
 the sparse attention), one DSASelection shared by the model's layers; local spec only.
+GQA families (`rope_theta`, local spec): the core attention applies RoPE itself and GPTModel is built
+without its own (`gpt_model_kwargs`). megatron-core's RoPE on packed (THD) sequences splits the pack
+by a host copy of cu_seqlens and rotates one sequence at a time, in every layer; the core attention
+derives each token's position from cu_seqlens on the device and rotates the pack at once.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
     layer_spec = dict(layer_spec)
     latent_eps = layer_spec.pop("latent_norm_eps", None)
     dsa_arch = layer_spec.pop("dsa", None)
+    rope_theta = layer_spec.pop("rope_theta", None)
     if dsa_arch is not None and te:  # TE's MLA spec fuses q_layernorm into linear_q_up_proj: no q latent to read
         raise ValueError("DSA's indexer reads the normalized q latent, which Transformer Engine's MLA spec fuses "
                          "into linear_q_up_proj: DSA families need the local spec (no Transformer Engine)")
@@ -77,9 +82,12 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
         core = ModuleSpec(module=DSACoreAttention, params={"arch": dsa_arch, "selection": DSASelection()})
         swaps.append(functools.partial(_with_core_attention, core_attention=core))
     elif not te:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
         from miles.trainer.megatron.core_attention import SDPACoreAttention
 
-        swaps.append(functools.partial(_with_core_attention, core_attention=SDPACoreAttention))
+        core = ModuleSpec(module=SDPACoreAttention, params={"rope_theta": rope_theta})
+        swaps.append(functools.partial(_with_core_attention, core_attention=core))
     if latent_eps is not None and latent_eps != config.layernorm_epsilon:
         if te:  # TE's MLA spec fuses the latent norms into the up projections, with layernorm_epsilon
             raise ValueError(f"MLA latent norms with eps {latent_eps} != layernorm_epsilon "
@@ -94,6 +102,14 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
         if id(layer) not in swapped:
             swapped[id(layer)] = functools.reduce(lambda spec, swap: swap(spec), swaps, layer)
     return replace(block, layer_specs=[swapped[id(layer)] for layer in block.layer_specs])
+
+
+def gpt_model_kwargs(model: dict, te: bool, layer_spec: dict) -> dict:
+    """GPTModel's keyword arguments: without its RoPE where the project's core attention applies it
+    (the local spec of a GQA family, `rope_theta` in the layer spec)."""
+    if te or layer_spec.get("rope_theta") is None:
+        return model
+    return {**model, "position_embedding_type": "none"}
 
 
 def transformer_config(config_class: str, **kwargs):

@@ -59,7 +59,7 @@ from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
-from miles.trainer.megatron.specs import decoder_block_spec, transformer_config
+from miles.trainer.megatron.specs import decoder_block_spec, gpt_model_kwargs, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 from miles.trainer.packing import MicroBatch, packed_micro_batches, padded_micro_batches
 from miles.trainer.parallel import SingleProcess
@@ -239,7 +239,7 @@ class MegatronTrainer:
         if arch is self.arch:
             self.megatron_config = config
         layers = decoder_block_spec(config, self.te, spec.layer_spec)
-        model = GPTModel(config, layers, **spec.model).to(self.device)
+        model = GPTModel(config, layers, **gpt_model_kwargs(spec.model, self.te, spec.layer_spec)).to(self.device)
         dtype = kwargs["params_dtype"]
         missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
         missing = [k for k in missing if not k.endswith("._extra_state")]

@@ -10,6 +10,7 @@ import torch
 from miles.models import CausalLM
 from miles.models.config import ArchConfig, MoEConfig
 from miles.trainer.megatron.arch import megatron_spec, moe_layer_pattern, problems
+from miles.trainer.megatron.specs import gpt_model_kwargs
 from miles.trainer.megatron.weights import from_megatron, to_megatron
 
 @pytest.fixture
@@ -30,7 +31,10 @@ def test_qwen3_0_6b_translates_to_its_published_megatron_config(arch_of):
     assert m == dict(vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope",
                      rotary_base=1000000.0, rotary_percent=1.0, share_embeddings_and_output_weights=True,
                      parallel_output=True)
-    assert spec.activation == "silu" and spec.layer_spec == {"normalization": "RMSNorm"}
+    assert spec.activation == "silu" and spec.layer_spec == {"normalization": "RMSNorm", "rope_theta": 1000000.0}
+    # the local spec's core attention applies RoPE (miles/trainer/megatron/specs.py); TE's spec keeps GPTModel's
+    assert gpt_model_kwargs(m, te=False, layer_spec=spec.layer_spec) == {**m, "position_embedding_type": "none"}
+    assert gpt_model_kwargs(m, te=True, layer_spec=spec.layer_spec) == m
 
 
 def test_qwen2_has_qkv_bias_and_no_qk_norm_and_fp32_and_recompute(arch_of):
