@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's work list, in parts that each fit one 600 s device call; logs under $OUT (or ./gpu-logs).
 #   bash scripts/gpu_session.sh 1        # on the GPU node, from the repo root, wheelhouse/ carried
-#   STEPS="fp8_fused megatron" bash scripts/gpu_session.sh 1     # only these steps of the part
+#   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
 # does not cost the rest of a call. Parts, most urgent first:
-#   1  the GPU tests of what changed last (the chunked LM head's fused softmax; fp8's default scheme,
-#      w8a16; recompute under the recipes; Megatron: its CPU tier on CUDA and the contract suite)
-#   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA)
+#   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
+#      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
+#      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
+#      the trainer contract)
+#   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA,
+#      fp8's default scheme w8a16 with its mismatch, recompute under the recipes)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
@@ -34,19 +37,18 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 }
 
 case $PART in
-1)  # fp8's new default (w8a16) through the real loop, w8a8's expected failure, true on-policy per scheme
-    step chunked_ce 100 python3 -m pytest -q -rf tests/unit/trainer/test_chunked_ce_triton.py \
-        tests/unit/trainer/test_chunked_ce.py
-    # -s: the w8a16 file prints the bf16 / w8a16 mismatch on the GPU (issue 33)
-    step fp8_w8a16 200 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py
-    step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
-    step fp8_fused 360 python3 -m pytest -q -rf tests/gpu/test_fp8_fused_cuda.py tests/gpu/test_fp8_invariant_cuda.py
+1)
+    step fixes 240 python3 -m pytest -q -rf tests/unit/trainer/test_chunked_ce_triton.py \
+        tests/unit/models/test_fused_ops.py tests/gpu/test_fp8_invariant_cuda.py
     step megatron 300 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;
 2)
-    step engine_cuda 560 python3 -m pytest -q tests/gpu/test_rollout_cuda.py tests/gpu/test_determinism_cuda.py \
+    step engine_cuda 300 python3 -m pytest -q tests/gpu/test_rollout_cuda.py tests/gpu/test_determinism_cuda.py \
         tests/gpu/test_true_on_policy_cuda.py tests/gpu/test_multi_lora_cuda.py
+    # -s: the w8a16 file prints the bf16 / w8a16 mismatch on the GPU (issue 33)
+    step fp8_w8a16 200 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py
+    step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
     ;;
 3)  # each engine's first call compiles and captures: 60 s per MoE / MLA case was too short (2026-12-05)
     step decode_moe 170 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
