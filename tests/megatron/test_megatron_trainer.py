@@ -112,3 +112,25 @@ def test_bf16_offload_onload_continues_bit_for_bit(tmp_path, megatron_on_this_de
         offload.FORCE_COPY = False
     assert moved.train_rl(batch) == plain.train_rl(batch)
     assert all(torch.equal(a, b) for a, b in zip(moved.get_weights()[0].values(), plain.get_weights()[0].values()))
+
+
+@pytest.mark.slow
+def test_compiled_fusions_as_on_cuda_equal_the_native_trainer(tmp_path, megatron_on_this_device, monkeypatch):
+    """With the settings CUDA gets (megatron-core's torch.compile'd SwiGLU, the compiled RoPE / norms of
+    miles/models/fused.py for both trainers), compiled here by Inductor's CPU backend: log-probs and the
+    first step still equal the native trainer's (fp32)."""
+    import miles.trainer.megatron.trainer as megatron_trainer
+    from miles.models import fused
+
+    monkeypatch.setattr(fused, "ops", fused._Ops(fused.EAGER))  # enable() fills this copy; restored after
+    monkeypatch.setattr(megatron_trainer, "compiled_fusions", lambda device: True)
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    mega, native = _trainers(ckpt, megatron_on_this_device)
+    assert mega.megatron_config.bias_activation_fusion and fused.ops["silu_mul"] is not fused.EAGER["silu_mul"]
+    batch = _batch(mega.arch.vocab_size)
+    worst, mean = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
+    assert worst < TOL["fp32"] and mean < MEAN_TOL["fp32"], (worst, mean)
+    m, n = mega.train_rl(batch), native.train_rl(batch)
+    assert m["train/ppo_kl"] == 0.0
+    assert m["train/loss"] == pytest.approx(n["train/loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(n["train/grad_norm"], rel=1e-3)

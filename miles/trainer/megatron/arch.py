@@ -135,7 +135,8 @@ def megatron_spec(arch, bf16: bool, recompute: bool = False, tp: int = 1, ep: in
         attention_softmax_in_fp32=True,
         init_method_std=0.02,
         # Fusions that need Apex or Transformer Engine kernels stay off: the local spec runs on
-        # plain torch, and the TE spec brings its own fused modules.
+        # plain torch, and the TE spec brings its own fused modules. (The SwiGLU fusion is
+        # torch.compile'd: the trainer turns it on on CUDA.)
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.config.schema import AlgoCfg, DType, PrecisionCfg, SpeculativeCfg, TrainerCfg
-from miles.models import CausalLM, from_pretrained, save_pretrained
+from miles.models import CausalLM, from_pretrained, fused, save_pretrained
 from miles.models.lora import LoRA
 from miles.precision.qlora import holds_quantized_base
 from miles.precision.recipe import FP8, NONE, W8A16, Recipe
@@ -103,6 +103,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def compiled_fusions(device: torch.device) -> bool:
+    """Whether the decoder's elementwise ops run compiled (torch.compile): on CUDA, as trainer=torch's."""
+    return device.type == "cuda"
 
 
 def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0) -> None:
@@ -169,6 +174,9 @@ class MegatronTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(device)
         init_parallel(self.device, max(cfg.tp, 1), max(cfg.ep, 1), seed)
+        self.compiled = compiled_fusions(self.device)
+        if self.compiled:  # the core attention's RoPE compiled, as the torch trainer's (models/fused.py)
+            fused.enable()
 
         native = from_pretrained(checkpoint_dir, dtype=torch.float32)
         self.arch = native.config
@@ -235,6 +243,9 @@ class MegatronTrainer:
         # MoE: megatron-core's RouterReplay hooks, idle unless a forward replays or records (R3 / R2,
         # the routing diagnostics against the engine's experts)
         kwargs["moe_enable_routing_replay"] = arch.moe is not None
+        # megatron-core's SwiGLU fusion is torch.compile with a written-out backward (no Apex or TE):
+        # on CUDA, as the native trainer's compiled silu_mul; the CPU keeps the eager glu
+        kwargs["bias_activation_fusion"] = self.compiled
         config = transformer_config(spec.config_class, **kwargs, activation_func=F.silu, perform_initialization=False)
         if arch is self.arch:
             self.megatron_config = config
