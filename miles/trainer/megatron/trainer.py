@@ -343,7 +343,8 @@ class MegatronTrainer:
         Packed rows (mb.cu_seqlens) go in as THD: the [R, L] rows flattened to one sequence of tokens
         [1, R * L], megatron-core's PackedSeqParams bounding each sample (and each row's padded tail)
         by mb.cu_seqlens; attention stays within a sample and its RoPE restarts at each sample's start
-        (megatron-core's unfused THD RoPE), no [L, L] mask. Padded rows: [R, L] under the causal mask."""
+        (the project's core attention rotates for GQA families, megatron-core's THD RoPE for MLA), no
+        [L, L] mask. Padded rows: [R, L] under the causal mask."""
         packed = None
         if mb.cu_seqlens is not None:
             from megatron.core.packed_seq_params import PackedSeqParams
