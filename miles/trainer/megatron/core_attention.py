@@ -108,10 +108,10 @@ class SDPACoreAttention(MegatronModule):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                                   scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
 
-    def _rotate(self, x, positions):
-        """RoPE on x [b, heads, s, d] at positions [b or 1, s]."""
-        cos, sin = rope_cos_sin(positions, x.shape[-1], self.rope_theta)
-        return apply_rope(x, cos, sin)
+    def _rotate(self, positions, *xs):
+        """RoPE on each x [b, heads, s, d] at positions [b or 1, s]: one cos / sin table for all."""
+        cos, sin = rope_cos_sin(positions, xs[0].shape[-1], self.rope_theta)
+        return [apply_rope(x, cos, sin) for x in xs]
 
     def _packed(self, query, key, value, params, mask_type: AttnMaskType):
         """THD: one attention per packed sequence (see the module docstring)."""
@@ -124,7 +124,8 @@ class SDPACoreAttention(MegatronModule):
         starts = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         if self.rope_theta is not None:  # [t, h, d] as [1, h, t, d]
             positions = packed_positions(starts, query.shape[0])[None]
-            query, key = (self._rotate(x.transpose(0, 1)[None], positions)[0].transpose(0, 1) for x in (query, key))
+            query, key = (x[0].transpose(0, 1) for x in self._rotate(positions, query.transpose(0, 1)[None],
+                                                                      key.transpose(0, 1)[None]))
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if causal and starts is params.cu_seqlens_q and self._takes_varlen(query, value):
             return self._varlen(query, key, value, params)
@@ -165,6 +166,6 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, d]
         if self.rope_theta is not None:
             positions = torch.arange(sq, device=q.device)[None]
-            q, k = self._rotate(q, positions), self._rotate(k, positions)
+            q, k = self._rotate(positions, q, k)
         out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
