@@ -39,7 +39,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the
 case $PART in
 1)
     step fixes 240 python3 -m pytest -q -rf tests/unit/trainer/test_chunked_ce_triton.py \
-        tests/unit/models/test_fused_ops.py tests/gpu/test_fp8_invariant_cuda.py
+        tests/unit/models/test_fused_ops.py tests/gpu/test_fp8_invariant_cuda.py \
+        tests/gpu/test_true_on_policy_cuda.py::test_true_on_policy_step_takes_the_eager_head_in_backward
     step megatron 300 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;

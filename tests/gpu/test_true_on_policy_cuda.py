@@ -63,3 +63,39 @@ def test_true_on_policy_is_exact_on_cuda(compose, tmp_path, monkeypatch, model, 
     diffs = [metrics[s]["mismatch/logprob_abs_diff"] for s in range(1, STEPS + 1)]
     assert diffs == [0.0] * STEPS, diffs
     assert metrics[1]["train/ppo_kl"] == 0.0
+
+
+def test_true_on_policy_step_takes_the_eager_head_in_backward(compose, tmp_path, monkeypatch):
+    """The chunked LM head's fused Triton passes stay off under the batch-invariant kernels, backward
+    included: a true on-policy bf16 step (entropy bonus on) has the gradient of a trainer whose fused
+    passes are off everywhere (up to the backward kernels' own run-to-run noise: attention's backward
+    is not batch-invariant). The backward once took the fused pass after the mode had ended and read
+    a logsumexp only the fused forward writes: gradients from uninitialized memory, which the runs
+    above did not see (their mismatch compares forwards)."""
+    pytest.importorskip("hydra")
+    from miles.config.schema import AlgoCfg, AlgoName
+    from miles.data.tokenizer import DEFAULT_ALPHABET
+    from miles.orchestrate.checkpoints import random_checkpoint
+    from miles.trainer import chunked_ce_triton
+    from miles.trainer.torch_trainer import TorchTrainer
+    from miles.types import TrainBatch
+
+    cfg = compose(["model=qwen3_tiny", "hardware=gpu", "precision=bf16", "true_on_policy=true"])
+    ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=0, out=tmp_path / "ckpt"))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 20, (8, 24), generator=gen)
+    mask = torch.zeros(8, 23)
+    mask[:, 8:] = 1.0
+    adv = (torch.randint(0, 2, (8, 1), generator=gen).float() * 2 - 1) * mask
+    batch = TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=torch.zeros_like(mask))
+
+    def step():
+        trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo, entropy_coef=0.01), cfg.trainer, cfg.precision,
+                               device="cuda", threads=1, true_on_policy=True)
+        return trainer.train_rl(batch)
+
+    metrics = step()
+    monkeypatch.setattr(chunked_ce_triton, "applies", lambda logits: False)
+    eager = step()
+    assert metrics["train/loss"] == eager["train/loss"]  # the forward: batch-invariant, bit for bit
+    assert metrics["train/grad_norm"] == pytest.approx(eager["train/grad_norm"], rel=1e-3)
