@@ -22,6 +22,7 @@ Configurations (rows of the table; `--configs`, `--compare` = packed,padded):
   megatron        trainer=megatron (CUDA, megatron-core installed): the policy a Megatron-core
                   GPTModel in bf16 with Megatron's distributed optimizer, padded micro-batches as
                   padded-chunked (miles/trainer/megatron)
+  megatron-packed trainer=megatron with packed micro-batches as `packed` (THD)
 `--profile` (CUDA): one more call of each configuration under torch.profiler, kernel time by category
 (GEMMs, attention, compiled Triton kernels, eager elementwise work, the optimizer, copies), the
 GPU's busy share and the host ops with the most self time (benchmarks/gpu_profile.py).
@@ -70,7 +71,7 @@ from miles.types import TrainBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"packed": (True, 4096), "padded": (False, 0), "padded-chunked": (False, 4096),  # pack, chunk tokens
-           "megatron": (False, 4096)}
+           "megatron": (False, 4096), "megatron-packed": (True, 4096)}
 
 
 # Training kernels by name, first match wins (--profile).
@@ -165,7 +166,7 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     trainer_cls = TorchTrainer
-    if config == "megatron":
+    if config.startswith("megatron"):
         from miles.trainer.megatron.trainer import MegatronTrainer as trainer_cls
     trainer = trainer_cls(ckpt, AlgoCfg(name=AlgoName.grpo), trainer_cfg, precision, device=str(device),
                           threads=args.threads, logits_chunk_tokens=chunk_tokens,

@@ -15,10 +15,11 @@
 #   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
 #   6  the training speed targets: where a native step goes (profile; the fused LM-head softmax and the
-#      bf16 residual stream on and off), Megatron-core against the native trainer (0.6B shape), LoRA
-#      against full fine-tuning (4B)
+#      bf16 residual stream on and off), Megatron-core against the native trainer, padded and packed
+#      (0.6B shape)
+#   7  LoRA against full fine-tuning (4B)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-6)}
+PART=${1:?usage: gpu_session.sh PART (1-7)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -72,15 +73,18 @@ case $PART in
     # before both changes, the fused LM-head softmax alone, and with the bf16 residual stream too;
     # the last one profiled (where the step goes now)
     for flags in "--fp32-residual --eager-ce" "--fp32-residual" "--profile 25"; do
-        step "train_speed$(echo "$flags" | tr -d ' -')" 120 python3 benchmarks/train_speed.py --model qwen3_0_6b \
+        step "train_speed$(echo "$flags" | tr -d ' -')" 100 python3 benchmarks/train_speed.py --model qwen3_0_6b \
             --device cuda --cases fixed,seq-2k --configs packed --repeats 3 $flags
     done
-    step train_megatron 200 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
-        --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2
+    # Megatron against native, padded and packed (its RoPE in the project's core attention)
+    step train_megatron 240 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+        --configs padded-chunked,megatron,packed,megatron-packed --cases fixed,seq-2k --repeats 3 --warmup 2
+    ;;
+7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-6)" >&2
+    echo "unknown part $PART (1-7)" >&2
     exit 2
     ;;
 esac
