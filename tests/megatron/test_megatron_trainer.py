@@ -86,6 +86,11 @@ def test_save_and_resume_continue_the_same_training(tmp_path, megatron_on_this_d
     assert got["train/loss"] == expected["train/loss"]
     assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
     assert from_pretrained(tmp_path / "hf").config.num_layers == first.arch.num_layers
+    # torch's fused AdamW (the native trainer's), before and after the resume: its step on the device
+    for trainer in (first, second):
+        for o in trainer._optimizers():
+            assert all(g["fused"] and not g["foreach"] for g in o.optimizer.param_groups)
+            assert all(s["step"].device == p.device for p, s in o.optimizer.state.items())
 
 
 def test_bf16_offload_onload_continues_bit_for_bit(tmp_path, megatron_on_this_device):

@@ -110,6 +110,15 @@ def compiled_fusions(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _fused_adamw(optimizer) -> None:
+    """Without Transformer Engine or Apex, megatron-core steps torch's AdamW with its default
+    multi-tensor (foreach) kernels: several passes over parameters, gradients and moments. The
+    native trainer's fused AdamW makes one; set before the first step creates the state."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        for group in (optimizer.defaults, *optimizer.param_groups):
+            group.update(fused=True, foreach=False)
+
+
 def init_parallel(device: torch.device, tp: int = 1, ep: int = 1, seed: int = 0) -> None:
     """torch.distributed (NCCL, this process alone unless launched as ranks) and Megatron's
     model-parallel groups, once per process; Megatron's CUDA RNG tracker, seeded."""
@@ -295,7 +304,10 @@ class MegatronTrainer:
                                  clip_grad=c.grad_clip if c.grad_clip > 0 else float("inf"), bf16=self.bf16,
                                  params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                  use_distributed_optimizer=True)
-        return get_megatron_optimizer(config, [self.model])
+        optimizer = get_megatron_optimizer(config, [self.model])
+        for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+            _fused_adamw(o.optimizer)
+        return optimizer
 
     def _attach_lora(self, gpt, shapes: dict, seed: int) -> LoRA:
         """The native LoRA module (trainer=torch's names, shapes, seeded init) over the meta skeleton,
