@@ -15,7 +15,7 @@ runs `loop(ctx)`; then:
 Engine restarts and resumes together are bounded by `fault.max_retries`. A fault a retry can cure
 (`transient`: a dead actor, a lost node or object, a timeout, a broken connection) may use them all;
 any other failure is retried once, and if the retry fails with the same error at the same step
-(`Fault.signature`: root-cause type, message less pids / ids / addresses, where it was raised,
+(`Fault.signature`: root-cause type, message less pids / ids / addresses / memory sizes, where it was raised,
 step) the run stops at once with `RepeatedFault`, naming the cause and where it was raised,
 instead of repeating an identical restart until the budget is spent.
 """
@@ -116,7 +116,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault)): ?(.*)$")
 _VOLATILE = [(re.compile(r"0x[0-9a-fA-F]+"), "0x?"), (re.compile(r"\b[0-9a-f]{16,}\b"), "<id>"),
-             (re.compile(r"\bpid=\d+"), "pid=?"), (re.compile(r"\bip=[\w.:]+"), "ip=?")]
+             (re.compile(r"\bpid=\d+"), "pid=?"), (re.compile(r"\bip=[\w.:]+"), "ip=?"),
+             # amounts of memory: a CUDA out-of-memory error names the free bytes, which vary by a few MiB
+             (re.compile(r"\b\d+(?:\.\d+)? ?(?:[KMGT]i?B|bytes)\b"), "<size>")]
 
 
 def _short_path(path: str) -> str:

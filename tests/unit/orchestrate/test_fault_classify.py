@@ -3,6 +3,7 @@ retry budget; a failure that comes back identical (root cause, place, step) afte
 the run with one report of its cause instead of identical restarts."""
 
 import pytest
+import torch
 import ray.exceptions as rx
 
 from miles.orchestrate.supervise import Fault, FaultBudget, RepeatedFault
@@ -121,3 +122,19 @@ def test_a_ray_task_error_caused_by_a_dead_actor_is_transient():
     error = rx.RayTaskError("generate", "Traceback (most recent call last):\nActorDiedError: died", cause,
                             proctitle="ray::NativeEngine.generate", pid=1, ip="10.0.0.1")
     assert Fault.of(error.as_instanceof_cause()).transient
+
+
+def test_an_out_of_memory_error_is_the_same_failure_whatever_memory_was_free():
+    """Two CUDA OOMs of one run on an H100 (2026-12-06): the free memory differed by 2 MiB, so the
+    run restarted twice before the signatures matched."""
+    oom = ("CUDA out of memory. Tried to allocate 152.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+           "{} MiB is free. Including non-PyTorch memory, this process has 79.12 GiB memory in use.")
+    faults, log = budget()
+    faults.spend("the run failed", raised(lambda: torch.OutOfMemoryError(oom.format("52.19"))), "starting over",
+                 "in step 1")
+    with pytest.raises(RepeatedFault):
+        faults.spend("the run failed", raised(lambda: torch.OutOfMemoryError(oom.format("50.19"))), "starting over",
+                     "in step 1")
+    assert faults.left == 2
+    bigger = Fault.of(raised(lambda: torch.OutOfMemoryError("Tried to allocate 3.00 GiB")), "in step 1")
+    assert bigger.signature[1] == "Tried to allocate <size>"
