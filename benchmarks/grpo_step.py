@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_s",
-        "rollout/tokens_per_s", "mismatch/logprob_abs_diff"]
+        "rollout/tokens_per_s", "mismatch/logprob_abs_diff", "perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb"]
 
 
 def run(spec: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
@@ -59,16 +60,18 @@ def main() -> None:
                 metrics = run(recipe, args.model, args.steps, Path(work), mode)
                 later = [metrics[s] for s in range(2, args.steps + 1)]
                 label = recipe if args.modes == ["sync"] else f"{recipe} {mode}"
-                rows.append((label, {k: statistics.median(m[k] for m in later) for k in KEYS},
+                rows.append((label, {k: statistics.median(m.get(k, math.nan) for m in later) for k in KEYS},  # no peak: async
                              metrics[1]["perf/step_time_s"]))
                 print(f"# {label}: {rows[-1][1]} (step 1: {rows[-1][2]:.1f} s, mismatch "
                       f"{metrics[1]['mismatch/logprob_abs_diff']:.3e})", flush=True)  # kept if a later run fails
-    print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s "
+          "| peak GB rollout / train |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for recipe, m, first in rows:
         print(f"| {recipe} | {m['perf/step_time_s']:.2f} | {m['perf/rollout_time_s']:.2f} | {m['perf/train_time_s']:.2f} "
               f"| {m['perf/weight_sync_s'] * 1e3:.0f} ms | {m['rollout/tokens_per_s']:,.0f} "
-              f"| {m['mismatch/logprob_abs_diff']:.2e} | {first:.1f} |")
+              f"| {m['mismatch/logprob_abs_diff']:.2e} | {first:.1f} "
+              f"| {m['perf/peak_mem_rollout_gb']:.1f} / {m['perf/peak_mem_train_gb']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -350,6 +350,13 @@ def offload_problems(cfg: RunCfg) -> list[str]:
         if cfg.rollout.asynchronous:
             problems.append(f"{key}=true takes turns on the GPU; rollout.asynchronous=true overlaps the turns: "
                             "set one of them false")
+    if cfg.trainer.offload_optimizer:  # the state lives in host memory, streamed through the device each step
+        if cfg.hardware.device == "cpu":
+            problems.append("trainer.offload_optimizer=true keeps the optimizer state in host memory, where it is "
+                            "on the CPU already: set trainer.offload_optimizer=false")
+        elif cfg.trainer.backend != TrainerBackend.torch:
+            problems.append(f"trainer.offload_optimizer=true is implemented by the torch trainer, not by "
+                            f"trainer={cfg.trainer.backend.value}: set trainer.offload_optimizer=false or trainer=torch")
     return problems
 
 

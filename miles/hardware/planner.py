@@ -5,7 +5,8 @@
 
 Training is modelled as Megatron-style mixed precision with a distributed optimizer: dense weights
 sharded by TP x PP, routed experts by EP x TP x PP (expert tensor parallel = TP, Megatron's default), AdamW state sharded over the data-parallel replicas
-(or offloaded to host memory), activations per micro-batch (Korthikanti et al. 2022: 34 bytes x
+(or, with `trainer.offload_optimizer` on the torch trainer, its moments in host memory, the fp32
+master on the device: miles/trainer/host_optimizer.py), activations per micro-batch (Korthikanti et al. 2022: 34 bytes x
 hidden per token and layer with sequence parallelism and flash attention; only the layer inputs
 are kept with recomputation) plus fp32 logits. A micro-batch has the tokens the trainer puts in
 one (miles/trainer/packing.py), every sample at max_prompt_len + max_new_tokens: packed, up to
@@ -52,7 +53,7 @@ class TrainLayout:
     def describe(self, gpus: int) -> str:
         dp = gpus // (self.tp * self.pp * self.cp)
         text = f"TP={self.tp} PP={self.pp} EP={self.ep} CP={self.cp} DP={dp}"
-        return text + (", optimizer offloaded to host" if self.offload else "")
+        return text + (", optimizer state in host memory" if self.offload else "")
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     dense, routed = groups.dense / (tp * pp), groups.routed / (ep * tp * pp)
     dp_dense, dp_expert = gpus // (tp * pp * cp), gpus // (ep * tp * pp)
     optimizer = (embed + dense) * o / dp_dense + routed * o / dp_expert
+    if layout.offload:  # trainer.offload_optimizer: the 8 bytes of AdamW moments wait in host memory
+        optimizer *= (o - 8) / o
     stage_layers = math.ceil(arch.num_layers / pp)
     micro = micro_batch_shape(cfg, arch)
     tokens = micro.tokens / cp
@@ -184,7 +187,7 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     usage = {
         "weights": (embed + dense + routed) * w,
         "gradients": (embed + dense + routed) * g,
-        "optimizer": 0.0 if layout.offload else optimizer,
+        "optimizer": optimizer,
         # 1F1B: the first stage holds up to PP micro-batches in flight.
         "activations": layers_act * min(pp, micro.per_step),
         "logits": tokens * arch.vocab_size * 4 * 2 / tp,  # fp32 logits and their gradient
@@ -255,7 +258,9 @@ def _layout_candidates(cfg: RunCfg, gpus: int) -> list[TrainLayout]:
     pps = [t.pp] if t.pp else [x for x in powers if x <= arch.num_layers]
     experts = arch.moe.num_experts if arch.moe else 1
     eps = [t.ep] if t.ep else [x for x in powers if x <= experts and experts % x == 0]
-    offloads = [t.offload_optimizer] if t.offload_optimizer is not None else [False, True]
+    # Only the torch trainer streams its optimizer state from host memory (miles/trainer/host_optimizer.py).
+    offloads = [t.offload_optimizer] if t.offload_optimizer is not None else \
+        [False, True] if t.backend == TrainerBackend.torch and hw.device != "cpu" else [False]
     out = []
     for tp, pp, ep, offload in itertools.product(tps, pps, eps, offloads):
         if gpus % (tp * pp * t.cp) == 0 and gpus % (ep * tp * pp) == 0:
@@ -275,8 +280,10 @@ def host_bytes_per_node(cfg: RunCfg, usage: dict[str, float], layout: TrainLayou
 
 
 def _optimizer_bytes(cfg: RunCfg, layout: TrainLayout, gpus: int) -> float:
+    """What trainer.offload_optimizer keeps in host memory: the optimizer bytes that leave the device."""
     groups = param_groups(model_arch(cfg), cfg.precision)
-    return train_usage(cfg, groups, replace(layout, offload=False), gpus)["optimizer"]
+    resident, offloaded = (train_usage(cfg, groups, replace(layout, offload=o), gpus) for o in (False, True))
+    return resident["optimizer"] - offloaded["optimizer"]
 
 
 def _choose_layout(cfg, groups, gpus, capacity, host_capacity, colocated) -> tuple[TrainLayout, dict[str, float], bool]:
@@ -306,7 +313,16 @@ def _engine_candidates(cfg: RunCfg, rollout_gpus: int) -> list[int]:
 def resolve_offload(cfg: RunCfg) -> RunCfg:
     """`cfg` with `rollout.offload` / `trainer.offload` decided where null: off on the CPU and when the
     sides do not take turns (disaggregated, asynchronous); on colocated GPUs the first of (neither,
-    the engine, the trainer, both) whose plan fits, among what the backends can release."""
+    the engine, the trainer, both) whose plan fits, among what the backends can release. A null
+    `trainer.offload_optimizer` is then the chosen layout's: on only where the plan needs it."""
+    resolved = _resolve_turns(cfg)
+    if resolved.trainer.offload_optimizer is None:
+        needed = resolved.hardware.device != "cpu" and _plan(resolved, suggest=False).layout.offload
+        resolved = replace(resolved, trainer=replace(resolved.trainer, offload_optimizer=needed))
+    return resolved
+
+
+def _resolve_turns(cfg: RunCfg) -> RunCfg:
     r, t = cfg.rollout.offload, cfg.trainer.offload
     if r is not None and t is not None:
         return cfg

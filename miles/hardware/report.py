@@ -30,7 +30,8 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
         held = f"{cfg.precision.train_dtype.value} compute copy"
     how = {"weights": f"{held}; {layout}",
            "gradients": "fp32 accumulation",
-           "optimizer": "AdamW moments (+ fp32 master), sharded over data parallel",
+           "optimizer": ("fp32 master; the AdamW moments in host memory (trainer.offload_optimizer)"
+                         if plan.layout.offload else "AdamW moments (+ fp32 master), sharded over data parallel"),
            "activations": plan.micro_batch.how + (", recomputed" if cfg.trainer.recompute else ""),
            "logits": "fp32 logits and their gradient",
            "reference": "frozen reference policy (algo.kl_coef > 0)",

@@ -28,6 +28,8 @@ How a step runs (miles.trainer.packing / forward / chunked_ce):
   on both sides whether or not an engine shares the process.
 - Vision-language models: micro-batches carry each sample's images and mRoPE positions
   (miles/trainer/packing.py); `trainer.freeze_vision` keeps the vision tower out of the optimizer.
+- `trainer.offload_optimizer`: AdamW's moments stay in pinned host memory and each step streams them
+  through the device bucket by bucket, bit for bit the resident step (miles/trainer/host_optimizer.py).
 - Colocation (`rollout.colocate`): `offload(tags)` parks the parameters (policy, reference, teacher)
   and the optimizer state in pinned host memory and drops the gradients while the engine has the
   GPU; `onload(tags)` brings them back, and training continues bit for bit (miles/trainer/offload.py).
@@ -63,6 +65,7 @@ from miles.trainer import offload as off
 from miles.trainer.chunked_ce import CHUNK_TOKENS
 from miles.trainer.draft import MTP_PREFIX, DraftTrainer
 from miles.trainer.forward import enable_recompute, token_logprobs_of
+from miles.trainer.host_optimizer import HostOptimizerState
 from miles.trainer.packing import MicroBatch, plan_micro_batches
 from miles.trainer.parallel import Parallelism, SingleProcess
 from miles.trainer.rl_update import RLUpdate
@@ -176,6 +179,14 @@ class TorchTrainer:
                                              **kernel)
         else:
             raise ValueError(f"unknown optimizer {optimizer!r}; valid: adamw, sgd")
+        # trainer.offload_optimizer: the optimizer state in host memory, streamed through the device each step
+        self.host_state = None
+        if cfg.offload_optimizer:
+            if self.parallel.shards_policy:
+                raise ValueError(f"trainer.offload_optimizer=true streams one process's optimizer state; "
+                                 f"{self.parallel.name} shards it across ranks: set trainer.offload_optimizer=false")
+            self.host_state = HostOptimizerState(self.optimizer, self.device)
+            self.host_state.park()
         self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights)
         # Colocation: the tags whose state is in host memory now ("params", "optimizer"), and where
         # each optimizer state tensor goes back to.
@@ -289,7 +300,10 @@ class TorchTrainer:
             norms = lora_side.clip_each_adapter(self.lora, self.parallel.clip_grad_norm, max_norm, present)
         else:
             norms = {"grad_norm": self._clip_grad_norm(max_norm)}  # already over every rank's shards
-        self.optimizer.step()
+        if self.host_state is not None:
+            self.host_state.step()
+        else:
+            self.optimizer.step()
         if sums:  # each rank's micro-batches' shares of the step's metrics, summed over ranks
             sums = dict(zip(sums, self._sum_over_ranks(torch.stack(list(sums.values())))))
         return {**sums, **norms}
@@ -365,6 +379,8 @@ class TorchTrainer:
         if self.parallel.shards_policy:
             self._require_onloaded("load_state")
         self.parallel.load_state(self, path)
+        if self.host_state is not None:  # load_state_dict put the optimizer state on the parameters' device
+            self.host_state.park()
         if self.lora is not None:
             lora_side.load_adapter(self.lora, self.model, path)
 

@@ -186,3 +186,27 @@ def test_activations_that_do_not_fit_name_recompute_or_a_smaller_micro_batch(com
     assert make_plan(compose(LONG_4B + change.split())).fits
     with pytest.raises(PlanRefused, match=f"; change: {change}"):  # what the refusal prints names it too
         check_plan(compose(LONG_4B + ["trainer.max_tokens_per_micro_batch=32768"]))
+
+
+H100_4B = ["model=qwen3_4b", "hardware=gpu", "hardware.memory_gb=80", "precision=bf16", "rollout.max_new_tokens=256"]
+
+
+def test_offload_optimizer_moves_the_moments_and_is_chosen_only_where_needed(compose):
+    # An 80 GB card: the 4B shape's AdamW moments (8 bytes per parameter) must leave it; the fp32
+    # master (4 bytes) stays, as the torch trainer keeps it (miles/trainer/host_optimizer.py).
+    cfg = compose(H100_4B + ["trainer.recompute=true"])
+    total = param_groups(model_arch(cfg), cfg.precision).total
+    resolved = resolve_offload(cfg)
+    assert resolved.trainer.offload_optimizer is True
+    plan = make_plan(cfg)
+    assert plan.fits and plan.layout.offload
+    assert plan.train["optimizer"] == pytest.approx(total * 4)
+    assert plan.host_needed == pytest.approx(total * 8)
+    # Without recomputation the moments' 32 GB are not enough: refused, recompute named.
+    refused = make_plan(compose(H100_4B))
+    assert not refused.fits and refused.suggestions[0].startswith("trainer.recompute=true")
+    # Room enough, the CPU, and backends that do not stream their state: not chosen.
+    assert resolve_offload(compose(H100_4B + ["hardware.memory_gb=141"])).trainer.offload_optimizer is False
+    assert resolve_offload(compose([])).trainer.offload_optimizer is False
+    megatron = compose(H100_4B + ["trainer=megatron", "trainer.recompute=true", "ray.enabled=false"])
+    assert not make_plan(megatron).layout.offload
