@@ -18,8 +18,10 @@
 #      bf16 residual stream on and off), Megatron-core against the native trainer, padded and packed
 #      (0.6B shape)
 #   7  LoRA against full fine-tuning (4B)
+#   8  this session's: the optimizer state in host memory (test, the 4B GRPO step per recipe), Megatron's
+#      step profiled, the bf16 / fp8 mismatch over 3 steps
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-7)}
+PART=${1:?usage: gpu_session.sh PART (1-8)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -80,11 +82,23 @@ case $PART in
     step train_megatron 240 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
         --configs padded-chunked,megatron,packed,megatron-packed --cases fixed,seq-2k --repeats 3 --warmup 2
     ;;
+8)  # the 2026-12-06 (second) session's changes: the optimizer state in host memory, the 4B GRPO step
+    # that ran out of memory without it (recompute on: the plan refuses 80 GB without), where Megatron's
+    # step goes, and the bf16 / fp8 mismatch over 3 steps
+    step host_optimizer 120 python3 -m pytest -q -s -rf tests/gpu/test_host_optimizer_cuda.py
+    (cd benchmarks && step grpo_4b_offload 330 python3 grpo_step.py --model qwen3_4b \
+        --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true --steps 2)
+    step megatron_profile 120 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+        --configs megatron --cases seq-2k --repeats 2 --profile 30
+    step mismatch_steps 150 python3 benchmarks/mismatch_study.py --models qwen3_0_6b --precisions bf16 fp8 \
+        --modes none --steps 3 --extra hardware=gpu rollout.batch_size=32 rollout.n_samples_per_prompt=8 \
+        trainer.global_batch_size=256 trainer.micro_batch_size=128 rollout.max_new_tokens=128
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-7)" >&2
+    echo "unknown part $PART (1-8)" >&2
     exit 2
     ;;
 esac
