@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_megatron_cuda import MEAN_TOL, TOL, _batch, _diff, _model_cfg  # noqa: E402  (tests/gpu helpers)
-from test_megatron_trainer import _trainers, assert_round_trip_and_first_step
+from test_megatron_trainer import _trainers, assert_project_norms, assert_round_trip_and_first_step
 
 
 def _checkpoint(name: str, tmp_path, seed: int = 0, **moe_changes) -> str:
@@ -65,6 +65,7 @@ def test_weights_round_trip_and_the_first_step(tmp_path, megatron_on_this_device
     mega, native = _trainers(ckpt, megatron_on_this_device)
     kinds = [type(m) for m in mega.model.modules()]
     assert (kinds.count(MLASelfAttention), kinds.count(SDPACoreAttention), kinds.count(GroupLimitedRouter)) == (3, 3, 2)
+    assert_project_norms(mega.model, layers=3, per_layer=4)  # input, pre-MLP, the q and kv latents
     after, moved = assert_round_trip_and_first_step(ckpt, mega, native)
     assert all(torch.equal(after[k].cpu(), moved[k].cpu()) for k in moved if k.endswith("e_score_correction_bias"))
 

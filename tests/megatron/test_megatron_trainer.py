@@ -34,7 +34,19 @@ def test_weights_round_trip_and_the_first_step(name, tmp_path, megatron_on_this_
     """get_weights returns the checkpoint's tensors bit for bit; the first step has ppo_kl == 0 and
     the native trainer's loss, grad norm and updated weights (Adam, fp32)."""
     ckpt = _checkpoint(name, tmp_path)
-    assert_round_trip_and_first_step(ckpt, *_trainers(ckpt, megatron_on_this_device))
+    mega, native = _trainers(ckpt, megatron_on_this_device)
+    assert_project_norms(mega.model, layers=mega.arch.num_layers, per_layer=4)  # input, pre-MLP, q, k
+    assert_round_trip_and_first_step(ckpt, mega, native)
+
+
+def assert_project_norms(model, layers: int, per_layer: int) -> None:
+    """Every RMSNorm megatron-core built from the local spec is the project's (compiled on CUDA,
+    miles/trainer/megatron/specs.py): `per_layer` in each layer and the final one, none of torch's."""
+    from miles.trainer.megatron.specs import SpecRMSNorm
+
+    kinds = [type(m) for m in model.modules()]
+    assert torch.nn.RMSNorm not in kinds
+    assert kinds.count(SpecRMSNorm) == layers * per_layer + 1
 
 
 def assert_round_trip_and_first_step(ckpt: str, mega, native) -> tuple[dict, dict]:

@@ -14,12 +14,48 @@ GQA families (`rope_theta`, local spec): the core attention applies RoPE itself 
 without its own (`gpt_model_kwargs`). megatron-core's RoPE on packed (THD) sequences splits the pack
 by a host copy of cu_seqlens and rotates one sequence at a time, in every layer; the core attention
 derives each token's position from cu_seqlens on the device and rotates the pack at once.
+RMSNorm (local spec: every decoder, QK, MLA latent and final norm): the project's `SpecRMSNorm`, the
+native model's RMSNorm (miles/models/layers.py) behind megatron-core's norm interface, so on CUDA it
+runs the compiled kernel with its written-out backward (miles/models/fused.py), as the native
+trainer's does. The local spec's `WrappedTorchNorm` is `torch.nn.RMSNorm`, which runs eager there:
+~10 kernels a call with its fp32 casts, the largest share of Megatron's step after the GEMMs and
+attention on an H100 (docs/benchmarks.md, "Where Megatron's step goes").
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
+
+from miles.models.layers import RMSNorm
+
+
+class SpecRMSNorm(RMSNorm):
+    """The project's RMSNorm built as megatron-core builds a norm: `(config=, hidden_size=, eps=)`.
+    Its parameter is `weight`, as torch.nn.RMSNorm's: the weight maps and checkpoints do not change."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps)
+
+
+_NORMS = {"layer": ("input_layernorm", "pre_mlp_layernorm"), "attention": ("q_layernorm", "k_layernorm", "kv_layernorm")}
+
+
+def _project_norm(spec):
+    """SpecRMSNorm where `spec` is the local spec's WrappedTorchNorm (identity and other norms kept)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return SpecRMSNorm if spec is WrappedTorchNorm else spec
+
+
+def _with_project_norms(layer):
+    """A copy of a TransformerLayer spec whose RMSNorms are SpecRMSNorm."""
+    attention = layer.submodules.self_attention
+    attention_subs = {n: _project_norm(getattr(attention.submodules, n)) for n in _NORMS["attention"]
+                      if hasattr(attention.submodules, n)}
+    attention = replace(attention, submodules=replace(attention.submodules, **attention_subs))
+    layer_subs = {n: _project_norm(getattr(layer.submodules, n)) for n in _NORMS["layer"]}
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention, **layer_subs))
 
 
 def _with_core_attention(layer, core_attention):
@@ -39,6 +75,8 @@ def _with_latent_norm_eps(layer, latent_eps: float):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def norm(hidden_size, config, eps=None):  # MLASelfAttention passes the decoder's eps: not this one
+        if config.normalization == "RMSNorm":
+            return SpecRMSNorm(config=config, hidden_size=hidden_size, eps=latent_eps)
         return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=latent_eps)
 
     attention = layer.submodules.self_attention
@@ -97,11 +135,15 @@ def decoder_block_spec(config, te: bool, layer_spec: dict):
         from miles.trainer.megatron.router import GroupLimitedRouter
 
         swaps.append(functools.partial(_with_router, router=GroupLimitedRouter))
+    rms_norms = not te and config.normalization == "RMSNorm"
+    if rms_norms:
+        swaps.append(_with_project_norms)
     swapped: dict[int, object] = {}  # the spec shares one layer spec among its dense (or MoE) layers
     for layer in block.layer_specs:
         if id(layer) not in swapped:
             swapped[id(layer)] = functools.reduce(lambda spec, swap: swap(spec), swaps, layer)
-    return replace(block, layer_specs=[swapped[id(layer)] for layer in block.layer_specs])
+    block = replace(block, layer_specs=[swapped[id(layer)] for layer in block.layer_specs])
+    return replace(block, layer_norm=_project_norm(block.layer_norm)) if rms_norms else block
 
 
 def gpt_model_kwargs(model: dict, te: bool, layer_spec: dict) -> dict:
