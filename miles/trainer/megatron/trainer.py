@@ -56,6 +56,7 @@ from miles.trainer.chunked_ce import CHUNK_TOKENS, hidden_logprobs
 from miles.trainer.held_weights import RecomputeNotes
 from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
+from miles.trainer.megatron import multi_tensor
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
@@ -304,6 +305,7 @@ class MegatronTrainer:
                                  clip_grad=c.grad_clip if c.grad_clip > 0 else float("inf"), bf16=self.bf16,
                                  params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                  use_distributed_optimizer=True)
+        multi_tensor.install()  # the gradient norm and scale without a host sync per tensor
         optimizer = get_megatron_optimizer(config, [self.model])
         for o in getattr(optimizer, "chained_optimizers", [optimizer]):
             _fused_adamw(o.optimizer)
