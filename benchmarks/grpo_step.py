@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_s",
-        "rollout/tokens_per_s", "mismatch/logprob_abs_diff", "perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb"]
+        "rollout/tokens_per_s", "mismatch/logprob_abs_diff", "perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb",
+        "perf/peak_mem_sync_gb"]
 
 
 def run(spec: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
@@ -65,13 +66,14 @@ def main() -> None:
                 print(f"# {label}: {rows[-1][1]} (step 1: {rows[-1][2]:.1f} s, mismatch "
                       f"{metrics[1]['mismatch/logprob_abs_diff']:.3e})", flush=True)  # kept if a later run fails
     print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s "
-          "| peak GB rollout / train |")
+          "| peak GB rollout / train / sync |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for recipe, m, first in rows:
         print(f"| {recipe} | {m['perf/step_time_s']:.2f} | {m['perf/rollout_time_s']:.2f} | {m['perf/train_time_s']:.2f} "
               f"| {m['perf/weight_sync_s'] * 1e3:.0f} ms | {m['rollout/tokens_per_s']:,.0f} "
               f"| {m['mismatch/logprob_abs_diff']:.2e} | {first:.1f} "
-              f"| {m['perf/peak_mem_rollout_gb']:.1f} / {m['perf/peak_mem_train_gb']:.1f} |")
+              f"| {m['perf/peak_mem_rollout_gb']:.1f} / {m['perf/peak_mem_train_gb']:.1f} "
+              f"/ {m['perf/peak_mem_sync_gb']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ methods, miles/rollout/native.py `release_memory` and miles/trainer/torch_traine
                    weight sync; trainer: offload parameters; engine: resume KV cache (CUDA graphs
                    captured again)
 
-`phase_memory` reads the device peak of a phase (`perf/peak_mem_rollout_gb`, `perf/peak_mem_train_gb`)
-in every process that holds a component (once where both share one), and sums them.
+`phase_memory` reads the device peak of a phase (`perf/peak_mem_rollout_gb`, `perf/peak_mem_train_gb`,
+`perf/peak_mem_sync_gb`) in every process that holds a component (once where both share one), and
+sums them. Each window opens when its phase begins: the train window after the engine released (a
+window opened before it starts at the engine's whole allocation: on an H100 the 4B step's train
+"peak" read 68.2 GB, the rollout's allocation), the rollout window after the sync.
 """
 
 from __future__ import annotations
@@ -68,10 +71,13 @@ class MemoryPhases:
             self.ctx.engine.call("release_memory", keep_weights=False)
         if self.trainer:
             self.ctx.trainer.call("onload")
+        if self.measure:  # the train window opens now, without the memory the engine just gave back
+            phase_memory(self.ctx)
         return metrics
 
     def sync(self) -> tuple[float, dict[str, float]]:
-        """The weight sync of a step with its phases: (seconds of the sync, the train phase's peak)."""
+        """The weight sync of a step with its phases: (seconds of the sync, the train phase's and the
+        sync's peaks)."""
         metrics = {"perf/peak_mem_train_gb": phase_memory(self.ctx)} if self.measure else {}
         if self.trainer:
             self.ctx.trainer.call("offload", ("grads", "optimizer"))
@@ -82,4 +88,6 @@ class MemoryPhases:
             self.ctx.trainer.call("offload", ("params",))
         if self.engine:
             self.ctx.engine.call("resume_memory", ("kv_cache",))
+        if self.measure:  # the sync's own peak (both sides hold weights); the rollout window opens after it
+            metrics["perf/peak_mem_sync_gb"] = phase_memory(self.ctx)
         return seconds, metrics

@@ -1,7 +1,8 @@
 """rollout.offload / trainer.offload through the real loop on CUDA: a run whose engine releases its
 weights and KV cache while the trainer trains, and whose trainer waits in host memory while the
 engine generates, logs what the same run does with both sides resident (rewards, losses, mismatch,
-eval) and a lower device peak in each phase (perf/peak_mem_rollout_gb, perf/peak_mem_train_gb).
+eval) and a lower device peak in each phase (perf/peak_mem_rollout_gb, perf/peak_mem_train_gb,
+perf/peak_mem_sync_gb).
 
 Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_colocated_offload_run.py`
 (prints the peaks per phase)."""
@@ -16,7 +17,7 @@ STEPS = 3
 RUN = ["hardware=gpu", "precision=bf16", f"steps={STEPS}", "warm_start.enabled=false", f"eval.interval={STEPS}",
        "task.eval_size=16", "rollout.batch_size=16", "trainer.global_batch_size=128", "trainer.micro_batch_size=64",
        "algo.entropy_coef=0.01", "deterministic=true", "model=qwen3_0_6b", "rollout.max_new_tokens=32"]
-PEAKS = ("perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb")
+PEAKS = ("perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb", "perf/peak_mem_sync_gb")
 
 
 def test_offloaded_run_equals_the_resident_run_with_lower_peaks(compose, tmp_path, monkeypatch):

@@ -93,3 +93,43 @@ def test_phase_memory_reads_a_shared_process_once(pids, expected_gb):
 
     engine, trainer = (_PartOfProcess(pid, 3 * 2**30) for pid in pids)
     assert phase_memory(SimpleNamespace(engine=engine, trainer=trainer)) == expected_gb
+
+
+class _Recording:
+    """A component handle that logs its calls into `log`."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def call(self, method, *args, **kwargs):
+        self.log.append(f"{self.name}.{method}")
+
+
+def test_each_phase_window_opens_when_its_phase_begins(monkeypatch):
+    """The train window opens after the engine released its memory, the rollout window after the sync:
+    a window opened earlier starts at the other phase's allocation (on an H100 the 4B step's train
+    peak read the rollout's 68 GB)."""
+    import miles.orchestrate.colocate as colocate
+
+    log = []
+    peaks = iter(range(1, 10))
+
+    def window(ctx):
+        log.append("window")
+        return float(next(peaks))
+
+    monkeypatch.setattr(colocate, "phase_memory", window)
+    monkeypatch.setattr(colocate, "sync_weights", lambda ctx, check: log.append("sync") or 0.5)
+    ctx = SimpleNamespace(engine=_Recording("engine", log), trainer=_Recording("trainer", log))
+    cfg = SimpleNamespace(hardware=SimpleNamespace(device="cuda"),
+                          rollout=SimpleNamespace(offload=True, check_weight_sync=False, asynchronous=False),
+                          trainer=SimpleNamespace(offload=True))
+    phases = MemoryPhases(ctx, cfg)
+    phases.start()
+    assert phases.train_turn() == {"perf/peak_mem_rollout_gb": 2.0}  # 1: the window start() opened
+    seconds, metrics = phases.sync()
+    assert seconds == 0.5 and metrics == {"perf/peak_mem_train_gb": 4.0, "perf/peak_mem_sync_gb": 5.0}
+    assert log == ["trainer.offload", "window",  # start: the first rollout window
+                   "window", "engine.release_memory", "trainer.onload", "window",  # train_turn
+                   "window", "trainer.offload", "engine.resume_memory", "sync", "trainer.offload",
+                   "engine.resume_memory", "window"]  # sync, then the next rollout window
