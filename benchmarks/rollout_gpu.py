@@ -15,7 +15,7 @@ prompts (default 128), exactly `--new-tokens` new tokens per row (default 256; s
 min_new_tokens), 8 samples per prompt, temperature 1. Sides, each warmed up once, then timed calls interleaved:
   native        slot decode with CUDA-graph decode steps (the engine's GPU default)
   native eager  the same slot decode without graphs (what the graphs buy)
-  padded        the engine's CPU path (left-padded batch, growing mask) on the GPU
+  padded        the engine's CPU path (left-padded batch, growing mask) on the GPU (--no-padded: left out)
   hf eager      AutoModelForCausalLM.generate, DynamicCache, SDPA
   hf static     generate(cache_implementation="static"), which compiles the decode step
 Roofline: one decode step must read every weight once (bf16; an untied input embedding only by
@@ -129,13 +129,20 @@ def params_read(arch, rows: int) -> float:
     return read - experts + experts * (1 - (1 - k / e) ** rows)
 
 
+def progress(what: str, since: float) -> None:
+    """A line per phase, flushed: a run cut by a time limit still says how far it got."""
+    print(f"  [{time.perf_counter() - since:6.1f} s] {what}", flush=True)
+
+
 def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int, dtype: DType, skip_hf: bool,
-            model: ModelCfg = QWEN3_0_6B) -> list[dict]:
+            model: ModelCfg = QWEN3_0_6B, padded: bool = True) -> list[dict]:
     torch_dtype = torch.bfloat16 if dtype == DType.bf16 else torch.float32
+    begin = time.perf_counter()
     bandwidth = copy_bandwidth()
     results = []
     with tempfile.TemporaryDirectory() as work:
         ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
+        progress(f"random checkpoint of {model.name} written", begin)
         arch = model.arch(model.vocab_size)
         kv_token = kv_bytes_per_token(arch, torch_dtype.itemsize)
         hf = None if skip_hf else HFSide(ckpt, torch_dtype)
@@ -144,21 +151,28 @@ def run_gpu(rows_list: list[int], prompt_len: int, new_tokens: int, repeats: int
             cfg = RolloutCfg(max_new_tokens=new_tokens, max_prompt_len=prompt_len, max_running=rows,
                              n_samples_per_prompt=SAMPLES, temperature=1.0)
             sides, init_s = {}, {}
-            for name, kw in (("native", {}), ("native eager", {"cuda_graphs": False}), ("padded", {"slot_decode": False})):
+            engines = [("native", {}), ("native eager", {"cuda_graphs": False})]
+            engines += [("padded", {"slot_decode": False})] if padded else []
+            for name, kw in engines:
                 start = time.perf_counter()
                 engine = NativeEngine(ckpt, RolloutCfg(**{**cfg.__dict__, **kw}), dtype, device="cuda", seed=0)
                 torch.cuda.synchronize()
                 init_s[name] = time.perf_counter() - start
+                progress(f"{rows} rows: {name} engine started", begin)
                 engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")  # exactly new_tokens per row
                 sides[name] = (lambda e=engine: e.generate(texts, ["?"] * len(texts), n=SAMPLES))
             if hf is not None:
                 sides["hf eager"] = lambda: hf.generate(texts, new_tokens, static=False)
                 sides["hf static"] = lambda: hf.generate(texts, new_tokens, static=True)
-            first = {name: timed(fn) for name, fn in sides.items()}  # first call at this shape
+            first = {}
+            for name, fn in sides.items():  # first call at this shape
+                first[name] = timed(fn)
+                progress(f"{rows} rows: {name} first call {first[name]:.1f} s", begin)
             times = {name: [] for name in sides}
             for _ in range(repeats):
                 for name, fn in sides.items():
                     times[name].append(timed(fn))
+            progress(f"{rows} rows: {repeats} timed rounds done", begin)
             context = prompt_len + new_tokens / 2  # mean positions cached over the decode
             step_bytes = params_read(arch, rows) * torch_dtype.itemsize + rows * context * kv_token
             roofline = rows * bandwidth / step_bytes

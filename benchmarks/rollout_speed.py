@@ -230,6 +230,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="cuda cases: prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256, help="cuda cases: new tokens per row")
     parser.add_argument("--skip-hf", action="store_true", help="cuda cases: engine sides only")
+    parser.add_argument("--no-padded", action="store_true",
+                        help="cuda cases: without the padded engine (the CPU path; slow on MoE shapes)")
     parser.add_argument("--model", default="qwen3_0_6b", choices=sorted(GPU_MODELS),
                         help="cuda cases: the shape (deepseek_v3_dense_4l: MLA slot decode; qwen3_30b_a3b_8l: MoE)")
     args = parser.parse_args()
@@ -237,7 +239,8 @@ def main() -> None:
     if args.device == "cuda":
         print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
         print(gpu_markdown(run_gpu(args.rows, args.prompt_len, args.new_tokens, args.repeats,
-                                   DType(args.dtype), args.skip_hf, GPU_MODELS[args.model])))
+                                   DType(args.dtype), args.skip_hf, GPU_MODELS[args.model],
+                                   padded=not args.no_padded)))
         return
     cases, repeats = (CASES[:1], min(args.repeats, 2)) if args.quick else (CASES, args.repeats)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {args.threads}, "

@@ -54,9 +54,10 @@ case $PART in
     step fp8_w8a16 200 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py
     step recompute 60 python3 -m pytest -q -rf tests/gpu/test_recompute_cuda.py
     ;;
-3)  # each engine's first call compiles and captures: 60 s per MoE / MLA case was too short (2026-12-05)
-    step decode_moe 170 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
-        --rows 64 256 --repeats 2 --skip-hf
+3)  # each engine's first call compiles and captures: 60 s per MoE / MLA case was too short (2026-12-05),
+    # 170 s too for MoE with the padded engine (2026-12-06); the script prints its progress
+    step decode_moe 330 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model qwen3_30b_a3b_8l \
+        --rows 64 256 --repeats 2 --skip-hf --no-padded
     step decode_mla 170 python3 benchmarks/rollout_speed.py --device cuda --dtype bf16 --model deepseek_v3_dense_4l \
         --rows 64 256 --repeats 2 --skip-hf
     (cd benchmarks && step decode_recipes 250 python3 precision_decode.py --model qwen3_4b --rows 64 \
