@@ -13,6 +13,7 @@ from miles.config.schema import AlgoCfg, AlgoName, PrecisionCfg, TrainerCfg
 from miles.trainer import host_optimizer
 from miles.trainer import offload as off
 from miles.trainer.torch_trainer import TorchTrainer
+from test_offload import assert_bitwise, state_of
 
 BF16 = PrecisionCfg(name="bf16")
 CFG = TrainerCfg(lr=1e-2, global_batch_size=16, micro_batch_size=8, weight_decay=0.1)
@@ -23,19 +24,6 @@ ALGO = AlgoCfg(name=AlgoName.grpo)
 def copies_and_small_buckets(monkeypatch):
     monkeypatch.setattr(off, "FORCE_COPY", True)
     monkeypatch.setattr(host_optimizer, "BUCKET_BYTES", 4096)  # several buckets on the tiny model
-
-
-def state_of(trainer) -> dict[str, torch.Tensor]:
-    out = {f"p.{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    for i, p in enumerate(trainer.model.parameters()):
-        out.update({f"opt.{i}.{k}": v.clone() for k, v in trainer.optimizer.state[p].items()})
-    return out
-
-
-def assert_bitwise(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, different[:5]
 
 
 def trainers(ckpt, cfg=CFG):

@@ -30,9 +30,10 @@ def force_copy(request, monkeypatch):
 
 
 def state_of(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter (policy, reference) and optimizer state tensor, cloned."""
+    """Every parameter (policy, reference if any) and optimizer state tensor, cloned."""
     out = {f"p.{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    out.update({f"ref.{k}": v.detach().clone() for k, v in trainer.ref_model.state_dict().items()})
+    if trainer.ref_model is not None:
+        out.update({f"ref.{k}": v.detach().clone() for k, v in trainer.ref_model.state_dict().items()})
     for i, p in enumerate(trainer.model.parameters()):
         out.update({f"opt.{i}.{k}": v.clone() for k, v in trainer.optimizer.state[p].items()})
     return out
