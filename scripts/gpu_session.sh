@@ -4,24 +4,27 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts, most urgent first:
+# does not cost the rest of a call. Parts (not run on a GPU yet, most urgent: 9, 10, then 3's MoE decode
+# and 4's int4_qat):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
-#      the trainer contract)
+#      the trainer contract; all passed on an H100, 2026-12-06)
 #   2  the engine and trainer end to end on CUDA (rollout, determinism, true on-policy, multi-LoRA,
 #      fp8's default scheme w8a16 with its mismatch, recompute under the recipes)
 #   3  decode benchmarks: MoE and MLA shapes, the low-precision recipes at 64 rows on the 4B shape
-#   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8: step time, mismatch)
+#   4  the GRPO step per recipe on the 4B shape (bf16, fp8 = w8a16, w8a8, int4_qat: step time, mismatch)
 #   5  where a 64-row decode step goes per recipe (profile), the weight-only GEMM variants
 #   6  the training speed targets: where a native step goes (profile; the fused LM-head softmax and the
 #      bf16 residual stream on and off), Megatron-core against the native trainer, padded and packed
 #      (0.6B shape)
 #   7  LoRA against full fine-tuning (4B)
-#   8  this session's: the optimizer state in host memory (test, the 4B GRPO step per recipe), Megatron's
-#      step profiled, the bf16 / fp8 mismatch over 3 steps
+#   8  the optimizer state in host memory (test, the 4B GRPO step per recipe), Megatron's step
+#      profiled, the bf16 / fp8 mismatch over 3 steps (ran 2026-12-06)
+#   9  Megatron with the project's RMSNorm and the foreach grad norm: tests, speed, profile
+#  10  the memory phase windows; where the fp8 recipes' mismatch comes from (mismatch_sources.py)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-8)}
+PART=${1:?usage: gpu_session.sh PART (1-10)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -63,9 +66,11 @@ case $PART in
     (cd benchmarks && step decode_recipes 250 python3 precision_decode.py --model qwen3_4b --rows 64 \
         --recipes bf16 fp8_w8a16 int4 --variants fused --repeats 2)
     ;;
-4)
-    (cd benchmarks && step grpo_4b 570 python3 grpo_step.py --model qwen3_4b --recipes bf16 fp8 \
-        fp8,precision.fp8_scheme=w8a8 --steps 2)
+4)  # an 80 GB card needs recompute at this shape (the plan refuses it without; the optimizer state
+    # goes to host memory); int4_qat has never run end to end on a GPU
+    (cd benchmarks && step grpo_4b 570 python3 grpo_step.py --model qwen3_4b --steps 2 \
+        --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true \
+        fp8,precision.fp8_scheme=w8a8,trainer.recompute=true int4_qat,trainer.recompute=true)
     ;;
 5)  # two recipes took over 100 s on an H100 (2026-12-05)
     (cd benchmarks && step decode_profile 300 python3 decode_profile.py --model qwen3_4b --rows 64 \
@@ -95,11 +100,23 @@ case $PART in
         --modes none --steps 3 --extra hardware=gpu rollout.batch_size=32 rollout.n_samples_per_prompt=8 \
         trainer.global_batch_size=256 trainer.micro_batch_size=128 rollout.max_new_tokens=128
     ;;
+9)  # not yet run on a GPU: Megatron with the project's RMSNorm and the foreach grad norm (tests, speed
+    # against native, where its step goes now)
+    step megatron 300 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
+        tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
+    step train_megatron 240 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+        --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2 --profile 30
+    ;;
+10) # not yet run on a GPU: the memory phase windows, where the fp8 recipes' mismatch comes from
+    step colocated_peaks 150 python3 -m pytest -q -s -rf tests/gpu/test_colocated_offload_run.py
+    (cd benchmarks && step mismatch_sources 300 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+        --recipes bf16 fp8 fp8,precision.fp8_scheme=w8a8)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-8)" >&2
+    echo "unknown part $PART (1-10)" >&2
     exit 2
     ;;
 esac
