@@ -94,11 +94,13 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3_tiny")
     parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"],
                         help="precision recipes, each optionally with overrides after commas")
-    parser.add_argument("--extra", nargs="*", default=["rollout.batch_size=32", "rollout.n_samples_per_prompt=8",
-                                                       "trainer.global_batch_size=256",
-                                                       "trainer.micro_batch_size=128", "rollout.max_new_tokens=128"],
-                        help="launch.py overrides for every recipe (default: 32 prompts x 8 samples x 128 tokens)")
+    parser.add_argument("--extra", nargs="*", default=None,
+                        help="launch.py overrides for every recipe (default: 32 prompts x 8 samples x 128 "
+                             "tokens on cuda, 48 tokens on the CPU's tiny model)")
     args = parser.parse_args()
+    if args.extra is None:
+        args.extra = ["rollout.batch_size=32", "rollout.n_samples_per_prompt=8", "trainer.global_batch_size=256",
+                      "trainer.micro_batch_size=128", f"rollout.max_new_tokens={128 if args.device == 'cuda' else 48}"]
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(recipe, args, Path(work)) for recipe in args.recipes]
     print(f"{args.model} on {args.device}; mean |log-prob difference| over each batch's loss tokens\n")
