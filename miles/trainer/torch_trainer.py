@@ -187,7 +187,7 @@ class TorchTrainer:
                                  f"{self.parallel.name} shards it across ranks: set trainer.offload_optimizer=false")
             self.host_state = HostOptimizerState(self.optimizer, self.device)
             self.host_state.park()
-        self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights)
+        self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights; dropped by step)
         # Colocation: the tags whose state is in host memory now ("params", "optimizer"), and where
         # each optimizer state tensor goes back to.
         self.offloaded: set[str] = set()
@@ -288,6 +288,9 @@ class TorchTrainer:
         normalizer of the whole step, so the micro-batch losses add up to the loss of the full step.
         Named LoRA adapters: each clipped on its own, only those in `adapters` (None: all) stepped."""
         sums: dict[str, torch.Tensor] = {}
+        # The last in-process sync's buffer (a rollout-dtype copy of every weight): the engine copied it,
+        # so its memory serves this step's activations; the next sync builds another.
+        self._flat_sync = None
         self.optimizer.zero_grad(set_to_none=True)
         for item in items:
             loss, metrics = loss_fn(*item)

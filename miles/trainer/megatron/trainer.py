@@ -453,6 +453,7 @@ class MegatronTrainer:
         from megatron.core.distributed import finalize_model_grads
 
         sums: dict[str, torch.Tensor] = {}
+        self._flat_sync = None  # the last in-process sync's buffer, copied by the engine: memory for this step
         self.offloading.restore_grads()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -152,3 +152,16 @@ def test_fsdp_offload_and_onload_on_one_gloo_rank(ckpt, rollout_batch, tmp_path,
     (m_plain, w_plain), (m_off, w_off) = run(False), run(True)
     assert m_off == m_plain
     assert_bitwise(w_off, w_plain)
+
+
+def test_the_sync_buffer_is_dropped_by_the_next_step(ckpt, rollout_batch):
+    """The in-process sync's rollout-dtype copy of the weights is not held while training (the engine
+    copied it: its memory serves the step); the next sync builds one with the new weights."""
+    trainer = TorchTrainer(ckpt, ALGO, CFG, FP32)
+    first, digest = trainer.get_weights(in_process=True)
+    assert trainer._flat_sync is first
+    trainer.train_rl(rollout_batch)
+    assert trainer._flat_sync is None
+    second, after = trainer.get_weights(in_process=True)
+    assert second is not first and after != digest
+    assert_bitwise(second.views(), {k: v.float() for k, v in trainer.model.state_dict().items()})
