@@ -187,7 +187,6 @@ class TorchTrainer:
                                  f"{self.parallel.name} shards it across ranks: set trainer.offload_optimizer=false")
             self.host_state = HostOptimizerState(self.optimizer, self.device)
             self.host_state.park()
-        self._flat_sync: FlatWeights | None = None  # in-process weight sync buffer (get_weights; dropped by step)
         # Colocation: the tags whose state is in host memory now ("params", "optimizer"), and where
         # each optimizer state tensor goes back to.
         self.offloaded: set[str] = set()
@@ -288,9 +287,6 @@ class TorchTrainer:
         normalizer of the whole step, so the micro-batch losses add up to the loss of the full step.
         Named LoRA adapters: each clipped on its own, only those in `adapters` (None: all) stepped."""
         sums: dict[str, torch.Tensor] = {}
-        # The last in-process sync's buffer (a rollout-dtype copy of every weight): the engine copied it,
-        # so its memory serves this step's activations; the next sync builds another.
-        self._flat_sync = None
         self.optimizer.zero_grad(set_to_none=True)
         for item in items:
             loss, metrics = loss_fn(*item)
@@ -330,9 +326,10 @@ class TorchTrainer:
         if not self.parallel.writes:
             return {}, ""
         if in_process and self.recipe.rollout_quant == "none":
-            self._flat_sync = FlatWeights.refill(self._flat_sync, state, TORCH_DTYPES[self.precision.rollout_dtype],
-                                                 self.device)
-            return self._flat_sync, self._flat_sync.checksum()
+            # A new buffer each sync, kept by no one here: once the engine copied it, its memory (2 bytes a
+            # parameter in bf16) goes back to the allocator for training and the KV cache.
+            flat = FlatWeights.refill(None, state, TORCH_DTYPES[self.precision.rollout_dtype], self.device)
+            return flat, flat.checksum()
         if in_process:  # FP8 / INT4: quantized where the weights are, checked there (no host hop)
             payload = self.recipe.sync_payload(state)
             expected = self.recipe.expected_tensors(payload, self.model, TORCH_DTYPES[self.precision.rollout_dtype])
@@ -421,7 +418,6 @@ class TorchTrainer:
                                        for moved in off.offload_optimizer(optimizer)]
             self.offloaded.add(off.OPTIMIZER)
         if off.PARAMS in tags and off.PARAMS not in self.offloaded:
-            self._flat_sync = None
             self.recipe.release_training_cache()
             self._move_models(host=True)
             self.offloaded.add(off.PARAMS)

@@ -91,8 +91,7 @@ class FlatWeights:
     @classmethod
     def refill(cls, flat: "FlatWeights | None", tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                device: torch.device | str) -> "FlatWeights":
-        """`tensors` cast into `flat`, or into a new buffer laid out for them when `flat` is None (a
-        trainer's in-process sync refills its buffer until its next optimizer step drops it)."""
+        """`tensors` cast into `flat`, or into a new buffer laid out for them when `flat` is None."""
         if flat is None:
             flat = cls.like(FlatLayout.of(tensors, dtype), device)
         flat.fill_from(tensors)

@@ -60,7 +60,7 @@ class ObjectStoreTransport:
 
     def fetch(self) -> tuple:
         """(weights, digest) of the trainer's current weights, as futures of its handle. Both in this
-        process: the trainer's flat sync buffer, refilled by its next fetch (load it before that)."""
+        process: a flat buffer of the trainer's device that only the snapshot holds."""
         trainer, engine = self.components.trainer, self.components.engine
         in_process = {"in_process": True} if engine.in_process and trainer.in_process else {}
         return tuple(trainer.submit("get_weights", num_returns=2, **in_process))

@@ -237,7 +237,6 @@ class MegatronTrainer:
         frozen = [m for m in (self.ref_model, self.teacher) if m is not None]
         self.offloading = MegatronOffload(self.model, torch.nn.ModuleList(frozen) if frozen else None,
                                           self._optimizers(), self.device)
-        self._flat_sync: FlatWeights | None = None
         self._masks: dict[int, torch.Tensor] = {}
         self.update = RLUpdate(self)
 
@@ -453,7 +452,6 @@ class MegatronTrainer:
         from megatron.core.distributed import finalize_model_grads
 
         sums: dict[str, torch.Tensor] = {}
-        self._flat_sync = None  # the last in-process sync's buffer, copied by the engine: memory for this step
         self.offloading.restore_grads()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -542,8 +540,8 @@ class MegatronTrainer:
             payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in state.items()})
             return payload, self.recipe.expected_checksum(payload, self._skeleton, dtype)
         if in_process:
-            self._flat_sync = FlatWeights.refill(self._flat_sync, state, dtype, self.device)
-            return self._flat_sync, self._flat_sync.checksum()
+            flat = FlatWeights.refill(None, state, dtype, self.device)  # kept by no one here, as TorchTrainer's
+            return flat, flat.checksum()
         weights = to_dtype(state, self.precision.rollout_dtype)
         return weights, checksum(weights)
 
@@ -625,7 +623,6 @@ class MegatronTrainer:
         """Free this trainer's device memory for the engine's turn (miles/trainer/megatron/offload.py)."""
         self.recipe.release_training_cache()  # fp8: the forward's FP8 weights (rebuilt after onload)
         self.offloading.offload(tags)
-        self._flat_sync = None
 
     def onload(self, tags=off.TRAINER_TAGS) -> None:
         self.offloading.onload(tags)
