@@ -328,7 +328,7 @@ class TorchTrainer:
         if in_process and self.recipe.rollout_quant == "none":
             # A new buffer each sync, kept by no one here: once the engine copied it, its memory (2 bytes a
             # parameter in bf16) goes back to the allocator for training and the KV cache.
-            flat = FlatWeights.refill(None, state, TORCH_DTYPES[self.precision.rollout_dtype], self.device)
+            flat = FlatWeights.of(state, TORCH_DTYPES[self.precision.rollout_dtype], self.device)
             return flat, flat.checksum()
         if in_process:  # FP8 / INT4: quantized where the weights are, checked there (no host hop)
             payload = self.recipe.sync_payload(state)

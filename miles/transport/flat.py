@@ -89,11 +89,9 @@ class FlatWeights:
         return flat
 
     @classmethod
-    def refill(cls, flat: "FlatWeights | None", tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-               device: torch.device | str) -> "FlatWeights":
-        """`tensors` cast into `flat`, or into a new buffer laid out for them when `flat` is None."""
-        if flat is None:
-            flat = cls.like(FlatLayout.of(tensors, dtype), device)
+    def of(cls, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> "FlatWeights":
+        """A new buffer on `device` laid out for `tensors`, holding them cast to `dtype`."""
+        flat = cls.like(FlatLayout.of(tensors, dtype), device)
         flat.fill_from(tensors)
         return flat
 

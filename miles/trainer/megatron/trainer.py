@@ -540,7 +540,7 @@ class MegatronTrainer:
             payload = self.recipe.sync_payload({k: v.detach().cpu() for k, v in state.items()})
             return payload, self.recipe.expected_checksum(payload, self._skeleton, dtype)
         if in_process:
-            flat = FlatWeights.refill(None, state, dtype, self.device)  # kept by no one here, as TorchTrainer's
+            flat = FlatWeights.of(state, dtype, self.device)  # kept by no one here, as TorchTrainer's
             return flat, flat.checksum()
         weights = to_dtype(state, self.precision.rollout_dtype)
         return weights, checksum(weights)
