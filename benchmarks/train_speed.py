@@ -4,7 +4,8 @@ against its padded, whole-logits configuration in the same process.
     .venv/bin/python benchmarks/train_speed.py --model qwen3_tiny --device cpu --compare          # seconds
     python benchmarks/train_speed.py --model qwen3_0_6b --device cuda --dtype bf16 --compare --out train.json
 
-Model: the shapes of conf/model/<model>.yaml, random weights (`random_checkpoint`, fp32 master
+Model: the shapes of conf/model/<model>.yaml (`--set key=value` changes one, e.g. fewer layers or
+experts so that a DeepSeek-V3-shaped model fits one GPU), random weights (`random_checkpoint`, fp32 master
 weights; `--dtype bf16` trains under bf16 autocast). Batch: synthetic RL samples of random token
 ids, loss on the response tokens, advantages +-1 per sample, rollout log-probs 0 (mismatch is not
 measured here). Cases (token counts divided by `--shrink`, default 8 on the CPU):
@@ -110,8 +111,21 @@ def shrunk(case: Case, by: int) -> Case:
                 max(8, case.max_tokens // by), max(1, case.min_response // by) if case.min_response else 0)
 
 
-def model_cfg(name: str) -> ModelCfg:
-    return ModelCfg(**yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text()))
+def model_cfg(name: str, sets: list[str] = ()) -> ModelCfg:
+    """conf/model/<name>.yaml with `key=value` changes (dotted keys into its sections, YAML values)."""
+    values = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+    for item in sets:
+        key, sep, value = item.partition("=")
+        *sections, leaf = key.split(".")
+        target = values
+        for section in sections:
+            target = target.get(section) if isinstance(target, dict) else None
+        if not sep or not isinstance(target, dict) or leaf not in target:
+            raise SystemExit(f"error: --set {item!r}: not a key=value of conf/model/{name}.yaml")
+        target[leaf] = yaml.safe_load(value)
+    from omegaconf import OmegaConf  # the schema's nested sections (mla, moe, ...) as their dataclasses
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), values))
 
 
 def synthetic_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
@@ -219,6 +233,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--model", default="qwen3_tiny", help="a conf/model/*.yaml name (qwen3_tiny, qwen3_0_6b)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="change the model's shape, e.g. num_layers=3 moe.num_experts=8 (a model that fits)")
     p.add_argument("--compare", action="store_true", help="also run the padded, whole-logits configuration")
     p.add_argument("--configs", default=None, help=f"comma-separated, of {', '.join(CONFIGS)} (default: packed)")
     p.add_argument("--separate-old", action="store_true", help="a separate no-grad forward for the old log-probs")
@@ -263,7 +279,7 @@ def main() -> None:
         raise SystemExit(f"error: unknown --configs {sorted(unknown)}; valid: {', '.join(CONFIGS)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = str(random_checkpoint(model_cfg(args.model), DEFAULT_ALPHABET, seed=0, out=Path(tmp) / args.model))
+        ckpt = str(random_checkpoint(model_cfg(args.model, args.set), DEFAULT_ALPHABET, seed=0, out=Path(tmp) / args.model))
         vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
         for case in CASES:
             if case.name not in args.cases.split(","):

@@ -4,8 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (not run on a GPU yet, most urgent: 9, 10, then 3's MoE decode
-# and 4's int4_qat):
+# does not cost the rest of a call. Parts (not run on a GPU yet, most urgent: 9, 10, 11, then 3's MoE
+# decode and 4's int4_qat):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -23,8 +23,9 @@
 #      profiled, the bf16 / fp8 mismatch over 3 steps (ran 2026-12-06)
 #   9  Megatron with the project's RMSNorm and the foreach grad norm: tests, speed, profile
 #  10  the memory phase windows; where the fp8 recipes' mismatch comes from (mismatch_sources.py)
+#  11  a DeepSeek-V3-shaped model with fewer layers and experts through Megatron, against native
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-10)}
+PART=${1:?usage: gpu_session.sh PART (1-11)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -112,11 +113,18 @@ case $PART in
     (cd benchmarks && step mismatch_sources 300 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
         --recipes bf16 fp8 fp8,precision.fp8_scheme=w8a8)
     ;;
+11) # issue 29's second target: a DeepSeek-V3-shaped model (its widths; 3 layers, 8 experts, a 32k
+    # vocabulary: ~2.2B parameters) trains through Megatron (MLA, the DeepSeek router), against native
+    step train_megatron_mla 300 python3 benchmarks/train_speed.py --model deepseek_v3 --device cuda \
+        --set num_layers=3 moe.first_k_dense=1 moe.num_experts=8 moe.num_experts_per_tok=2 moe.n_group=4 \
+        moe.topk_group=2 mtp_layers=0 vocab_size=32768 \
+        --configs padded-chunked,megatron --cases fixed --repeats 3 --warmup 2
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-10)" >&2
+    echo "unknown part $PART (1-11)" >&2
     exit 2
     ;;
 esac
