@@ -177,13 +177,26 @@ class Fault:
     def describe(self) -> str:
         return f"{self.type}: {self.message}" + (f" ({self.where})" if self.where else "")
 
+    @property
+    def hint(self) -> str:
+        """What to change for a failure of this kind (empty where there is no general advice)."""
+        return _HINTS.get(self.type, "")
+
+
+# Failures whose repeat says the config asks too much: the keys that lower it.
+_HINTS = {"OutOfMemoryError": "the GPU ran out of memory; `dry_run=true` with the same overrides prints the memory "
+                              "plan, and what lowers the peak is trainer.recompute=true, a smaller "
+                              "trainer.max_tokens_per_micro_batch (packed) or trainer.micro_batch_size (padded), a "
+                              "smaller rollout.max_running, or, on a colocated GPU, rollout.offload=true, "
+                              "trainer.offload=true, trainer.offload_optimizer=true"}
+
 
 class RepeatedFault(RuntimeError):
     """A failure that came back identical after a retry: deterministic, so no more retries."""
 
     def __init__(self, fault: Fault):
         super().__init__(f"the run failed again {fault.at} with the same error, so it was not retried: "
-                         f"{fault.describe()}")
+                         f"{fault.describe()}" + (f"; {fault.hint}" if fault.hint else ""))
         self.fault = fault
 
 
@@ -201,7 +214,8 @@ class FaultBudget:
         if not fault.transient and previous is not None and previous.signature == fault.signature:
             self.log(f"{what} again {fault.at} with the same error: a fault a retry does not cure, so no more "
                      f"retries ({self.max - self.left} of fault.max_retries={self.max} used)\n"
-                     f"  error: {fault.type}: {fault.message}\n  where: {fault.where or 'unknown'}")
+                     f"  error: {fault.type}: {fault.message}\n  where: {fault.where or 'unknown'}"
+                     + (f"\n  what to change: {fault.hint}" if fault.hint else ""))
             raise RepeatedFault(fault) from error
         if self.left <= 0:
             self.log(f"{what}: no retries left (fault.max_retries={self.max})")

@@ -132,9 +132,12 @@ def test_an_out_of_memory_error_is_the_same_failure_whatever_memory_was_free():
     faults, log = budget()
     faults.spend("the run failed", raised(lambda: torch.OutOfMemoryError(oom.format("52.19"))), "starting over",
                  "in step 1")
-    with pytest.raises(RepeatedFault):
+    with pytest.raises(RepeatedFault) as stop:
         faults.spend("the run failed", raised(lambda: torch.OutOfMemoryError(oom.format("50.19"))), "starting over",
                      "in step 1")
     assert faults.left == 2
+    # the report and the error name what lowers the peak
+    assert log[-1].splitlines()[-1].startswith("  what to change: the GPU ran out of memory; `dry_run=true`")
+    assert "trainer.recompute=true" in str(stop.value) and "trainer.offload_optimizer=true" in str(stop.value)
     bigger = Fault.of(raised(lambda: torch.OutOfMemoryError("Tried to allocate 3.00 GiB")), "in step 1")
     assert bigger.signature[1] == "Tried to allocate <size>"
