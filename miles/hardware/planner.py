@@ -50,6 +50,12 @@ class TrainLayout:
     cp: int = 1
     offload: bool = False
 
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the model is split over devices (TP, PP, EP or CP > 1): no trainer backend runs that
+        yet, so such a layout sizes a cluster (dry_run=true) and a launch refuses it."""
+        return self.tp * self.pp * self.ep * self.cp > 1
+
     def describe(self, gpus: int) -> str:
         dp = gpus // (self.tp * self.pp * self.cp)
         text = f"TP={self.tp} PP={self.pp} EP={self.ep} CP={self.cp} DP={dp}"
@@ -287,8 +293,9 @@ def _optimizer_bytes(cfg: RunCfg, layout: TrainLayout, gpus: int) -> float:
 
 
 def _choose_layout(cfg, groups, gpus, capacity, host_capacity, colocated) -> tuple[TrainLayout, dict[str, float], bool]:
-    """The fitting layout with the least model parallelism (no offload first, then the smallest
-    TP x PP, then the least memory); the least-memory layout when none fits."""
+    """The fitting layout a trainer backend runs first (no model parallelism: every backend holds the
+    whole model in each process), then the least model parallelism; within those no offload first,
+    then the smallest TP x PP, then the least memory. The least-memory layout when none fits."""
     scored = []
     for layout in _layout_candidates(cfg, gpus):
         usage = train_usage(cfg, groups, layout, gpus)
@@ -298,7 +305,7 @@ def _choose_layout(cfg, groups, gpus, capacity, host_capacity, colocated) -> tup
         return TrainLayout(max(1, cfg.trainer.tp), max(1, cfg.trainer.pp), max(1, cfg.trainer.ep)), {}, False
     fitting = [s for s in scored if s[2] <= capacity and (not host_capacity or s[3] <= host_capacity)]
     if fitting:
-        layout, usage, _, _ = min(fitting, key=lambda s: (s[0].offload, s[0].tp * s[0].pp, s[2]))
+        layout, usage, _, _ = min(fitting, key=lambda s: (s[0].model_parallel, s[0].offload, s[0].tp * s[0].pp, s[2]))
         return layout, usage, True
     layout, usage, _, _ = min(scored, key=lambda s: (s[2] > capacity, s[2]))
     return layout, usage, False

@@ -210,3 +210,26 @@ def test_offload_optimizer_moves_the_moments_and_is_chosen_only_where_needed(com
     assert resolve_offload(compose([])).trainer.offload_optimizer is False
     megatron = compose(H100_4B + ["trainer=megatron", "trainer.recompute=true", "ray.enabled=false"])
     assert not make_plan(megatron).layout.offload
+
+
+def test_a_launch_refuses_a_plan_that_splits_the_model(compose):
+    """No trainer backend runs TP / PP / EP yet: a plan that fits only so sizes a cluster (dry_run=true)
+    and a launch is refused with what to change; a layout a backend runs is preferred (the moments in
+    host memory before a model split)."""
+    from miles.hardware import _split_but_not_sharded, check_plan
+
+    big = ["model=qwen3_32b", "hardware=h100", "precision=bf16", "ray.enabled=true", "warm_start.enabled=false"]
+    sized = check_plan(compose([*big, "dry_run=true"]))
+    assert sized.layout.model_parallel
+    with pytest.raises(PlanRefused, match=r"fits only with the model split over GPUs \(TP=\d .*trainer=torch holds the "
+                                          r"whole policy.*trainer.recompute=true"):
+        check_plan(compose(big))
+    # FSDP ranks shard the policy (the plan does not model them): not refused on that ground
+    assert _split_but_not_sharded(compose([*big, "trainer=fsdp", "trainer.num_ranks=8"]), sized) == ""
+    # 8B on 8 x 80 GB with recompute: TP=2 would fit without the offload, one GPU's layout with it;
+    # the latter is the one a backend runs
+    node = ["model=qwen3_8b", "hardware=gpu", "hardware.memory_gb=80", "hardware.gpus_per_node=8", "precision=bf16",
+            "trainer.recompute=true", "rollout.max_new_tokens=256"]
+    assert make_plan(compose([*node, "trainer.offload_optimizer=false"])).layout.model_parallel
+    plan = check_plan(compose(node))
+    assert not plan.layout.model_parallel and plan.layout.offload
