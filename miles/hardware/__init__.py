@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from miles.config.errors import PlanRefused
 from miles.config.schema import RunCfg, TrainerBackend
-from miles.hardware.planner import Plan, make_plan
+from miles.hardware.footprint import param_groups
+from miles.hardware.planner import GB, Plan, make_plan, model_arch, train_usage
 
 
 def check_plan(cfg: RunCfg) -> Plan:
@@ -15,7 +16,7 @@ def check_plan(cfg: RunCfg) -> Plan:
     from miles.tracking.console import console
 
     plan = make_plan(cfg)
-    split = _split_but_not_sharded(cfg, plan)
+    split = _not_runnable(cfg, plan)
     if cfg.dry_run or not plan.fits or split:
         console.print(plan_table(cfg, plan))
     if not plan.fits:
@@ -26,17 +27,27 @@ def check_plan(cfg: RunCfg) -> Plan:
     return plan
 
 
-def _split_but_not_sharded(cfg: RunCfg, plan: Plan) -> str:
-    """Why a launch cannot run a plan that fits only with the model split over GPUs (TP / PP / EP / CP),
-    or "" where it can. No trainer backend runs model parallelism yet: trainer=torch and trainer=megatron
-    hold the whole policy in one process (trainer=fsdp shards it over its ranks, which the plan does not
-    model: not refused here). dry_run=true still shows such a plan, to size a cluster."""
-    if cfg.dry_run or not plan.layout.model_parallel or cfg.trainer.backend == TrainerBackend.fsdp:
+def _not_runnable(cfg: RunCfg, plan: Plan) -> str:
+    """Why a launch cannot run a plan that fits, or "". The plan sizes Megatron-style training: the model
+    split over GPUs (TP / PP / EP / CP) and the optimizer state sharded over data-parallel ones. No
+    trainer backend splits the model yet, and trainer=torch / trainer=megatron train in one process on
+    one GPU: there the training state must fit one GPU. (trainer=fsdp shards it over its ranks, which
+    the plan does not model: not refused here.) dry_run=true still shows such a plan, to size a cluster."""
+    one_process = cfg.trainer.backend in (TrainerBackend.torch, TrainerBackend.megatron)
+    if cfg.dry_run or cfg.hardware.device == "cpu" or not one_process:
         return ""
-    return (f"the run fits only with the model split over GPUs ({plan.layout.describe(plan.train_gpus)}), and "
-            f"trainer={cfg.trainer.backend.value} holds the whole policy in one process: make it fit one GPU "
-            "(trainer.recompute=true, smaller micro-batches, trainer.offload_optimizer=true, a smaller model) or "
-            "shard it with trainer=fsdp trainer.num_ranks=<GPUs>; dry_run=true shows the plan")
+    change = ("make it fit one GPU (trainer.recompute=true, smaller micro-batches, trainer.offload_optimizer=true, a "
+              "smaller model) or shard it with trainer=fsdp trainer.num_ranks=<GPUs>; dry_run=true shows the plan")
+    backend = f"trainer={cfg.trainer.backend.value} trains in one process on one GPU"
+    if plan.layout.model_parallel:
+        return f"the run fits only with the model split over GPUs ({plan.layout.describe(plan.train_gpus)}), and {backend}: {change}"
+    if plan.train_gpus > 1:
+        groups = param_groups(model_arch(cfg), cfg.precision)
+        needed = sum(train_usage(cfg, groups, plan.layout, 1).values())
+        if needed > plan.capacity:
+            return (f"the run fits only with the optimizer state sharded over {plan.train_gpus} GPUs, and {backend}, "
+                    f"where training needs {needed / GB:,.1f} GB of {plan.capacity / GB:,.1f} usable: {change}")
+    return ""
 
 
 __all__ = ["Plan", "check_plan", "make_plan"]

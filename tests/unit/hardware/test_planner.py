@@ -216,20 +216,25 @@ def test_a_launch_refuses_a_plan_that_splits_the_model(compose):
     """No trainer backend runs TP / PP / EP yet: a plan that fits only so sizes a cluster (dry_run=true)
     and a launch is refused with what to change; a layout a backend runs is preferred (the moments in
     host memory before a model split)."""
-    from miles.hardware import _split_but_not_sharded, check_plan
+    from miles.hardware import _not_runnable, check_plan
 
     big = ["model=qwen3_32b", "hardware=h100", "precision=bf16", "ray.enabled=true", "warm_start.enabled=false"]
     sized = check_plan(compose([*big, "dry_run=true"]))
     assert sized.layout.model_parallel
-    with pytest.raises(PlanRefused, match=r"fits only with the model split over GPUs \(TP=\d .*trainer=torch holds the "
-                                          r"whole policy.*trainer.recompute=true"):
+    with pytest.raises(PlanRefused, match=r"fits only with the model split over GPUs \(TP=\d .*trainer=torch trains in "
+                                          r"one process on one GPU.*trainer.recompute=true"):
         check_plan(compose(big))
     # FSDP ranks shard the policy (the plan does not model them): not refused on that ground
-    assert _split_but_not_sharded(compose([*big, "trainer=fsdp", "trainer.num_ranks=8"]), sized) == ""
+    assert _not_runnable(compose([*big, "trainer=fsdp", "trainer.num_ranks=8"]), sized) == ""
     # 8B on 8 x 80 GB with recompute: TP=2 would fit without the offload, one GPU's layout with it;
     # the latter is the one a backend runs
     node = ["model=qwen3_8b", "hardware=gpu", "hardware.memory_gb=80", "hardware.gpus_per_node=8", "precision=bf16",
             "trainer.recompute=true", "rollout.max_new_tokens=256"]
     assert make_plan(compose([*node, "trainer.offload_optimizer=false"])).layout.model_parallel
-    plan = check_plan(compose(node))
+    plan = make_plan(compose(node))
     assert not plan.layout.model_parallel and plan.layout.offload
+    # ... its master sharded over 8 data-parallel GPUs, which one process does not have: refused at launch
+    with pytest.raises(PlanRefused, match=r"fits only with the optimizer state sharded over 8 GPUs.*training needs "
+                                          r"\d+\.\d GB of 72\.0 usable"):
+        check_plan(compose(node))
+    assert check_plan(compose([*node, "hardware.gpus_per_node=1", "model=qwen3_4b"])).layout.offload  # one GPU: runs
