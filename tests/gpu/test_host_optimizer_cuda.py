@@ -1,10 +1,11 @@
 """trainer.offload_optimizer on CUDA (miles/trainer/host_optimizer.py): AdamW's moments live in pinned
 host memory, each step streams them through the GPU bucket by bucket, and the parameters and state
-come out bit for bit as the resident step's; the device holds none of the state between steps, and
-the step's peak grows by one bucket only.
+come out bit for bit as the resident step's, and the device holds none of the state between steps
+(pinned host tensors).
 
 Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_host_optimizer_cuda.py` (-s
-prints the memory and the step times).
+prints the state's size, the streamed step's device peak above the trainer's resident tensors, and
+the step times of both).
 """
 
 import os
