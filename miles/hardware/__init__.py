@@ -16,14 +16,14 @@ def check_plan(cfg: RunCfg) -> Plan:
     from miles.tracking.console import console
 
     plan = make_plan(cfg)
-    split = _not_runnable(cfg, plan)
-    if cfg.dry_run or not plan.fits or split:
+    unrunnable = _not_runnable(cfg, plan)
+    if cfg.dry_run or not plan.fits or unrunnable:
         console.print(plan_table(cfg, plan))
     if not plan.fits:
         change = f"; change: {' or '.join(plan.suggestions)}" if plan.suggestions else ""
         raise PlanRefused("the run does not fit the hardware: " + "; ".join(plan.problems) + change)
-    if split:
-        raise PlanRefused(split)
+    if unrunnable:
+        raise PlanRefused(unrunnable)
     return plan
 
 

@@ -27,12 +27,11 @@ BUCKET_BYTES = 512 * 2**20
 
 
 class HostOptimizerState:
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, bucket_bytes: int | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
         self.optimizer, self.device = optimizer, torch.device(device)
-        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
 
     def _buckets(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
-        """(param group index, its parameters with a gradient), about bucket_bytes of state each
+        """(param group index, its parameters with a gradient), about BUCKET_BYTES of state each
         (two fp32 moments per element: what AdamW holds, and an upper bound for SGD's momentum)."""
         buckets = []
         for index, group in enumerate(self.optimizer.param_groups):
@@ -42,7 +41,7 @@ class HostOptimizerState:
                     continue
                 bucket.append(p)
                 size += p.numel() * 8
-                if size >= self.bucket_bytes:
+                if size >= BUCKET_BYTES:
                     buckets.append((index, bucket))
                     bucket, size = [], 0
             if bucket:

@@ -4,8 +4,8 @@ megatron-core's optimizer computes the gradient norm (clip_grads.get_grad_norm_f
 gradients (clipping; the distributed optimizer's main <-> model copies) through
 `multi_tensor_applier(l2_norm_impl / multi_tensor_scale_impl, ...)`. Without Apex or TE it falls
 back to `local_multi_tensor_l2_norm`, which builds `torch.tensor([norm of each gradient])` from
-device scalars: one host sync per gradient tensor (234 a step at the 0.6B shape on an H100,
-docs/benchmarks.md), and to `local_multi_tensor_scale`, two kernels and a temporary per tensor.
+device scalars: one host sync per gradient tensor (Megatron's 0.6B step profiled on an H100 made 234
+host syncs, docs/benchmarks.md), and to `local_multi_tensor_scale`, two kernels and a temporary per tensor.
 These keep the contracts (amp_C.multi_tensor_l2norm: the l2 norm of every tensor together as a [1]
 fp32 device tensor, and no per-tensor norms; amp_C.multi_tensor_scale: dst = src * scale) with
 torch's foreach kernels: no host sync, a few launches for all tensors.

@@ -18,7 +18,7 @@ RMSNorm (local spec: every decoder, QK, MLA latent and final norm): the project'
 native model's RMSNorm (miles/models/layers.py) behind megatron-core's norm interface, so on CUDA it
 runs the compiled kernel with its written-out backward (miles/models/fused.py), as the native
 trainer's does. The local spec's `WrappedTorchNorm` is `torch.nn.RMSNorm`, which runs eager there:
-~10 kernels a call with its fp32 casts, the largest share of Megatron's step after the GEMMs and
+its pow, mean, rsqrt, multiplies and fp32 casts each a kernel, the largest share of Megatron's step after the GEMMs and
 attention on an H100 (docs/benchmarks.md, "Where Megatron's step goes").
 """
 
