@@ -18,6 +18,11 @@ tokens (the means of |a - b| the run's `mismatch/logprob_abs_diff` takes):
 
 Both sides hold the same weights (the engine quantizes the checkpoint as the trainer's recipe does;
 no step is taken). Prints a Markdown table.
+
+`--w8a16-dequant`: the w8a16 scheme's GEMMs at every row count dequantize and call cuBLAS, as its
+prefill and the trainer do, instead of the fused Triton kernel decode takes at <= 1024 rows
+(miles/precision/fp8_w8a16_triton.py): whether that kernel is where w8a16's extra decode - prefill
+difference comes from.
 """
 
 from __future__ import annotations
@@ -97,13 +102,20 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=None,
                         help="launch.py overrides for every recipe (default: 32 prompts x 8 samples x 128 "
                              "tokens on cuda, 48 tokens on the CPU's tiny model)")
+    parser.add_argument("--w8a16-dequant", action="store_true",
+                        help="w8a16 GEMMs dequantize + cuBLAS at every row count (no fused decode kernel)")
     args = parser.parse_args()
+    if args.w8a16_dequant:
+        from miles.precision import fp8_w8a16_triton
+
+        fp8_w8a16_triton.FUSED_MAX_ROWS = 0
     if args.extra is None:
         args.extra = ["rollout.batch_size=32", "rollout.n_samples_per_prompt=8", "trainer.global_batch_size=256",
                       "trainer.micro_batch_size=128", f"rollout.max_new_tokens={128 if args.device == 'cuda' else 48}"]
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(recipe, args, Path(work)) for recipe in args.recipes]
-    print(f"{args.model} on {args.device}; mean |log-prob difference| over each batch's loss tokens\n")
+    kernel = "; w8a16 GEMMs: dequantize + cuBLAS at every row count" if args.w8a16_dequant else ""
+    print(f"{args.model} on {args.device}{kernel}; mean |log-prob difference| over each batch's loss tokens\n")
     print("| recipe | loss tokens | decode - trainer (the run's mismatch) | decode - prefill | prefill - trainer |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

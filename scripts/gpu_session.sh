@@ -24,8 +24,10 @@
 #   9  Megatron with the project's RMSNorm and the foreach grad norm: tests, speed, profile
 #  10  the memory phase windows; where the fp8 recipes' mismatch comes from (mismatch_sources.py)
 #  11  a DeepSeek-V3-shaped model with fewer layers and experts through Megatron, against native
+#  12  whether w8a16's fused decode kernel is where its extra mismatch comes from; the Megatron tests
+#      part 9 did not reach in 300 s (with the compiled RMSNorm the tier runs ~2x longer than before)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-11)}
+PART=${1:?usage: gpu_session.sh PART (1-12)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -120,11 +122,21 @@ case $PART in
         moe.topk_group=2 mtp_layers=0 vocab_size=32768 \
         --configs padded-chunked,megatron --cases fixed --repeats 3 --warmup 2
     ;;
+12) # part 10 on an H100 (2026-12-06): fp8 w8a16 decode - prefill 7.23e-3 against bf16's 6.02e-3, while
+    # its prefill - trainer equals bf16's: the fused kernel at <= 1024 rows is the suspect
+    (cd benchmarks && step mismatch_dequant 150 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+        --recipes bf16 fp8 --w8a16-dequant)
+    step megatron_rest 280 python3 -m pytest -v -rf --timeout=150 tests/megatron/test_megatron_routing.py \
+        tests/megatron/test_megatron_trainer.py tests/megatron/test_multi_tensor.py tests/gpu/test_megatron_cuda.py \
+        tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run and not r3_routes_like_the_native_trainer[True] \
+        and not r2_replays and not recompute_replays and not logprobs_equal and not round_trip_and_the_first \
+        and not kl_reference and not save_and_resume"
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-11)" >&2
+    echo "unknown part $PART (1-12)" >&2
     exit 2
     ;;
 esac
