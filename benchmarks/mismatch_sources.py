@@ -19,10 +19,10 @@ tokens (the means of |a - b| the run's `mismatch/logprob_abs_diff` takes):
 Both sides hold the same weights (the engine quantizes the checkpoint as the trainer's recipe does;
 no step is taken). Prints a Markdown table.
 
-`--w8a16-dequant`: the w8a16 scheme's GEMMs at every row count dequantize and call cuBLAS, as its
-prefill and the trainer do, instead of the fused Triton kernel decode takes at <= 1024 rows
-(miles/precision/fp8_w8a16_triton.py): whether that kernel is where w8a16's extra decode - prefill
-difference comes from.
+`--w8a16-kernel`: which GEMM the w8a16 scheme's decode (<= 1024 rows) takes, to find where its extra
+decode - prefill difference comes from: `fused` (the engine's: the Triton kernel of
+miles/precision/fp8_w8a16_triton.py, split-K where the output tiles leave SMs idle), `unsplit` (the
+same kernel, one K slice), `dequant` (dequantize + cuBLAS, as its prefill and the trainer do).
 """
 
 from __future__ import annotations
@@ -93,6 +93,19 @@ def measure(recipe: str, args, work: Path) -> dict:
             "decode_prefill": mean(decode, prefill), "prefill_train": mean(prefill, train)}
 
 
+def use_w8a16_kernel(kind: str) -> None:
+    """Point the w8a16 decode GEMM at `kind` (module globals, read at every call)."""
+    from dataclasses import replace
+
+    from miles.precision import fp8_w8a16_triton as w8a16
+
+    if kind == "dequant":
+        w8a16.FUSED_MAX_ROWS = 0
+    elif kind == "unsplit":
+        pick = w8a16.pick_w8a16_config
+        w8a16.pick_w8a16_config = lambda m, n, k, sms=132: replace(pick(m, n, k, sms), split_k=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -102,19 +115,17 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=None,
                         help="launch.py overrides for every recipe (default: 32 prompts x 8 samples x 128 "
                              "tokens on cuda, 48 tokens on the CPU's tiny model)")
-    parser.add_argument("--w8a16-dequant", action="store_true",
-                        help="w8a16 GEMMs dequantize + cuBLAS at every row count (no fused decode kernel)")
+    parser.add_argument("--w8a16-kernel", default="fused", choices=["fused", "unsplit", "dequant"],
+                        help="the w8a16 decode GEMM: the engine's fused kernel, it without split-K, or "
+                             "dequantize + cuBLAS")
     args = parser.parse_args()
-    if args.w8a16_dequant:
-        from miles.precision import fp8_w8a16_triton
-
-        fp8_w8a16_triton.FUSED_MAX_ROWS = 0
+    use_w8a16_kernel(args.w8a16_kernel)
     if args.extra is None:
         args.extra = ["rollout.batch_size=32", "rollout.n_samples_per_prompt=8", "trainer.global_batch_size=256",
                       "trainer.micro_batch_size=128", f"rollout.max_new_tokens={128 if args.device == 'cuda' else 48}"]
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(recipe, args, Path(work)) for recipe in args.recipes]
-    kernel = "; w8a16 GEMMs: dequantize + cuBLAS at every row count" if args.w8a16_dequant else ""
+    kernel = "" if args.w8a16_kernel == "fused" else f"; w8a16 decode GEMM: {args.w8a16_kernel}"
     print(f"{args.model} on {args.device}{kernel}; mean |log-prob difference| over each batch's loss tokens\n")
     print("| recipe | loss tokens | decode - trainer (the run's mismatch) | decode - prefill | prefill - trainer |")
     print("|---|---:|---:|---:|---:|")

@@ -124,8 +124,10 @@ case $PART in
     ;;
 12) # part 10 on an H100 (2026-12-06): fp8 w8a16 decode - prefill 7.23e-3 against bf16's 6.02e-3, while
     # its prefill - trainer equals bf16's: the fused kernel at <= 1024 rows is the suspect
-    (cd benchmarks && step mismatch_dequant 150 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
-        --recipes bf16 fp8 --w8a16-dequant)
+    for kernel in dequant unsplit; do
+        (cd benchmarks && step "mismatch_$kernel" 150 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+            --recipes bf16 fp8 --w8a16-kernel $kernel)
+    done
     step megatron_rest 280 python3 -m pytest -v -rf --timeout=150 tests/megatron/test_megatron_routing.py \
         tests/megatron/test_megatron_trainer.py tests/megatron/test_multi_tensor.py tests/gpu/test_megatron_cuda.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run and not r3_routes_like_the_native_trainer[True] \
