@@ -19,10 +19,10 @@ tokens (the means of |a - b| the run's `mismatch/logprob_abs_diff` takes):
 Both sides hold the same weights (the engine quantizes the checkpoint as the trainer's recipe does;
 no step is taken). Prints a Markdown table.
 
-`--w8a16-kernel`: which GEMM the w8a16 scheme's decode (<= 1024 rows) takes, to find where its extra
-decode - prefill difference comes from: `fused` (the engine's: the Triton kernel of
-miles/precision/fp8_w8a16_triton.py, split-K where the output tiles leave SMs idle), `unsplit` (the
-same kernel, one K slice), `dequant` (dequantize + cuBLAS, as its prefill and the trainer do).
+`--w8a16-kernel`: which GEMM the w8a16 scheme's decode (<= 1024 rows) takes: `fused` (the engine's:
+the Triton kernel of miles/precision/fp8_w8a16_triton.py, one K slice), `split` (the same kernel
+split-K where the output tiles leave SMs idle, as it was before 2026-12-06: the source of w8a16's
+extra decode - prefill difference), `dequant` (dequantize + cuBLAS, as its prefill and the trainer do).
 """
 
 from __future__ import annotations
@@ -95,15 +95,12 @@ def measure(recipe: str, args, work: Path) -> dict:
 
 def use_w8a16_kernel(kind: str) -> None:
     """Point the w8a16 decode GEMM at `kind` (module globals, read at every call)."""
-    from dataclasses import replace
-
     from miles.precision import fp8_w8a16_triton as w8a16
 
     if kind == "dequant":
         w8a16.FUSED_MAX_ROWS = 0
-    elif kind == "unsplit":
-        pick = w8a16.pick_w8a16_config
-        w8a16.pick_w8a16_config = lambda m, n, k, sms=132: replace(pick(m, n, k, sms), split_k=1)
+    elif kind == "split":
+        w8a16.SPLIT_K = True
 
 
 def main() -> None:
@@ -115,8 +112,8 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=None,
                         help="launch.py overrides for every recipe (default: 32 prompts x 8 samples x 128 "
                              "tokens on cuda, 48 tokens on the CPU's tiny model)")
-    parser.add_argument("--w8a16-kernel", default="fused", choices=["fused", "unsplit", "dequant"],
-                        help="the w8a16 decode GEMM: the engine's fused kernel, it without split-K, or "
+    parser.add_argument("--w8a16-kernel", default="fused", choices=["fused", "split", "dequant"],
+                        help="the w8a16 decode GEMM: the engine's fused kernel, it split-K, or "
                              "dequantize + cuBLAS")
     args = parser.parse_args()
     use_w8a16_kernel(args.w8a16_kernel)

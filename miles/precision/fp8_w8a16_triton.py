@@ -18,14 +18,21 @@ Numerics against `F.linear(x, dequantize_fp8_weight(q, s, x.dtype), bias)`: ever
 the same x.dtype value; products are exact in fp32 and summed in fp32 in another order (K tiles,
 split-K partials in slice order 0..S-1): the outputs differ by the rounding of a reordered fp32 sum.
 The bias is added to the fp32 sum and the result rounded once (cuBLAS's addmm epilogue). Run-to-run
-deterministic (no atomics), no host syncs: capturable in a CUDA graph. Split-K and the reduction
-are int4_triton's (`split_k`, `_splitk_reduce_kernel`); tiles its `pick_config`'s but at 17-64 rows
-(`pick_w8a16_config`).
+deterministic (no atomics), no host syncs: capturable in a CUDA graph. Tiles are int4_triton's
+`pick_config`'s but at 17-64 rows (`pick_w8a16_config`), always in one K slice (no split-K):
+
+Why no split-K: each output then sums K in one pass from 0 to K, as cuBLAS does for the prefill and
+the trainer's forward, and the engine's decode gives those outputs bit for bit (measured on an H100,
+Qwen3-0.6B shape, `benchmarks/mismatch_sources.py --w8a16-kernel`: the decode - prefill log-prob
+difference 5.98e-3 unsplit, equal to dequantize + cuBLAS, 7.23e-3 split, against bf16's 6.02e-3;
+the split partials, summed afterwards, round to other bf16 outputs). `SPLIT_K = True` restores the
+split (int4_triton's `split_k` and `_splitk_reduce_kernel`) for timing it.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -106,15 +113,21 @@ if triton is not None:
                     SWAP, INTERPRET)
 
 
+SPLIT_K = False  # see the module docstring: the split changes the summation order away from cuBLAS's
+
+
 def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     """int4_triton's tiles, except 17-64 rows: 128-deep K tiles no wider than a scale block, so each
     tile has one block scale (SCALAR_SCALE), 3 stages. Graph-timed on an H100 against cuBLAS bf16 at
-    64 rows (benchmarks/weight_only_variants.py, 2026-12-05): gate_up 19456 x 2560 1.12x (the old tile 0.87x),
-    the other 4B layers within 0.03x of the old tile; at 16 rows the old tiles won on 3 of 4 layers."""
+    64 rows (benchmarks/weight_only_variants.py, 2026-12-05, split-K): gate_up 19456 x 2560 1.12x (the
+    old tile 0.87x), the other 4B layers within 0.03x of the old tile; at 16 rows the old tiles won on
+    3 of 4 layers. One K slice unless SPLIT_K."""
     if not 16 < m <= 64:
-        return pick_config(m, n, k, sms)
-    bm, bn, bk = (32 if m <= 32 else 64), 64, BLOCK
-    return TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), 4, 3)
+        cfg = pick_config(m, n, k, sms)
+    else:
+        bm, bn, bk = (32 if m <= 32 else 64), 64, BLOCK
+        cfg = TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), 4, 3)
+    return cfg if SPLIT_K else replace(cfg, split_k=1)
 
 
 def fused_supported(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,

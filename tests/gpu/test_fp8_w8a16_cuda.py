@@ -88,9 +88,10 @@ RUN = ["hardware=gpu", "model=qwen3_0_6b", "steps=1", "warm_start.enabled=false"
 
 def test_w8a16_mismatch_is_at_bf16s_level(compose, tmp_path, monkeypatch):
     """One step per recipe through the real loop (random 0.6B-shaped weights, the same prompts and
-    seed): the fp8 w8a16 recipe's train / rollout mismatch against bf16's. The two recipes sample
-    different tokens (their weights differ by the FP8 rounding), so the bound allows 10% of sampling
-    noise; w8a8 measured 5.7x bf16 on this shape (test_fp8_fused_cuda.py)."""
+    seed): the fp8 w8a16 recipe's train / rollout mismatch is no larger than bf16's (issue 33). On an
+    H100, 2026-12-06: 6.164e-3 against 6.215e-3; 7.24e-3 (1.16x) while the fused decode kernel split K
+    (miles/precision/fp8_w8a16_triton.py says why it no longer does). w8a8 measured 5.7x bf16 on this
+    shape (test_fp8_fused_cuda.py)."""
     pytest.importorskip("hydra")
     from gpu_runs import run_inprocess
 
@@ -103,4 +104,4 @@ def test_w8a16_mismatch_is_at_bf16s_level(compose, tmp_path, monkeypatch):
         mismatch[name] = metrics[1]["mismatch/logprob_abs_diff"]
         assert metrics[1]["train/ppo_kl"] == 0.0
     print({k: f"{v:.3e}" for k, v in mismatch.items()})
-    assert mismatch["w8a16"] <= 1.1 * mismatch["bf16"], mismatch
+    assert mismatch["w8a16"] <= mismatch["bf16"], mismatch

@@ -3,6 +3,7 @@ Triton interpreter (a subprocess with TRITON_INTERPRET=1, as test_int4_triton.py
 machine the same cases run compiled (tests/gpu/test_fp8_w8a16_cuda.py has the real shapes)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -102,8 +103,16 @@ def test_17_to_64_rows_get_tiles_of_one_block_scale():
     for m in (17, 32, 64):
         cfg = wt.pick_w8a16_config(m, 19456, 2560)
         assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_m >= min(m, 32)
-    for m in (1, 16, 65, 512):  # elsewhere int4_triton's tiles
-        assert wt.pick_w8a16_config(m, 6144, 2560) == pick_config(m, 6144, 2560)
+    for m in (1, 16, 65, 512):  # elsewhere int4_triton's tiles, in one K slice
+        assert wt.pick_w8a16_config(m, 6144, 2560) == replace(pick_config(m, 6144, 2560), split_k=1)
+
+
+def test_one_k_slice_unless_split_k_is_asked_for(monkeypatch):
+    """Decode sums K in one pass as cuBLAS does (the module docstring says why); SPLIT_K restores the
+    split where 64 rows x 1024 columns leave most SMs idle."""
+    assert all(wt.pick_w8a16_config(m, 1024, 3072).split_k == 1 for m in (1, 16, 64, 256))
+    monkeypatch.setattr(wt, "SPLIT_K", True)
+    assert wt.pick_w8a16_config(64, 1024, 3072).split_k > 1
 
 
 def test_refuses_what_it_does_not_handle():
