@@ -23,6 +23,8 @@ no step is taken). Prints a Markdown table.
 the Triton kernel of miles/precision/fp8_w8a16_triton.py, one K slice), `split` (the same kernel
 split-K where the output tiles leave SMs idle, as it was before 2026-12-06: the source of w8a16's
 extra decode - prefill difference), `dequant` (dequantize + cuBLAS, as its prefill and the trainer do).
+`--w4a16-kernel`: the same for the INT4 recipes' W4A16 decode GEMM (miles/precision/int4_triton.py),
+whose `fused` default still splits K: `unsplit` runs it in one K slice.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ def use_w8a16_kernel(kind: str) -> None:
         w8a16.SPLIT_K = True
 
 
+def use_w4a16_kernel(kind: str) -> None:
+    """Point the W4A16 decode GEMM at `kind` (module globals, read at every call)."""
+    from miles.precision import int4_triton
+
+    if kind == "dequant":
+        int4_triton.FUSED_MAX_ROWS = 0
+    elif kind == "unsplit":
+        int4_triton.SPLIT_K = False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -115,14 +127,19 @@ def main() -> None:
     parser.add_argument("--w8a16-kernel", default="fused", choices=["fused", "split", "dequant"],
                         help="the w8a16 decode GEMM: the engine's fused kernel, it split-K, or "
                              "dequantize + cuBLAS")
+    parser.add_argument("--w4a16-kernel", default="fused", choices=["fused", "unsplit", "dequant"],
+                        help="the int4 recipes' decode GEMM: the engine's fused kernel (split-K), it in one "
+                             "K slice, or dequantize + cuBLAS")
     args = parser.parse_args()
     use_w8a16_kernel(args.w8a16_kernel)
+    use_w4a16_kernel(args.w4a16_kernel)
     if args.extra is None:
         args.extra = ["rollout.batch_size=32", "rollout.n_samples_per_prompt=8", "trainer.global_batch_size=256",
                       "trainer.micro_batch_size=128", f"rollout.max_new_tokens={128 if args.device == 'cuda' else 48}"]
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(recipe, args, Path(work)) for recipe in args.recipes]
-    kernel = "" if args.w8a16_kernel == "fused" else f"; w8a16 decode GEMM: {args.w8a16_kernel}"
+    kernel = "".join(f"; {name} decode GEMM: {kind}" for name, kind in
+                     (("w8a16", args.w8a16_kernel), ("w4a16", args.w4a16_kernel)) if kind != "fused")
     print(f"{args.model} on {args.device}{kernel}; mean |log-prob difference| over each batch's loss tokens\n")
     print("| recipe | loss tokens | decode - trainer (the run's mismatch) | decode - prefill | prefill - trainer |")
     print("|---|---:|---:|---:|---:|")

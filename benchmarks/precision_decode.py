@@ -2,7 +2,7 @@
 bf16, FP8 or INT4 weights, each against its own memory roofline.
 
     python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
-        [--variants triton sdpa fused] [--w8a16-split-k]
+        [--variants triton sdpa fused] [--w8a16-split-k] [--w4a16-unsplit]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
@@ -104,12 +104,18 @@ def main() -> None:
     parser.add_argument("--w8a16-split-k", action="store_true",
                         help="the fp8_w8a16 engines' GEMM split-K where tiles leave SMs idle (before "
                              "2026-12-06; miles/precision/fp8_w8a16_triton.py says why it is off)")
+    parser.add_argument("--w4a16-unsplit", action="store_true",
+                        help="the int4 engines' GEMM in one K slice (miles/precision/int4_triton.py SPLIT_K)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.w8a16_split_k:
         from miles.precision import fp8_w8a16_triton
 
         fp8_w8a16_triton.SPLIT_K = True
+    if args.w4a16_unsplit:
+        from miles.precision import int4_triton
+
+        int4_triton.SPLIT_K = False
     bandwidth = copy_bandwidth()
     results = []
     for model_name in args.model:

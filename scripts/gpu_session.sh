@@ -4,8 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 9's test_megatron_cuda.py, 10's windows test,
-# 3's MoE decode, 4's int4_qat and w8a16 without split-K on the 4B shape):
+# does not cost the rest of a call. Parts (most urgent: 13, 9's test_megatron_cuda.py, 4 (the 4B GRPO
+# step with w8a16 in one K slice, int4_qat), 10's windows test, 3's MoE decode):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -28,8 +28,9 @@
 #      2026-12-06)
 #  12  the w8a16 decode GEMMs' mismatch side by side; Megatron against native, profiled (both ran
 #      2026-12-06)
+#  13  split-K in the int4 decode kernel: its mismatch, and one K slice's decode cost for both recipes
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-12)}
+PART=${1:?usage: gpu_session.sh PART (1-13)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -131,11 +132,22 @@ case $PART in
     step train_megatron 240 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
         --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2 --profile 30
     ;;
+13) # does split-K raise int4's mismatch as it did w8a16's, and what does one K slice cost in decode
+    # (both recipes' kernels on the 4B shape, each run against its own bf16 row)
+    (cd benchmarks && step mismatch_int4 150 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+        --recipes bf16 int4_qat)
+    (cd benchmarks && step mismatch_int4_unsplit 120 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+        --recipes int4_qat --w4a16-kernel unsplit)
+    for flag in "" "--w8a16-split-k --w4a16-unsplit"; do
+        (cd benchmarks && step "decode_slices$(echo "$flag" | tr -d ' -')" 150 python3 precision_decode.py \
+            --model qwen3_4b --rows 64 --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 $flag)
+    done
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-12)" >&2
+    echo "unknown part $PART (1-13)" >&2
     exit 2
     ;;
 esac

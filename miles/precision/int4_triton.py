@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -219,6 +219,14 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Split-K where the output tiles leave SMs idle. The W8A16 kernel stopped splitting on 2026-12-06:
+# split partials, summed afterwards, round to other bf16 outputs than cuBLAS's one pass over K, which
+# the prefill and the trainer run, and that raised its train / rollout mismatch 1.16x
+# (fp8_w8a16_triton.py). Whether the same holds here is not measured yet (scripts/gpu_session.sh 13:
+# `mismatch_sources.py --w4a16-kernel unsplit`); False gives one K slice.
+SPLIT_K = True
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     """Block sizes by M; split-K so that small-M launches still put ~2 programs on every SM.
@@ -290,6 +298,8 @@ def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     m = x2.shape[0]
     dev_index = x.device.index if x.device.type == "cuda" else None
     cfg = config or pick_config(m, n, k, _sm_count(dev_index))
+    if config is None and not SPLIT_K:
+        cfg = replace(cfg, split_k=1)
     k_chunk = _ceil_div(_ceil_div(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = _ceil_div(k, k_chunk)  # no empty slices
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)

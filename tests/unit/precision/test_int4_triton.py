@@ -9,6 +9,7 @@ dispatcher's fallback is checked. On a CUDA machine the same small cases run com
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,6 +110,27 @@ def test_split_heuristic_fills_the_gpu_for_decode_only():
     assert 1 < small.split_k <= -(-1024 // small.block_k)
     assert it.pick_config(1, 9728, 2560, 132).split_k == 1  # 152 tiles already fill the GPU
     assert it.pick_config(4096, 2560, 9728, 132).split_k == 1
+
+
+class _NoReduction:
+    """Stands in for the split-K reduction kernel: launching it fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("split-K reduction launched")
+
+
+@needs_kernel
+def test_split_k_off_runs_one_k_slice(monkeypatch):
+    """SPLIT_K = False (mismatch_sources.py --w4a16-kernel unsplit): the heuristic's tiles in one K
+    slice, no reduction, the same output as that config given explicitly."""
+    packed, scales = _operands(64, 512, 128)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEV)
+    heuristic = it.pick_config(1, 64, 512, it._sm_count(None if DEV == "cpu" else 0))
+    assert heuristic.split_k > 1
+    want = it.int4_linear_fused(x, packed, scales, 128, config=replace(heuristic, split_k=1))
+    monkeypatch.setattr(it, "SPLIT_K", False)
+    monkeypatch.setattr(it, "_splitk_reduce_kernel", _NoReduction())
+    assert torch.equal(it.int4_linear_fused(x, packed, scales, 128), want)
 
 
 def test_auto_falls_back_to_int4_linear_bitwise_on_cpu():
