@@ -151,16 +151,16 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
 
 
 def decode_configs(m: int, n: int, k: int, sms: int) -> list:
-    """`--decode`: a wider grid for M <= 64 (tile widths, K depth, warps, and split-K at 1, 2 and 4
-    times the heuristic's programs per SM)."""
+    """`--decode`: a wider grid for M <= 64: tile widths, K depth, and each tile in one K slice (W8A16's
+    default since 2026-12-06, where narrow output tiles are the only way to more programs) or split
+    as the heuristic would (~2 programs per SM)."""
     from miles.precision import int4_triton as it
 
     bm = 16 if m <= 16 else 64
     out = []
-    for bn, bk, warps in itertools.product((32, 64, 128), (256, 512), (4, 8)):
-        base = it.split_k(m, n, k, bm, bn, bk, sms)
-        for split in sorted({base, min(2 * base, -(-k // bk)), min(4 * base, -(-k // bk))}):
-            out.append(it.TileConfig(bm, bn, bk, split, warps, 3))
+    for bn, bk in itertools.product((16, 32, 64), (128, 256)):
+        for split in sorted({1, it.split_k(m, n, k, bm, bn, bk, sms)}):
+            out.append(it.TileConfig(bm, bn, bk, split, 4, 3))
     return out
 
 
@@ -190,7 +190,7 @@ def sweep_weight_only(fmt: str, decode: bool = False) -> list[dict]:
             bf16 = _time_graph(lambda: torch.nn.functional.linear(x, wb))
             ref = reference()
             ref_ms = _time_graph(reference)
-            base = it.pick_config(m, n, k, sms)
+            base = w8.pick_w8a16_config(m, n, k, sms) if fmt == "w8a16" else it.pick_config(m, n, k, sms)
             configs = decode_configs(m, n, k, sms) if decode else [
                 it.TileConfig(bm, bn, bk, it.split_k(m, n, k, bm, bn, bk, sms), warps, stages, swap=swap)
                 for bm, bn, bk, warps, stages, swap in WEIGHT_ONLY_CONFIGS
@@ -217,13 +217,21 @@ def sweep_weight_only(fmt: str, decode: bool = False) -> list[dict]:
         key = (r["m"], r["n"], r["k"])
         if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
             best[key] = r
-    print(f"\nbest {fmt} config per shape (graph-timed ms; x = bf16 ms / kernel ms):")
+    unsplit = {}
+    for r in rows:
+        key = (r["m"], r["n"], r["k"])
+        if "ms" in r and r["config"][3] == 1 and (key not in unsplit or r["ms"] < unsplit[key]["ms"]):
+            unsplit[key] = r
+    print(f"\nbest {fmt} config per shape (graph-timed ms; x = bf16 ms / kernel ms; config = BM, BN, BK, "
+          "split, warps, stages, swap):")
     for (m, n, k), r in sorted(best.items()):
         heur = next((h for h in rows if h["m"] == m and h["n"] == n and h["k"] == k and h["heuristic"] and "ms" in h),
                     None)
+        one = unsplit.get((m, n, k))
         print(f"M={m:5d} N={n:5d} K={k:5d} best {r['config']} {r['ms']:.4f} ms {r['vs_bf16']:.2f}x bf16"
               f" | reference {r['bf16_ms'] / r['reference_ms']:.2f}x bf16"
-              + (f" | heuristic {heur['vs_bf16']:.2f}x bf16" if heur else ""))
+              + (f" | heuristic {heur['vs_bf16']:.2f}x bf16" if heur else "")
+              + (f" | best one K slice {one['config']} {one['vs_bf16']:.2f}x bf16" if one else ""))
     return rows
 
 

@@ -29,8 +29,9 @@
 #  12  the w8a16 decode GEMMs' mismatch side by side; Megatron against native, profiled (both ran
 #      2026-12-06)
 #  13  split-K in the int4 decode kernel: its mismatch, and one K slice's decode cost for both recipes
+#  14  W8A16 decode tiles in one K slice (kernel_sweep.py w8a16 --decode)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-13)}
+PART=${1:?usage: gpu_session.sh PART (1-14)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -143,11 +144,15 @@ case $PART in
             --model qwen3_4b --rows 64 --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 $flag)
     done
     ;;
+14) # W8A16 decode tiles in one K slice: which narrow output tiles win back split-K's 10-16%
+    # (each config's ms and the best one-slice config per 4B layer, against cuBLAS bf16)
+    (cd benchmarks && step sweep_w8a16_decode 400 python3 kernel_sweep.py w8a16 --decode)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-13)" >&2
+    echo "unknown part $PART (1-14)" >&2
     exit 2
     ;;
 esac
