@@ -13,3 +13,10 @@ def run_under_interpreter(test_file: str) -> None:
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+
+
+class NoSplitKReduction:
+    """Stands in for a kernel module's `_splitk_reduce_kernel` (monkeypatched): launching it fails."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("split-K reduction launched")

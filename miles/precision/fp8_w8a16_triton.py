@@ -15,18 +15,18 @@ the trainer's forward, `F.linear(x, dequantize_fp8_weight(...))`, multiplies the
 and the two sides differ only by the fp32 summation order, as in the bf16 recipe.
 
 Numerics against `F.linear(x, dequantize_fp8_weight(q, s, x.dtype), bias)`: every weight element is
-the same x.dtype value; products are exact in fp32 and summed in fp32 in another order (K tiles,
-split-K partials in slice order 0..S-1): the outputs differ by the rounding of a reordered fp32 sum.
+the same x.dtype value; products are exact in fp32 and summed in fp32 over K tiles in one pass
+(with SPLIT_K: per slice, then the partials in slice order 0..S-1, a reordered sum).
 The bias is added to the fp32 sum and the result rounded once (cuBLAS's addmm epilogue). Run-to-run
 deterministic (no atomics), no host syncs: capturable in a CUDA graph. Tiles are int4_triton's
 `pick_config`'s but at 17-64 rows (`pick_w8a16_config`), always in one K slice (no split-K):
 
-Why no split-K: each output then sums K in one pass from 0 to K, as cuBLAS does for the prefill and
-the trainer's forward, and the engine's decode gives those outputs bit for bit (measured on an H100,
-Qwen3-0.6B shape, `benchmarks/mismatch_sources.py --w8a16-kernel`: the decode - prefill log-prob
-difference 5.98e-3 unsplit, equal to dequantize + cuBLAS, 7.23e-3 split, against bf16's 6.02e-3;
-the split partials, summed afterwards, round to other bf16 outputs). `SPLIT_K = True` restores the
-split (int4_triton's `split_k` and `_splitk_reduce_kernel`) for timing it.
+Why no split-K: each output then sums K in one pass, as cuBLAS does for the prefill and the
+trainer's forward, and the engine's decode log-probs equal those of dequantize + cuBLAS in every
+printed digit (an H100, Qwen3-0.6B shape, `benchmarks/mismatch_sources.py --w8a16-kernel`: decode -
+prefill 5.975e-3 for both, 7.227e-3 split, against bf16's 6.023e-3; the split partials, summed
+afterwards, round to other bf16 outputs). `SPLIT_K = True` restores the split (int4_triton's
+`split_k` and `_splitk_reduce_kernel`) for timing it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import NoSplitKReduction, run_under_interpreter
 
 from miles.precision import fp8_w8a16_triton as wt
 from miles.precision.fp8 import FP8_DTYPE, dequantize_fp8_weight, quantize_fp8_weight
@@ -115,20 +115,13 @@ def test_one_k_slice_unless_split_k_is_asked_for(monkeypatch):
     assert wt.pick_w8a16_config(64, 1024, 3072).split_k > 1
 
 
-class _NoReduction:
-    """Stands in for the split-K reduction kernel: launching it fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("split-K reduction launched")
-
-
 @needs_kernel
 def test_decode_rows_sum_k_in_one_slice(monkeypatch):
     """64 rows x 256 columns leave SMs idle, where the kernel used to split K: by default it runs
     no split and no reduction."""
     q, s = _operands(256, 1024)
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEV)
-    monkeypatch.setattr(wt, "_splitk_reduce_kernel", _NoReduction())
+    monkeypatch.setattr(wt, "_splitk_reduce_kernel", NoSplitKReduction())
     assert _rel(wt.w8a16_linear_fused(x, q, s), wt.w8a16_linear(x, q, s).float()) < 1e-2
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import NoSplitKReduction, run_under_interpreter
 
 from miles.precision import dequantize_int4, int4_linear, pack_int4, quantize_int4
 from miles.precision import int4_triton as it
@@ -112,13 +112,6 @@ def test_split_heuristic_fills_the_gpu_for_decode_only():
     assert it.pick_config(4096, 2560, 9728, 132).split_k == 1
 
 
-class _NoReduction:
-    """Stands in for the split-K reduction kernel: launching it fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("split-K reduction launched")
-
-
 @needs_kernel
 def test_split_k_off_runs_one_k_slice(monkeypatch):
     """SPLIT_K = False (mismatch_sources.py --w4a16-kernel unsplit): the heuristic's tiles in one K
@@ -129,7 +122,7 @@ def test_split_k_off_runs_one_k_slice(monkeypatch):
     assert heuristic.split_k > 1
     want = it.int4_linear_fused(x, packed, scales, 128, config=replace(heuristic, split_k=1))
     monkeypatch.setattr(it, "SPLIT_K", False)
-    monkeypatch.setattr(it, "_splitk_reduce_kernel", _NoReduction())
+    monkeypatch.setattr(it, "_splitk_reduce_kernel", NoSplitKReduction())
     assert torch.equal(it.int4_linear_fused(x, packed, scales, 128), want)
 
 
