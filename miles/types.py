@@ -115,18 +115,19 @@ class TrainBatch:
 
 def build_train_batch(samples: list[Sample], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
     """Pack samples into a right-padded TrainBatch. `advantages` is per sample, shape [N]."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    n, width = len(samples), max(lengths)
-    tokens = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, width - 1)
-    rollout_lp = torch.zeros(n, width - 1)
-    for i, s in enumerate(samples):
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    # Rows as padded Python lists, one tensor each: a tensor per sample cost ~1 ms a 64-sample batch.
+    # The response token at sequence index p + j is predicted at position p + j - 1.
+    tokens, mask, rollout_lp = [], [], []
+    for s in samples:
         p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        # The response token at sequence index p + j is predicted at position p + j - 1.
-        mask[i, p - 1 : p - 1 + r] = torch.tensor(s.response_mask, dtype=mask.dtype) if s.response_mask else 1.0
-        if s.rollout_logprobs:
-            rollout_lp[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
+        tail = width - p - r
+        tokens.append(s.prompt_ids + s.response_ids + [pad_id] * tail)
+        mask.append([0.0] * (p - 1) + (s.response_mask or [1.0] * r) + [0.0] * tail)
+        rollout_lp.append([0.0] * (p - 1) + (s.rollout_logprobs or [0.0] * r) + [0.0] * tail)
+    tokens = torch.tensor(tokens, dtype=torch.long)
+    mask = torch.tensor(mask, dtype=torch.float32)
+    rollout_lp = torch.tensor(rollout_lp, dtype=torch.float32)
     adv = advantages.to(torch.float32).unsqueeze(1) * mask
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, rollout_logprobs=rollout_lp, rewards=rewards,
