@@ -4,8 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 13, 9's test_megatron_cuda.py, 4 (the 4B GRPO
-# step with w8a16 in one K slice, int4_qat), 10's windows test, 3's MoE decode):
+# does not cost the rest of a call. Parts (most urgent: 13, 15 (test_megatron_cuda.py), 4 (the 4B GRPO
+# step with w8a16 in one K slice, int4_qat), 14, 10's windows test, 3's MoE decode):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -21,7 +21,7 @@
 #   7  LoRA against full fine-tuning (4B)
 #   8  the optimizer state in host memory (test, the 4B GRPO step per recipe), Megatron's step
 #      profiled, the bf16 / fp8 mismatch over 3 steps (ran 2026-12-06)
-#   9  the Megatron tier whole (its halves ran on CUDA 2026-12-06 except tests/gpu/test_megatron_cuda.py)
+#   9  the Megatron tier on CUDA, first half (its files passed on CUDA 2026-12-06, in pieces)
 #  10  the memory phase windows; where the fp8 recipes' mismatch comes from (mismatch_sources.py; ran
 #      2026-12-06 except the windows' test)
 #  11  a DeepSeek-V3-shaped model with fewer layers and experts through Megatron, against native (ran
@@ -30,8 +30,9 @@
 #      2026-12-06)
 #  13  split-K in the int4 decode kernel: its mismatch, and one K slice's decode cost for both recipes
 #  14  W8A16 decode tiles in one K slice (kernel_sweep.py w8a16 --decode)
+#  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-14)}
+PART=${1:?usage: gpu_session.sh PART (1-15)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -109,9 +110,17 @@ case $PART in
         --modes none --steps 3 --extra hardware=gpu rollout.batch_size=32 rollout.n_samples_per_prompt=8 \
         trainer.global_batch_size=256 trainer.micro_batch_size=128 rollout.max_new_tokens=128
     ;;
-9)  # Megatron with the project's RMSNorm and the foreach grad norm: the whole tier (2026-12-06: ~400 s
-    # on an H100 with the compiled norm; 300 s reached half)
-    step megatron 570 python3 -m pytest -q -rf tests/megatron tests/gpu/test_megatron_cuda.py \
+9)  # the Megatron tier on CUDA, first half (with the compiled RMSNorm the whole tier ran ~2x longer
+    # than its 220 s of 2026-12-06: 300 s reached half of it), -v: a cut step still names its passes
+    step megatron_a 570 python3 -m pytest -v -rf --durations=15 --timeout=200 tests/megatron/test_core_attention.py \
+        tests/megatron/test_megatron_contract.py tests/megatron/test_megatron_dsa.py \
+        tests/megatron/test_megatron_lora.py tests/megatron/test_megatron_mla.py tests/megatron/test_megatron_packed.py \
+        tests/megatron/test_megatron_precision.py tests/megatron/test_megatron_qlora.py
+    ;;
+15) # the Megatron tier on CUDA, second half (test_megatron_cuda.py: not run since the RMSNorm change)
+    step megatron_b 570 python3 -m pytest -v -rf --durations=15 --timeout=200 tests/gpu/test_megatron_cuda.py \
+        tests/megatron/test_megatron_routing.py tests/megatron/test_megatron_run.py tests/megatron/test_megatron_sync.py \
+        tests/megatron/test_megatron_trainer.py tests/megatron/test_multi_tensor.py \
         tests/gpu/test_trainer_contract_cuda.py -k "not grpo_run"
     ;;
 10) # not yet run on a GPU: the memory phase windows, where the fp8 recipes' mismatch comes from
@@ -154,7 +163,7 @@ case $PART in
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-14)" >&2
+    echo "unknown part $PART (1-15)" >&2
     exit 2
     ;;
 esac
