@@ -145,13 +145,15 @@ case $PART in
         --configs padded-chunked,megatron --cases fixed,seq-2k --repeats 3 --warmup 2 --profile 30
     ;;
 13) # does split-K raise int4's mismatch as it did w8a16's, and what does one K slice cost in decode
-    # (both recipes' kernels on the 4B shape, each run against its own bf16 row)
-    (cd benchmarks && step mismatch_int4 150 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+    # (both recipes' kernels on the 4B shape, each run against its own bf16 row); first, whether the
+    # one-slice W8A16 decode rows come out as the prefill GEMM gives them (-s prints the counts)
+    step w8a16_rows 60 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py -k decode_rows_count
+    (cd benchmarks && step mismatch_int4 130 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
         --recipes bf16 int4_qat)
-    (cd benchmarks && step mismatch_int4_unsplit 120 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
+    (cd benchmarks && step mismatch_int4_unsplit 110 python3 mismatch_sources.py --device cuda --model qwen3_0_6b \
         --recipes int4_qat --w4a16-kernel unsplit)
     for flag in "" "--w8a16-split-k --w4a16-unsplit"; do
-        (cd benchmarks && step "decode_slices$(echo "$flag" | tr -d ' -')" 150 python3 precision_decode.py \
+        (cd benchmarks && step "decode_slices$(echo "$flag" | tr -d ' -')" 140 python3 precision_decode.py \
             --model qwen3_4b --rows 64 --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 $flag)
     done
     ;;
