@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from mismatch_sources import use_w4a16_kernel, use_w8a16_kernel  # noqa: E402
 from rollout_gpu import SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
 
 from miles.config.schema import DType, FP8Scheme, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
@@ -109,13 +110,9 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.w8a16_split_k:
-        from miles.precision import fp8_w8a16_triton
-
-        fp8_w8a16_triton.SPLIT_K = True
+        use_w8a16_kernel("split")
     if args.w4a16_unsplit:
-        from miles.precision import int4_triton
-
-        int4_triton.SPLIT_K = False
+        use_w4a16_kernel("unsplit")
     bandwidth = copy_bandwidth()
     results = []
     for model_name in args.model:
