@@ -29,7 +29,8 @@
 #  12  the w8a16 decode GEMMs' mismatch side by side; Megatron against native, profiled (both ran
 #      2026-12-06)
 #  13  split-K in the int4 decode kernel: its mismatch, and one K slice's decode cost for both recipes
-#  14  W8A16 decode tiles in one K slice (kernel_sweep.py w8a16 --decode)
+#      (ran 2026-12-06, fifth session)
+#  14  both weight-only decode kernels' tiles in one K slice, with their bits against the prefill GEMM
 #  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-15)}
@@ -157,9 +158,11 @@ case $PART in
             --model qwen3_4b --rows 64 --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 $flag)
     done
     ;;
-14) # W8A16 decode tiles in one K slice: which narrow output tiles win back split-K's 10-16%
-    # (each config's ms and the best one-slice config per 4B layer, against cuBLAS bf16)
-    (cd benchmarks && step sweep_w8a16_decode 400 python3 kernel_sweep.py w8a16 --decode)
+14) # both weight-only decode kernels' tiles in one K slice (split-K cost 0.86x -> 0.59x bf16 for W8A16 at
+    # 64 rows on the 4B shape, H100 2026-12-06): each config's ms and its outputs off the prefill GEMM's
+    # bits, the fastest bit-exact config per 4B layer; rows print as they come (a cut step keeps them)
+    (cd benchmarks && step sweep_w8a16_decode 270 python3 kernel_sweep.py w8a16 --decode)
+    (cd benchmarks && step sweep_w4a16_decode 270 python3 kernel_sweep.py w4a16 --decode)
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
