@@ -153,18 +153,19 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
 
 
 def decode_configs(m: int, n: int, k: int, sms: int) -> list:
-    """`--decode`: a wider grid for M <= 256: tile widths, K depth, warps and pipeline depth in one K
-    slice (both weight-only kernels' summation order since 2026-12-06: narrow output tiles are the
-    only way to more programs), and each tile split as the heuristic would (~2 programs per SM)."""
+    """`--decode`: a wider grid for M <= 256 in one K slice (both weight-only kernels' summation order
+    since 2026-12-06): output tile widths both ways (narrow: more programs; wide: fewer re-reads of
+    the activations, each program streaming more weight bytes through a deeper pipeline), K depth,
+    warps and stages; and each tile split as the heuristic would (~2 programs per SM), for reference."""
     from miles.precision import int4_triton as it
 
     bm = 16 if m <= 16 else 64
     out = []
-    for bn, bk in itertools.product((16, 32, 64), (128, 256)):
-        for warps, stages in ((4, 3), (4, 5), (2, 4)):
+    for bn, bk in itertools.product((16, 32, 64, 128, 256), (128, 256)):
+        for warps, stages in ((4, 3), (4, 5)) if bn <= 64 else ((4, 4), (8, 4)):
             out.append(it.TileConfig(bm, bn, bk, 1, warps, stages))
         split = it.split_k(m, n, k, bm, bn, bk, sms)
-        if split > 1:
+        if split > 1 and bn == 64:
             out.append(it.TileConfig(bm, bn, bk, split, 4, 3))
     return out
 

@@ -161,8 +161,8 @@ case $PART in
 14) # both weight-only decode kernels' tiles in one K slice (split-K cost 0.86x -> 0.59x bf16 for W8A16 at
     # 64 rows on the 4B shape, H100 2026-12-06): each config's ms and its outputs off the prefill GEMM's
     # bits, the fastest bit-exact config per 4B layer; rows print as they come (a cut step keeps them)
-    (cd benchmarks && step sweep_w8a16_decode 270 python3 kernel_sweep.py w8a16 --decode)
-    (cd benchmarks && step sweep_w4a16_decode 270 python3 kernel_sweep.py w4a16 --decode)
+    (cd benchmarks && step sweep_w8a16_decode 250 python3 kernel_sweep.py w8a16 --decode)
+    (cd benchmarks && step sweep_w4a16_decode 250 python3 kernel_sweep.py w4a16 --decode)
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
