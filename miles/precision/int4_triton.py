@@ -222,8 +222,11 @@ def _sm_count(device_index: int | None) -> int:
 # Split-K where the output tiles leave SMs idle. The W8A16 kernel stopped splitting on 2026-12-06:
 # split partials, summed afterwards, round to other bf16 outputs than cuBLAS's one pass over K, which
 # the prefill and the trainer run, and that raised its train / rollout mismatch 1.16x
-# (fp8_w8a16_triton.py). Whether the same holds here is not measured yet (scripts/gpu_session.sh 13:
-# `mismatch_sources.py --w4a16-kernel unsplit`); False gives one K slice.
+# (fp8_w8a16_triton.py). Here it does the same (an H100, Qwen3-0.6B shape, `mismatch_sources.py
+# --w4a16-kernel`): int4_qat 7.41e-3 split against 6.39e-3 in one K slice (bf16 6.22e-3). One slice
+# costs decode speed on the 4B shape, 0.83x -> 0.56x bf16 at 64 rows (docs/benchmarks.md), so the
+# split stays the default until one-slice tiles win that back (`kernel_sweep.py w4a16 --decode`);
+# False gives one K slice.
 SPLIT_K = True
 
 
