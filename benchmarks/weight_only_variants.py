@@ -3,7 +3,7 @@
     python3 benchmarks/weight_only_variants.py      # ~4 min on an H100: 4B layer shapes at 1, 16, 64, 512 rows
 
 MODE 0 loads bf16 weights (the skeleton's own ceiling against cuBLAS); MODE 1 FP8 codes with one
-block scale a tile, dequantize_fp8_weight's bits (what `pick_w8a16_config` now runs at 17-64 rows);
+block scale a tile, dequantize_fp8_weight's bits (what `pick_w8a16_config` ran at 17-64 rows on 2026-12-05);
 MODE 2 FP8 with the scale applied after the dot (a speed bound only: other numerics). LOADS 0
 pointer loads, 1 TMA descriptors. Also the shipped kernels (`cur_w8a16`, `cur_w4a16`) and torch's
 tinygemm `_weight_int4pack_mm` (bf16 scales, so not exact against int4_linear). Every figure is

@@ -31,9 +31,11 @@
 #  13  split-K in the int4 decode kernel: its mismatch, and one K slice's decode cost for both recipes
 #      (ran 2026-12-06, fifth session)
 #  14  both weight-only decode kernels' tiles in one K slice, with their bits against the prefill GEMM
+#      (w8a16 ran 2026-12-06, fifth session)
+#  16  the W8A16 tiles chosen from it: their bits, the 4B decode
 #  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-15)}
+PART=${1:?usage: gpu_session.sh PART (1-16)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -164,11 +166,16 @@ case $PART in
     (cd benchmarks && step sweep_w8a16_decode 250 python3 kernel_sweep.py w8a16 --decode)
     (cd benchmarks && step sweep_w4a16_decode 250 python3 kernel_sweep.py w4a16 --decode)
     ;;
+16) # the one-slice W8A16 tiles from part 14's sweep: still the prefill GEMM's bits, and the 4B decode
+    step w8a16_tiles 60 python3 -m pytest -q -s -rf tests/gpu/test_fp8_w8a16_cuda.py -k "decode_rows_count or graph or real_shape"
+    (cd benchmarks && step decode_tiles 170 python3 precision_decode.py --model qwen3_4b --rows 64 256 \
+        --recipes bf16 fp8_w8a16 --repeats 2 --new-tokens 128)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-15)" >&2
+    echo "unknown part $PART (1-16)" >&2
     exit 2
     ;;
 esac

@@ -18,8 +18,8 @@ Numerics against `F.linear(x, dequantize_fp8_weight(q, s, x.dtype), bias)`: ever
 the same x.dtype value; products are exact in fp32 and summed in fp32 over K tiles in one pass
 (with SPLIT_K: per slice, then the partials in slice order 0..S-1, a reordered sum).
 The bias is added to the fp32 sum and the result rounded once (cuBLAS's addmm epilogue). Run-to-run
-deterministic (no atomics), no host syncs: capturable in a CUDA graph. Tiles are int4_triton's
-`pick_config`'s but at 17-64 rows (`pick_w8a16_config`), always in one K slice (no split-K):
+deterministic (no atomics), no host syncs: capturable in a CUDA graph. Tiles from
+`pick_w8a16_config` (its own at 17-256 rows, int4_triton's elsewhere), always in one K slice:
 
 Why no split-K: each output then sums K in one pass, as cuBLAS does for the prefill and the
 trainer's forward, and the engine's decode log-probs equal those of dequantize + cuBLAS in every
@@ -117,17 +117,29 @@ SPLIT_K = False  # see the module docstring: the split changes the summation ord
 
 
 def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
-    """int4_triton's tiles, except 17-64 rows: 128-deep K tiles no wider than a scale block, so each
-    tile has one block scale (SCALAR_SCALE), 3 stages. Graph-timed on an H100 against cuBLAS bf16 at
-    64 rows (benchmarks/weight_only_variants.py, 2026-12-05, split-K): gate_up 19456 x 2560 1.12x (the
-    old tile 0.87x), the other 4B layers within 0.03x of the old tile; at 16 rows the old tiles won on
-    3 of 4 layers. One K slice unless SPLIT_K."""
-    if not 16 < m <= 64:
-        cfg = pick_config(m, n, k, sms)
-    else:
-        bm, bn, bk = (32 if m <= 32 else 64), 64, BLOCK
-        cfg = TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), 4, 3)
-    return cfg if SPLIT_K else replace(cfg, split_k=1)
+    """Tiles in one K slice, from `kernel_sweep.py w8a16 --decode` on an H100 (2026-12-06, the 4B
+    layers, graph-timed against cuBLAS bf16). Only output tiles >= 64 wide kept the prefill GEMM's bits
+    (narrower ones run another MMA shape and sum in another order), so more programs cannot come from
+    narrower tiles; where 64-wide tiles leave SMs idle, deeper K tiles and wider ones did better:
+    - <= 16 and > 256 rows: int4_triton's tiles;
+    - 17-64 rows: 64-wide tiles (one block scale across), 256 deep where they leave SMs idle (qkv,
+      o_proj, down_proj 0.59x / 0.37x / 0.49x bf16 against 0.45x / 0.28x / 0.35x at 128 deep), else
+      128 deep (gate_up 1.11x against 0.93x);
+    - 65-256 rows where int4_triton's 128 x 64 tiles leave SMs idle: 64 x 128 x 256, 8 warps, 4
+      stages (the 2560-wide layers 0.38x / 0.40x against 0.28x / 0.31x).
+    SPLIT_K: the split-K tiles timed before (int4_triton's, 128 deep at 17-64 rows)."""
+    if SPLIT_K:
+        if not 16 < m <= 64:
+            return pick_config(m, n, k, sms)
+        bm = 32 if m <= 32 else 64
+        return TileConfig(bm, 64, BLOCK, split_k(m, n, k, bm, 64, BLOCK, sms), 4, 3)
+    if 16 < m <= 64:
+        bm = 32 if m <= 32 else 64
+        idle = _ceil_div(m, bm) * _ceil_div(n, 64) < sms
+        return TileConfig(bm, 64, 2 * BLOCK if idle else BLOCK, 1, 4, 3)
+    if 64 < m <= 256 and _ceil_div(m, 128) * _ceil_div(n, 64) < sms:
+        return TileConfig(64, 128, 2 * BLOCK, 1, 8, 4)
+    return replace(pick_config(m, n, k, sms), split_k=1)
 
 
 def fused_supported(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,

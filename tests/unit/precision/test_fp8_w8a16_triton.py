@@ -99,12 +99,19 @@ def test_fp16_and_leading_dims():
     assert _rel(y, wt.w8a16_linear(x, q, s).float()) < 1e-2
 
 
-def test_17_to_64_rows_get_tiles_of_one_block_scale():
+def test_decode_tiles_stay_64_wide_and_go_deeper_where_sms_idle():
+    """The H100 sweep's choices (pick_w8a16_config's docstring): tiles >= 64 wide (narrower ones left
+    the prefill GEMM's bits), 256 deep where 64-wide tiles leave SMs idle."""
     for m in (17, 32, 64):
-        cfg = wt.pick_w8a16_config(m, 19456, 2560)
-        assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_m >= min(m, 32)
-    for m in (1, 16, 65, 512):  # elsewhere int4_triton's tiles, in one K slice
-        assert wt.pick_w8a16_config(m, 6144, 2560) == replace(pick_config(m, 6144, 2560), split_k=1)
+        assert wt.pick_w8a16_config(m, 19456, 2560) == TileConfig(32 if m <= 32 else 64, 64, 128, 1, 4, 3)
+        assert wt.pick_w8a16_config(m, 2560, 9728) == TileConfig(32 if m <= 32 else 64, 64, 256, 1, 4, 3)
+    for m in (65, 128, 256):
+        assert wt.pick_w8a16_config(m, 2560, 4096) == TileConfig(64, 128, 256, 1, 8, 4)
+        assert wt.pick_w8a16_config(m, 19456, 2560) == replace(pick_config(m, 19456, 2560), split_k=1)
+    for m in (1, 16, 512):  # elsewhere int4_triton's tiles, in one K slice
+        assert wt.pick_w8a16_config(m, 2560, 4096) == replace(pick_config(m, 2560, 4096), split_k=1)
+    for m in (1, 16, 64, 65, 256, 512):
+        assert wt.pick_w8a16_config(m, 2560, 9728).block_n >= 64
 
 
 def test_one_k_slice_unless_split_k_is_asked_for(monkeypatch):
