@@ -79,10 +79,11 @@ case $PART in
     ;;
 4)  # an 80 GB card needs recompute at this shape (the plan refuses it without; the optimizer state
     # goes to host memory); int4_qat has never run end to end on a GPU. Two recipes took ~300 s on an
-    # H100 (2026-12-06), so each pair is a step of its own: a cut step loses one pair
-    (cd benchmarks && step grpo_4b 290 python3 grpo_step.py --model qwen3_4b --steps 2 \
+    # H100 (2026-12-06; 290 s cut the summary line), so each pair is a step of its own, one per call:
+    # STEPS=grpo_4b, then STEPS=grpo_4b_more
+    (cd benchmarks && step grpo_4b 330 python3 grpo_step.py --model qwen3_4b --steps 2 \
         --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true)
-    (cd benchmarks && step grpo_4b_more 290 python3 grpo_step.py --model qwen3_4b --steps 2 \
+    (cd benchmarks && step grpo_4b_more 330 python3 grpo_step.py --model qwen3_4b --steps 2 \
         --recipes bf16,trainer.recompute=true int4_qat,trainer.recompute=true)
     ;;
 5)  # two recipes took over 100 s on an H100 (2026-12-05)
