@@ -167,6 +167,11 @@ def decode_configs(m: int, n: int, k: int, sms: int) -> list:
         split = it.split_k(m, n, k, bm, bn, bk, sms)
         if split > 1 and bn == 64:
             out.append(it.TileConfig(bm, bn, bk, split, 4, 3))
+    # More programs from shorter row tiles instead of narrower column tiles: 64-wide tiles kept the
+    # prefill's bits on the H100 (2026-12-06), 16- and 32-wide ones did not; not timed yet at > 16 rows.
+    for short, bk in itertools.product((16, 32), (128, 256)):
+        if short < bm:
+            out.append(it.TileConfig(short, 64, bk, 1, 4, 3))
     return out
 
 
