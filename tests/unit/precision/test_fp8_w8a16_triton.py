@@ -43,10 +43,11 @@ def _rel(a, ref):
 # Edges: M, N below / across tiles and scale blocks; K not a multiple of 128; a K tail inside a tile.
 CASES = [(1, 64, 256), (3, 200, 257), (17, 96, 300), (5, 33, 130), (2, 8, 5)]
 # Heuristic; forced split-K with BK < 128; BK > 128 (two scale blocks a tile) through the unswapped dot;
-# BK = 128 with tiles narrower than a block (one scale a tile: SCALAR_SCALE, the 17-64-row heuristic).
+# BK = 128 with tiles narrower than a block (one scale a tile: SCALAR_SCALE); the 65-256-row choice for
+# narrow layers (a block-wide tile, two scale blocks deep, 8 warps, one K slice).
 CONFIGS = [None, TileConfig(16, 64, 64, 3, 4, 2), TileConfig(32, 64, 256, 2, 4, 2, swap=False),
-           TileConfig(16, 32, 128, 2, 4, 3)]
-IDS = ["heuristic", "split3-bk64", "bk256-noswap-split2", "scalar-scale-bn32-split2"]
+           TileConfig(16, 32, 128, 2, 4, 3), TileConfig(64, 128, 256, 1, 8, 4)]
+IDS = ["heuristic", "split3-bk64", "bk256-noswap-split2", "scalar-scale-bn32-split2", "bn128-bk256-one-slice"]
 
 
 @needs_kernel
