@@ -118,9 +118,9 @@ SPLIT_K = False  # see the module docstring: the split changes the summation ord
 
 def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     """Tiles in one K slice, from `kernel_sweep.py w8a16 --decode` on an H100 (2026-12-06, the 4B
-    layers, graph-timed against cuBLAS bf16). Only output tiles >= 64 wide kept the prefill GEMM's bits
-    (narrower ones run another MMA shape and sum in another order), so more programs cannot come from
-    narrower tiles; where 64-wide tiles leave SMs idle, deeper K tiles and wider ones did better:
+    layers, graph-timed against cuBLAS bf16). Output tiles >= 64 wide kept the prefill GEMM's bits in
+    every run; narrower ones lost them in 120 of 128, so more programs cannot come from narrower
+    tiles; where 64-wide tiles leave SMs idle, deeper K tiles and wider ones did better:
     - <= 16 and > 256 rows: int4_triton's tiles;
     - 17-64 rows: 64-wide tiles (one block scale across), 256 deep where they leave SMs idle (qkv,
       o_proj, down_proj 0.59x / 0.37x / 0.49x bf16 against 0.45x / 0.28x / 0.35x at 128 deep), else
