@@ -10,6 +10,7 @@ Set-up (a venv of its own; the project's .venv is not touched) and the run:
     [--shapes 8x8x8,64x8x8] [--warmup 3] [--steps 10]   # prompts x samples x tokens; steps timed per side
     [--trl-micro-batch N]                              # TRL's per-device batch (default 128, as Miles')
     [--ray] [--two-actors] [--settle-ms MS]            # Miles' components as Ray actors (the default experiment's)
+    [--compile]                                        # Miles' engine with rollout.compile_cpu=true
 
 Both sides start from the same random checkpoint of the default experiment's model (`qwen3_tiny`,
 written by `random_checkpoint`; TRL loads it with `AutoModelForCausalLM`, Miles with its own
@@ -104,9 +105,11 @@ class FixedSource:
         return batch
 
 
-def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actors: bool = False):
+def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actors: bool = False,
+              compile_cpu: bool = False):
     """The default experiment's composed RunCfg at this shape, in-process or (ray) as Ray actors: one
-    for the engine and the trainer (ray.hybrid, the default), or (two_actors) an actor each."""
+    for the engine and the trainer (ray.hybrid, the default), or (two_actors) an actor each;
+    (compile_cpu) the engine's decoder compiled."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -118,7 +121,7 @@ def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actor
         f"rollout.batch_size={p}", f"rollout.n_samples_per_prompt={n}", f"rollout.max_new_tokens={t}",
         f"trainer.global_batch_size={p * n}", f"trainer.micro_batch_size={min(128, p * n)}",
         f"hardware.cpu_threads={threads}", f"ray.enabled={str(ray).lower()}", "warm_start.enabled=false",
-        *(["ray.hybrid=false"] if two_actors else []),
+        *(["ray.hybrid=false"] if two_actors else []), *(["rollout.compile_cpu=true"] if compile_cpu else []),
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
@@ -288,14 +291,15 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
 
 
 def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
-              trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0, two_actors: bool = False) -> dict:
+              trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0, two_actors: bool = False,
+              compile_cpu: bool = False) -> dict:
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
     from miles.orchestrate.checkpoints import random_checkpoint
 
     p, n, t = shape
     total = warmup + steps
-    cfg, overrides = miles_cfg(p, n, t, threads, ray, two_actors)
+    cfg, overrides = miles_cfg(p, n, t, threads, ray, two_actors, compile_cpu)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{workdir}/ckpt-{p}x{n}x{t}"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (total + 1), np.random.default_rng(0))
     torch.set_num_threads(threads)
@@ -403,6 +407,8 @@ def main() -> None:
     ap.add_argument("--two-actors", action="store_true", help="with --ray: an actor each (ray.hybrid=false)")
     ap.add_argument("--settle-ms", type=float, default=None,
                     help="untimed pause before each side's step (default: 100 with --ray, else 0)")
+    ap.add_argument("--compile", action="store_true", help="Miles' engine with rollout.compile_cpu=true (its "
+                    "first compile falls in the untimed warm-up steps)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -417,7 +423,7 @@ def main() -> None:
         for text in args.shapes.split(","):
             settle = (args.settle_ms if args.settle_ms is not None else 100.0 if args.ray else 0.0) / 1000
             res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch,
-                            args.ray, settle, args.two_actors)
+                            args.ray, settle, args.two_actors, args.compile)
             print(f"{res['shape']}: miles {res['miles']['step']:.3f} s/step, trl {res['trl']['step']:.3f} s/step, "
                   f"trl/miles {res['ratio_trl_over_miles']:.2f}x; {res['params']:,} params; same prompts "
                   f"{res['same_prompts']}; max logit diff {res['max_logit_diff']:.1e}; TRL log-prob forwards per step "
@@ -432,7 +438,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"env": env, "results": results}, indent=2) + "\n")
     print(f"\ntorch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
           f"{args.threads} threads, {env['cpu']}; median of {args.steps} steps after {args.warmup} warm-up; "
-          f"Miles {('in Ray actors of their own' if args.two_actors else 'in one Ray actor') if args.ray else 'in-process'}\n")
+          f"Miles {('in Ray actors of their own' if args.two_actors else 'in one Ray actor') if args.ray else 'in-process'}"
+          f"{', engine compiled (rollout.compile_cpu=true)' if args.compile else ''}\n")
     print(table(results))
 
 

@@ -17,7 +17,7 @@ from miles.config.schema import (AlgoName, EngineName, HardwareCfg, PrecisionCfg
 from miles.config.debug_rules import debug_problems
 from miles.config.hybrid_rules import hybrid_problems
 from miles.config.lora_rules import lora_problems
-from miles.config.vlm_rules import vlm_problems
+from miles.config.vlm_rules import is_vlm, vlm_problems
 from miles.transport.protocol import TransportName
 
 
@@ -184,6 +184,7 @@ def config_problems(cfg: RunCfg) -> list[str]:
     problems += multi_turn_problems(cfg)
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
+    problems += compile_cpu_problems(cfg)
     problems += lora_problems(cfg)
     problems += vlm_problems(cfg)
     if cfg.rollout.num_engines < 1:
@@ -413,6 +414,28 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
         if r.slot_decode is False:
             problems.append("true_on_policy=true on a GPU decodes in the slot layout: set rollout.slot_decode=null")
     return problems
+
+
+def compile_cpu_problems(cfg: RunCfg) -> list[str]:
+    """rollout.compile_cpu compiles the native engine's plain decoder on the CPU; what it was not built
+    or tested for is refused by name (CUDA has rollout.compile and CUDA graphs instead)."""
+    r = cfg.rollout
+    if not r.compile_cpu:
+        return []
+    device = cfg.hardware.device
+    others = [(device != "cpu", f"hardware.device={device} (the GPU path has rollout.compile and CUDA graphs): "
+                                "set rollout.compile_cpu=false"),
+              (r.engine != EngineName.native, f"rollout={r.engine}: it is the native engine's; use rollout=native"),
+              (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels run eagerly)"),
+              (cfg.trainer.lora.rank > 0, "trainer.lora (the adapters' hooks are not compiled)"),
+              (cfg.precision.rollout_quant.value != "none", f"precision={cfg.precision.name} (a quantized rollout)"),
+              (r.speculative.kind != SpeculativeKind.none, "rollout.speculative (draft and verify stay eager)"),
+              (r.slot_decode is True, "rollout.slot_decode=true (the padded decode is the one compiled)"),
+              (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay} "
+                                                  "(the routing record is written during the forward)"),
+              (is_vlm(cfg), f"model={cfg.model.name} (a vision-language model)")]
+    return [f"rollout.compile_cpu=true does not combine with {what}" + ("" if ":" in what else
+            ": set rollout.compile_cpu=false") for bad, what in others if bad]
 
 
 def multi_turn_problems(cfg: RunCfg) -> list[str]:

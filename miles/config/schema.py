@@ -327,6 +327,7 @@ class RolloutCfg:
     sync_every: int = 8  # slot decode: decode steps between host checks (finished rows, refills)
     compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)
     fuse_projections: bool = False  # CUDA: q / k / v and gate / up as one GEMM each (miles/models/fused_projections.py)
+    compile_cpu: bool = False  # CPU: the engine's whole decoder forward through torch.compile (Inductor's C++ kernels)
     max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens
     num_engines: int = 1  # rollout engines; > 1: a fleet behind a router, samples as one engine gives (router.py)

@@ -171,6 +171,11 @@ class NativeEngine:
             # DSA models: the keys each indexer kept are recorded next to the experts.
             self.key_layers = index_layers(config)
             self.keys_dtype = keys_dtype(config.max_position_embeddings)
+        if cfg.compile_cpu and self.device.type == "cpu":
+            # A small model's CPU decode step is bound by per-op dispatch, not arithmetic: Inductor's C++
+            # kernels fuse the elementwise ops and drop most of the Python (docs/benchmarks.md, "Miles GRPO
+            # step vs TRL"). Dynamic shapes: one compile serves every batch size and cache length.
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)
         self.spec = self._speculative(draft_dir, max_slots)
         with self._numerics():  # the decode graphs are captured here: with true on-policy's kernels
             self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
