@@ -8,20 +8,12 @@ import pytest
 import torch
 
 from miles.algo.losses import token_logprobs
-from miles.config.schema import DType, ModelCfg, RolloutCfg
-from miles.orchestrate.checkpoints import random_checkpoint
+from miles.config.schema import DType, RolloutCfg
 from miles.transport.checksum import WeightSyncError, checksum
 from miles.rollout.native import NativeEngine
 from miles.rollout.sampling import sample_next
 
 PROMPTS = ["1+2=", "35+47=", "9+9=", "12+3="]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    model = ModelCfg(name="t", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=8, max_position_embeddings=64)
-    return str(random_checkpoint(model, "0123456789+-*=() ", 0, tmp_path_factory.mktemp("ck")))
 
 
 def full_forward_logprobs(engine, sample, temperature):
