@@ -422,20 +422,20 @@ def compile_cpu_problems(cfg: RunCfg) -> list[str]:
     r = cfg.rollout
     if not r.compile_cpu:
         return []
-    device = cfg.hardware.device
-    others = [(device != "cpu", f"hardware.device={device} (the GPU path has rollout.compile and CUDA graphs): "
-                                "set rollout.compile_cpu=false"),
-              (r.engine != EngineName.native, f"rollout={r.engine}: it is the native engine's; use rollout=native"),
-              (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels run eagerly)"),
-              (cfg.trainer.lora.rank > 0, "trainer.lora (the adapters' hooks are not compiled)"),
-              (cfg.precision.rollout_quant.value != "none", f"precision={cfg.precision.name} (a quantized rollout)"),
-              (r.speculative.kind != SpeculativeKind.none, "rollout.speculative (draft and verify stay eager)"),
-              (r.slot_decode is True, "rollout.slot_decode=true (the padded decode is the one compiled)"),
-              (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay} "
-                                                  "(the routing record is written during the forward)"),
-              (is_vlm(cfg), f"model={cfg.model.name} (a vision-language model)")]
-    return [f"rollout.compile_cpu=true does not combine with {what}" + ("" if ":" in what else
-            ": set rollout.compile_cpu=false") for bad, what in others if bad]
+    off = "set rollout.compile_cpu=false"
+    refused = [  # (refused, what, the change)
+        (cfg.hardware.device != "cpu", f"hardware.device={cfg.hardware.device} (the GPU path has rollout.compile "
+                                       "and CUDA graphs)", off),
+        (r.engine != EngineName.native, f"rollout={r.engine} (it is the native engine's)", "use rollout=native"),
+        (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels run eagerly)", off),
+        (cfg.trainer.lora.rank > 0, "trainer.lora (the adapters' hooks are not compiled)", off),
+        (cfg.precision.rollout_quant.value != "none", f"precision={cfg.precision.name} (a quantized rollout)", off),
+        (r.speculative.kind != SpeculativeKind.none, "rollout.speculative (draft and verify stay eager)", off),
+        (r.slot_decode is True, "rollout.slot_decode=true (the padded decode is the one compiled)", off),
+        (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay} (the routing record is "
+                                            "written during the forward)", off),
+        (is_vlm(cfg), f"model={cfg.model.name} (a vision-language model)", off)]
+    return [f"rollout.compile_cpu=true does not combine with {what}: {fix}" for bad, what, fix in refused if bad]
 
 
 def multi_turn_problems(cfg: RunCfg) -> list[str]:
