@@ -97,3 +97,18 @@ def test_ray_run_trains_as_in_process(tmp_path, monkeypatch, compose, module_ray
     assert all(with_ray[s]["perf/weight_sync_s"] > 0 for s in (1, 2, 3))
     assert file_digest(tmp_path / "ray/checkpoint/model.safetensors") == file_digest(
         tmp_path / "in_process/checkpoint/model.safetensors")
+
+
+def test_compiled_cpu_engine_in_a_ray_actor_samples_as_the_eager_one(tmp_path, monkeypatch, compose, module_ray):
+    """rollout.compile_cpu=true with Ray on (the default arrangement): the engine compiles inside its
+    actor, samples what the eager in-process engine samples (the same rewards and response lengths,
+    step by step) and stays at fp32's mismatch with the trainer across its weight syncs."""
+    monkeypatch.chdir(tmp_path)
+    overrides = [*TINY, "steps=2", "eval.interval=100", "checkpoint.enabled=false"]
+    run_with(compose, [*overrides, "rollout.compile_cpu=true"], tmp_path / "ray", ray=True)
+    run_with(compose, overrides, tmp_path / "eager", ray=False)
+    compiled, eager = journal_metrics(tmp_path / "ray"), journal_metrics(tmp_path / "eager")
+    for step in (1, 2):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean"):
+            assert compiled[step][key] == eager[step][key], (step, key)
+        assert compiled[step]["mismatch/logprob_abs_diff"] < 1e-5
