@@ -124,7 +124,9 @@ def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     - <= 16 and > 256 rows: int4_triton's tiles;
     - 17-64 rows: 64-wide tiles (one block scale across), 256 deep where they leave SMs idle (qkv,
       o_proj, down_proj 0.59x / 0.37x / 0.49x bf16 against 0.45x / 0.28x / 0.35x at 128 deep), else
-      128 deep (gate_up 1.11x against 0.93x);
+      128 deep (gate_up 1.11x against 0.93x); 32 rows a tile where 64-row tiles leave over half the
+      SMs idle (the 2560-wide layers at 64 rows: o_proj / down_proj 0.55x / 0.73x against 0.37x /
+      0.49x, second sweep 2026-12-06, still the prefill's bits);
     - 65-256 rows where int4_triton's 128 x 64 tiles leave SMs idle: 64 x 128 x 256, 8 warps, 4
       stages (the 2560-wide layers 0.38x / 0.40x against 0.28x / 0.31x).
     SPLIT_K: the split-K tiles timed before (int4_triton's, 128 deep at 17-64 rows)."""
@@ -134,7 +136,7 @@ def pick_w8a16_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
         bm = 32 if m <= 32 else 64
         return TileConfig(bm, 64, BLOCK, split_k(m, n, k, bm, 64, BLOCK, sms), 4, 3)
     if 16 < m <= 64:
-        bm = 32 if m <= 32 else 64
+        bm = 32 if m <= 32 or _ceil_div(n, 64) < sms // 2 else 64
         idle = _ceil_div(m, bm) * _ceil_div(n, 64) < sms
         return TileConfig(bm, 64, 2 * BLOCK if idle else BLOCK, 1, 4, 3)
     if 64 < m <= 256 and _ceil_div(m, 128) * _ceil_div(n, 64) < sms:

@@ -101,11 +101,13 @@ def test_fp16_and_leading_dims():
 
 
 def test_decode_tiles_stay_64_wide_and_go_deeper_where_sms_idle():
-    """The H100 sweep's choices (pick_w8a16_config's docstring): tiles >= 64 wide (narrower ones left
-    the prefill GEMM's bits), 256 deep where 64-wide tiles leave SMs idle."""
+    """The H100 sweeps' choices (pick_w8a16_config's docstring): tiles >= 64 wide (narrower ones left
+    the prefill GEMM's bits), 256 deep and 32 rows where 64 x 64 tiles leave SMs idle."""
     for m in (17, 32, 64):
         assert wt.pick_w8a16_config(m, 19456, 2560) == TileConfig(32 if m <= 32 else 64, 64, 128, 1, 4, 3)
-        assert wt.pick_w8a16_config(m, 2560, 9728) == TileConfig(32 if m <= 32 else 64, 64, 256, 1, 4, 3)
+        assert wt.pick_w8a16_config(m, 6144, 2560) == TileConfig(32 if m <= 32 else 64, 64, 256, 1, 4, 3)
+        # 40 tiles of 64 columns: 32-row tiles, or most SMs would idle
+        assert wt.pick_w8a16_config(m, 2560, 9728) == TileConfig(32, 64, 256, 1, 4, 3)
     for m in (65, 128, 256):
         assert wt.pick_w8a16_config(m, 2560, 4096) == TileConfig(64, 128, 256, 1, 8, 4)
         assert wt.pick_w8a16_config(m, 19456, 2560) == replace(pick_config(m, 19456, 2560), split_k=1)
