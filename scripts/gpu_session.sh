@@ -35,8 +35,9 @@
 #      (w8a16 ran 2026-12-06, fifth session)
 #  16  the W8A16 tiles chosen from it: their bits, the 4B decode
 #  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
+#  17  the INT4 decode tiles from part 14's w4a16 sweep, each recipe's 4B decode, the fp8 4B GRPO step
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-16)}
+PART=${1:?usage: gpu_session.sh PART (1-17)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -173,11 +174,19 @@ case $PART in
     (cd benchmarks && step decode_tiles 170 python3 precision_decode.py --model qwen3_4b --rows 64 256 \
         --recipes bf16 fp8_w8a16 --repeats 2 --new-tokens 128)
     ;;
+17) # the INT4 decode tiles of 2026-12-06 (BK 128 where 17-64 rows fill the SMs), each recipe's 4B decode,
+    # and the fp8 4B GRPO step alone (the pair does not fit 330 s; bf16's step: part 4, same machine kind)
+    step int4_tiles 90 python3 -m pytest -q -rf tests/gpu/test_int4_triton_cuda.py
+    (cd benchmarks && step decode_recipes 150 python3 precision_decode.py --model qwen3_4b --rows 64 \
+        --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
+    (cd benchmarks && step grpo_4b_fp8 220 python3 grpo_step.py --model qwen3_4b --steps 2 \
+        --recipes fp8,trainer.recompute=true)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-16)" >&2
+    echo "unknown part $PART (1-17)" >&2
     exit 2
     ;;
 esac

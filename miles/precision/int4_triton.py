@@ -240,10 +240,15 @@ def pick_config(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     --decode`, 2026-12-04: faster than 4 on every 4B layer in both formats, 1.44x on the 19456-wide
     gate_up of W8A16); 128-1024 rows (`benchmarks/kernel_sweep.py int4`, eager) liked
     128 x 64 output tiles, BK 64, 4 warps: within 10% of the best of 10 configs on every 4B layer.
+    At 17-64 rows where the output tiles alone fill the SMs (no split), BK 128 with 3 stages (an
+    H100's `kernel_sweep.py w4a16 --decode`, 2026-12-06: the 19456-wide gate_up at 64 rows 1.05x
+    bf16 against 0.88x at BK 256, 2 stages).
     """
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn, bk, warps, stages = 64, 256, 4, (3 if m <= 16 else 2)
+        if m > 16 and split_k(m, n, k, bm, bn, bk, sms) == 1:
+            bk, stages = 128, 3
     else:
         bm, bn, bk, warps, stages = 128, 64, 64, 4, 3
     return TileConfig(bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), warps, stages)
