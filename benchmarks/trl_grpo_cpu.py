@@ -11,6 +11,7 @@ Set-up (a venv of its own; the project's .venv is not touched) and the run:
     [--trl-micro-batch N]                              # TRL's per-device batch (default 128, as Miles')
     [--ray] [--two-actors] [--settle-ms MS]            # Miles' components as Ray actors (the default experiment's)
     [--compile]                                        # Miles' engine with rollout.compile_cpu=true
+    [--set KEY=VALUE ...]                              # more Miles overrides (e.g. ray.worker_niceness=15)
 
 Both sides start from the same random checkpoint of the default experiment's model (`qwen3_tiny`,
 written by `random_checkpoint`; TRL loads it with `AutoModelForCausalLM`, Miles with its own
@@ -106,10 +107,10 @@ class FixedSource:
 
 
 def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actors: bool = False,
-              compile_cpu: bool = False):
+              compile_cpu: bool = False, extra: tuple[str, ...] = ()):
     """The default experiment's composed RunCfg at this shape, in-process or (ray) as Ray actors: one
     for the engine and the trainer (ray.hybrid, the default), or (two_actors) an actor each;
-    (compile_cpu) the engine's decoder compiled."""
+    (compile_cpu) the engine's decoder compiled; `extra`: more overrides (`--set`)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -122,6 +123,7 @@ def miles_cfg(p: int, n: int, t: int, threads: int, ray: bool = False, two_actor
         f"trainer.global_batch_size={p * n}", f"trainer.micro_batch_size={min(128, p * n)}",
         f"hardware.cpu_threads={threads}", f"ray.enabled={str(ray).lower()}", "warm_start.enabled=false",
         *(["ray.hybrid=false"] if two_actors else []), *(["rollout.compile_cpu=true"] if compile_cpu else []),
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
@@ -292,14 +294,14 @@ def same_logits(ckpt: str, hf_model, examples) -> float:
 
 def run_shape(shape: tuple[int, int, int], threads: int, warmup: int, steps: int, workdir: str,
               trl_micro: int | None = None, ray: bool = False, settle_s: float = 0.0, two_actors: bool = False,
-              compile_cpu: bool = False) -> dict:
+              compile_cpu: bool = False, extra: tuple[str, ...] = ()) -> dict:
     from miles.data.arithmetic import ArithmeticTask
     from miles.data.tokenizer import DEFAULT_ALPHABET
     from miles.orchestrate.checkpoints import random_checkpoint
 
     p, n, t = shape
     total = warmup + steps
-    cfg, overrides = miles_cfg(p, n, t, threads, ray, two_actors, compile_cpu)
+    cfg, overrides = miles_cfg(p, n, t, threads, ray, two_actors, compile_cpu, extra)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{workdir}/ckpt-{p}x{n}x{t}"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (total + 1), np.random.default_rng(0))
     torch.set_num_threads(threads)
@@ -409,6 +411,8 @@ def main() -> None:
                     help="untimed pause before each side's step (default: 100 with --ray, else 0)")
     ap.add_argument("--compile", action="store_true", help="Miles' engine with rollout.compile_cpu=true (its "
                     "first compile falls in the untimed warm-up steps)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more Miles config overrides, e.g. ray.worker_niceness=15 (Ray's default)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -423,7 +427,7 @@ def main() -> None:
         for text in args.shapes.split(","):
             settle = (args.settle_ms if args.settle_ms is not None else 100.0 if args.ray else 0.0) / 1000
             res = run_shape(parse_shape(text), args.threads, args.warmup, args.steps, workdir, args.trl_micro_batch,
-                            args.ray, settle, args.two_actors, args.compile)
+                            args.ray, settle, args.two_actors, args.compile, tuple(args.set))
             print(f"{res['shape']}: miles {res['miles']['step']:.3f} s/step, trl {res['trl']['step']:.3f} s/step, "
                   f"trl/miles {res['ratio_trl_over_miles']:.2f}x; {res['params']:,} params; same prompts "
                   f"{res['same_prompts']}; max logit diff {res['max_logit_diff']:.1e}; TRL log-prob forwards per step "

@@ -64,12 +64,13 @@ RAY_CPUS = 4  # the most any test asks for at once: 2 FSDP ranks + 2 engines (te
 
 @pytest.fixture(scope="module")
 def ray_connection():
-    """A local Ray in this process for the module's tests."""
-    import logging
-
+    """A local Ray in this process for the module's tests, started as a run starts it (start_ray: its
+    workers at nice 0, so the other xdist worker's tests do not starve the actors)."""
     import ray
 
-    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, logging_level=logging.WARNING)
+    from miles.orchestrate.handles import start_ray
+
+    start_ray(None, RAY_CPUS)
     yield
     ray.shutdown()
 

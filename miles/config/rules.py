@@ -147,6 +147,9 @@ def config_problems(cfg: RunCfg) -> list[str]:
     elif a.policy_loss != "nll":
         problems.append(f"algo.policy_loss must be 'nll' for algo=sft (got {a.policy_loss!r})")
 
+    if cfg.ray.worker_niceness is not None and not 0 <= cfg.ray.worker_niceness <= 19:
+        # below 0 needs CAP_SYS_NICE, which Ray's raylet does not ask for
+        problems.append(f"ray.worker_niceness must be in [0, 19] or null (got {cfg.ray.worker_niceness})")
     if cfg.task.kind == TaskKind.file and not cfg.task.train_file:
         problems.append("task.train_file must be set when task.kind=file")
     from miles.data.answers import EXTRACTORS

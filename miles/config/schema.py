@@ -457,6 +457,9 @@ class RayCfg:
     address: Optional[str] = None
     num_cpus: Optional[int] = None
     hybrid: Optional[bool] = None  # engine and trainer in one actor (miles/config/hybrid_rules.py); null: where it applies
+    # the actors' scheduling priority on a Ray that Miles starts (Ray's own default, 15, lets any
+    # busy process preempt the workers; docs/scale-out.md); null: Ray's default
+    worker_niceness: Optional[int] = 0
 
 
 @dataclass

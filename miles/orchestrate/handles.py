@@ -93,9 +93,12 @@ class RayHandle:
 
 
 def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | None = None,
-              num_actors: int = 2) -> None:
+              num_actors: int = 2, worker_niceness: int | None = 0) -> None:
     """Join `address` ("auto", "ray://...") or start a local Ray; no dashboard, quiet logs.
-    `runtime_env` applies to every worker process of this job (e.g. deterministic mode)."""
+    `runtime_env` applies to every worker process of this job (e.g. deterministic mode).
+    `worker_niceness`: the nice value of a started Ray's workers (None: Ray's default, 15). At 15 the
+    actors' OpenMP teams yield to every nice-0 process (Ray's own daemons, the driver), and one
+    preempted thread stalls its whole team at the next barrier. A joined cluster keeps its own."""
     import logging
     import os
 
@@ -114,6 +117,8 @@ def start_ray(address: str | None, num_cpus: int | None, runtime_env: dict | Non
         kwargs["address"] = "local"
         # The one-CPU actors (engine, trainer, PPO's critic) must fit even where Ray counts fewer cores.
         kwargs["num_cpus"] = num_cpus or max(num_actors, os.cpu_count() or 1)
+        if worker_niceness is not None:
+            kwargs["_system_config"] = {"worker_niceness": worker_niceness}
     ray.init(**kwargs)
 
 

@@ -168,7 +168,7 @@ def _spawn_components(cfg: RunCfg, init_dir: Path, teacher_dir: Path | None, dra
     if use_ray:
         start_ray(cfg.ray.address, cfg.ray.num_cpus,
                   runtime_env=determinism.ray_runtime_env(cfg.seed) if cfg.deterministic else None,
-                  num_actors=max(actors, 2))
+                  num_actors=max(actors, 2), worker_niceness=cfg.ray.worker_niceness)
     gpu = gpu_share(hw.device, max(actors, 2))
     # True on-policy: the engine holds the trainer's fp32 masters (synced as they are) and computes
     # under the trainer's autocast dtype, both sides with batch-invariant kernels.

@@ -112,3 +112,23 @@ def test_compiled_cpu_engine_in_a_ray_actor_samples_as_the_eager_one(tmp_path, m
         for key in ("rollout/reward_mean", "rollout/response_len_mean"):
             assert compiled[step][key] == eager[step][key], (step, key)
         assert compiled[step]["mismatch/logprob_abs_diff"] < 1e-5
+
+
+def test_actors_run_at_nice_zero_not_rays_fifteen(module_ray):
+    """Ray's workers default to nice 15: beside one busy nice-0 process, the Ray step of the default
+    experiment took 15x the in-process step (docs/benchmarks.md); start_ray asks for nice 0."""
+    import os
+
+    import ray
+
+    from miles.orchestrate.handles import spawn
+
+    class Probe:
+        def nice(self):
+            return os.nice(0)
+
+    handle = spawn(Probe, True)
+    try:
+        assert handle.call("nice") == 0
+    finally:
+        ray.kill(handle.actor, no_restart=True)

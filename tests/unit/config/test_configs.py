@@ -280,3 +280,11 @@ def test_forward_weights_rule(compose):
     assert validate(compose(["precision=fp8", "precision.forward_weights=rollout"])) == []
     with pytest.raises(HydraException, match="forward_weights"):  # the ForwardWeights Enum: master | rollout
         compose(["precision.forward_weights=bf16"])
+
+
+def test_ray_worker_niceness_rule(compose):
+    assert not [p for p in validate(compose(["ray.worker_niceness=19"])) if "worker_niceness" in p]
+    assert not [p for p in validate(compose(["ray.worker_niceness=null"])) if "worker_niceness" in p]
+    for bad in (-5, 20):
+        assert f"ray.worker_niceness must be in [0, 19] or null (got {bad})" in validate(
+            compose([f"ray.worker_niceness={bad}"]))
