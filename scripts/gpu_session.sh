@@ -4,9 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 16 (the W8A16 tiles chosen 2026-12-06 in the
-# engine's decode), 14 (again: shorter row tiles, and w4a16), 15 (test_megatron_cuda.py), 4 (its second
-# step, int4_qat: never run end to end), 10's windows test, 3's MoE decode):
+# does not cost the rest of a call. Parts (most urgent: 17 (the INT4 tiles of 2026-12-06 not yet run on
+# a GPU, each recipe's 4B decode, the fp8 4B step whose mismatch digits were cut twice), 15
+# (test_megatron_cuda.py), 10's windows test, 3's MoE decode, 7):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -33,7 +33,7 @@
 #      (ran 2026-12-06, fifth session)
 #  14  both weight-only decode kernels' tiles in one K slice, with their bits against the prefill GEMM
 #      (w8a16 ran 2026-12-06, fifth session)
-#  16  the W8A16 tiles chosen from it: their bits, the 4B decode
+#  16  the W8A16 tiles chosen from it: their bits, the 4B decode (ran 2026-12-06, sixth session)
 #  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
 #  17  the INT4 decode tiles from part 14's w4a16 sweep, each recipe's 4B decode, the fp8 4B GRPO step
 set -u

@@ -1,6 +1,7 @@
 """`ray.address=auto` joins a Ray cluster started outside Miles (`ray start --head`) instead of
 starting its own; the actors then live on that cluster."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ def ray_head():
         [RAY, "start", "--head", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}",
          "--disable-usage-stats"],
         capture_output=True, text=True, timeout=180,
+        env={**os.environ, "RAY_worker_niceness": "0"},  # as docs/scale-out.md tells users to start theirs
     )
     assert start.returncode == 0, start.stderr[-2000:]
     yield temp
@@ -48,7 +50,8 @@ def two_node_cluster():
     """ray.cluster_utils.Cluster: a head and a second node (own raylets, 2 CPUs each) on this machine."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "_system_config": {"worker_niceness": 0}})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     yield cluster
