@@ -1,13 +1,15 @@
 """Where Ray's share of a CPU GRPO step goes: each call of a step timed inside the actor (wall-clock
 timestamps, one machine) against the driver's submit and receive (docs/benchmarks.md, issue 28 item 6).
 
-    .venv/bin/python benchmarks/ray_calls.py --shape 8x8x8 --steps 15
+    .venv/bin/python benchmarks/ray_calls.py --shape 8x8x8 --steps 15 [--pause-ms 100]
 
 The components are the default experiment's at that shape (trl_grpo_cpu.miles_cfg, ray.enabled=true,
 an actor each: ray.hybrid=false, no stop ids); each step runs generate, train_rl, get_weights and update_weights (checked) one after
 the other through `handle.apply`, so the weights pass through the driver here (in the loop they go
 from the trainer's future to the engine's call directly). Reported: medians of the time from submit
 to the method's start, of the method itself, and from its end to the driver holding the result.
+`--pause-ms`: the actors idle that long before each step, as they do in trl_grpo_cpu.py while TRL's
+step and the settle pause run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--shape", default="8x8x8")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pause-ms", type=float, default=0.0, help="idle time before each step")
     args = ap.parse_args()
     p, n, t = parse_shape(args.shape)
     torch.set_num_threads(args.threads)
@@ -67,6 +70,7 @@ def main() -> None:
     for step in range(args.steps + 3):
         if step == 3:
             times.clear()  # warm-up
+        time.sleep(args.pause_ms / 1000)
         batch = ctx.source.next_batch(p)
         samples = timed(engine, "generate", "generate", [e.prompt for e in batch], [e.label for e in batch], n)
         for s in samples:
@@ -75,7 +79,7 @@ def main() -> None:
         timed(trainer, "train_rl", "train_rl", train_batch)
         weights, digest = timed(trainer, "get_weights", "get_weights")
         timed(engine, "update_weights", "update_weights", weights, digest)
-    print(f"| {args.shape}, medians of {args.steps} steps | ms |\n|---|---:|")
+    print(f"| {args.shape}, medians of {args.steps} steps, {args.pause_ms:g} ms pause | ms |\n|---|---:|")
     for key, values in times.items():
         print(f"| {key} | {statistics.median(values) * 1e3:.2f} |")
 
