@@ -1,15 +1,16 @@
 """Where Ray's share of a CPU GRPO step goes: each call of a step timed inside the actor (wall-clock
 timestamps, one machine) against the driver's submit and receive (docs/benchmarks.md, issue 28 item 6).
 
-    .venv/bin/python benchmarks/ray_calls.py --shape 8x8x8 --steps 15 [--pause-ms 100]
+    .venv/bin/python benchmarks/ray_calls.py --shape 8x8x8 --steps 15 [--pause-ms 100] [--one-actor]
 
 The components are the default experiment's at that shape (trl_grpo_cpu.miles_cfg, ray.enabled=true,
-an actor each: ray.hybrid=false, no stop ids); each step runs generate, train_rl, get_weights and update_weights (checked) one after
+an actor each unless --one-actor, no stop ids); each step runs generate, train_rl, get_weights and update_weights (checked) one after
 the other through `handle.apply`, so the weights pass through the driver here (in the loop they go
 from the trainer's future to the engine's call directly). Reported: medians of the time from submit
 to the method's start, of the method itself, and from its end to the driver holding the result.
 `--pause-ms`: the actors idle that long before each step, as they do in trl_grpo_cpu.py while TRL's
-step and the settle pause run.
+step and the settle pause run. `--one-actor`: the engine and the trainer in one actor (ray.hybrid,
+the default experiment's arrangement).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pause-ms", type=float, default=0.0, help="idle time before each step")
+    ap.add_argument("--one-actor", action="store_true", help="engine and trainer in one actor (ray.hybrid)")
     args = ap.parse_args()
     p, n, t = parse_shape(args.shape)
     torch.set_num_threads(args.threads)
-    cfg, _ = miles_cfg(p, n, t, args.threads, ray=True, two_actors=True)
+    cfg, _ = miles_cfg(p, n, t, args.threads, ray=True, two_actors=not args.one_actor)
     ckpt = str(random_checkpoint(cfg.model, DEFAULT_ALPHABET, seed=cfg.seed, out=f"{tempfile.mkdtemp()}/ckpt"))
     examples = ArithmeticTask(num_digits=cfg.task.num_digits).sample_train(p * (args.steps + 3), np.random.default_rng(0))
     engine, trainer, _ = _spawn_components(cfg, Path(ckpt), None)
