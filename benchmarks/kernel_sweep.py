@@ -4,6 +4,7 @@
     python benchmarks/kernel_sweep.py int4 [--json out.json]        # miles/precision/int4_triton.py, M > 64
     python benchmarks/kernel_sweep.py w8a16 [--json out.json]       # miles/precision/fp8_w8a16_triton.py
     python benchmarks/kernel_sweep.py w4a16 [--json out.json]       # int4_triton.py again, decode rows too
+    python benchmarks/kernel_sweep.py w8a16 --rows 256 512 1024      # only these row counts
 
 `invariant`: the batch-invariant matmul (true on-policy mode) at the GEMM shapes of the Qwen3-0.6B
 and -4B layers, for every (BLOCK_M, BLOCK_N, warps, stages) candidate and two BLOCK_K values, against
@@ -149,7 +150,15 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
     (16, 64, 256, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 3, True), (16, 32, 256, 4, 4, True),
     (32, 64, 256, 4, 2, True), (64, 64, 256, 4, 2, True), (64, 64, 128, 4, 3, True),
     (128, 64, 64, 4, 3, True), (64, 128, 64, 4, 3, False), (128, 128, 64, 8, 3, False),
-    (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False)]
+    (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False),
+    # Compute-bound rows (256-1024, a GRPO rollout's 512): the dequantized weight tile as the left MMA
+    # operand (swap; wgmma may take it from registers, no shared-memory round trip) with 128 weight
+    # rows over two warpgroups and up to 256 activation rows, so each converted weight element feeds
+    # more multiply-adds.
+    (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (256, 128, 64, 8, 3, True),
+    (128, 128, 128, 8, 3, True), (256, 128, 128, 8, 2, True), (64, 128, 128, 8, 3, True),
+    (128, 256, 64, 8, 3, True), (128, 64, 128, 4, 4, True), (256, 64, 64, 8, 3, True),
+    (256, 128, 64, 8, 3, False)]
 
 
 def decode_configs(m: int, n: int, k: int, sms: int) -> list:
@@ -175,8 +184,9 @@ def decode_configs(m: int, n: int, k: int, sms: int) -> list:
     return out
 
 
-def sweep_weight_only(fmt: str, decode: bool = False) -> list[dict]:
-    """Every candidate config of the W8A16 (fmt "w8a16") or W4A16 ("w4a16") kernel, graph-timed."""
+def sweep_weight_only(fmt: str, decode: bool = False, only_rows: list[int] | None = None) -> list[dict]:
+    """Every candidate config of the W8A16 (fmt "w8a16") or W4A16 ("w4a16") kernel, graph-timed
+    (`only_rows`: these row counts instead of the mode's own)."""
     from miles.precision import fp8_w8a16_triton as w8
     from miles.precision import int4_triton as it
     from miles.precision.fp8 import dequantize_fp8_weight, quantize_fp8_weight
@@ -184,7 +194,7 @@ def sweep_weight_only(fmt: str, decode: bool = False) -> list[dict]:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for m in (1, 16, 64, 256) if decode else (1, 16, 64, 128, 256, 512, 1024, 4096):
+    for m in only_rows or ((1, 16, 64, 256) if decode else (1, 16, 64, 128, 256, 512, 1024, 4096)):
         for n, k in QWEN3_NK["4b"]:
             batch = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
             x = batch[:m].contiguous()
@@ -259,11 +269,12 @@ def main() -> None:
     parser.add_argument("kernel", choices=["invariant", "int4", "w8a16", "w4a16"])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--decode", action="store_true", help="w8a16 / w4a16: the wider grid at M <= 256")
+    parser.add_argument("--rows", type=int, nargs="+", help="w8a16 / w4a16: only these row counts")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     sweeps = {"invariant": sweep_invariant, "int4": sweep_int4,
-              "w8a16": lambda: sweep_weight_only("w8a16", args.decode),
-              "w4a16": lambda: sweep_weight_only("w4a16", args.decode)}
+              "w8a16": lambda: sweep_weight_only("w8a16", args.decode, args.rows),
+              "w4a16": lambda: sweep_weight_only("w4a16", args.decode, args.rows)}
     rows = sweeps[args.kernel]()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -4,9 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 17 (the INT4 tiles of 2026-12-06 not yet run on
-# a GPU, each recipe's 4B decode, the fp8 4B step whose mismatch digits were cut twice), 15
-# (test_megatron_cuda.py), 10's windows test, 3's MoE decode, 7):
+# does not cost the rest of a call. Parts (most urgent: 18 (the weight-only kernels where a GRPO
+# rollout decodes, 256-1024 rows), 10's windows test, 3's MoE decode, 7):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -34,10 +33,13 @@
 #  14  both weight-only decode kernels' tiles in one K slice, with their bits against the prefill GEMM
 #      (w8a16 ran 2026-12-06, fifth session)
 #  16  the W8A16 tiles chosen from it: their bits, the 4B decode (ran 2026-12-06, sixth session)
-#  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py
+#  15  the Megatron tier on CUDA, second half, with tests/gpu/test_megatron_cuda.py (all passed on an
+#      H100, 2026-12-06, seventh session)
 #  17  the INT4 decode tiles from part 14's w4a16 sweep, each recipe's 4B decode, the fp8 4B GRPO step
+#      (ran 2026-12-06, seventh session)
+#  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-17)}
+PART=${1:?usage: gpu_session.sh PART (1-18)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -182,11 +184,18 @@ case $PART in
     (cd benchmarks && step grpo_4b_fp8 220 python3 grpo_step.py --model qwen3_4b --steps 2 \
         --recipes fp8,trainer.recompute=true)
     ;;
+18) # compute-bound weight-only GEMMs (256-1024 rows: a GRPO rollout decodes 512 at once): the swapped
+    # large tiles against the current picks, and each recipe's 4B decode at 512 rows
+    (cd benchmarks && step sweep_w8a16_large 200 python3 kernel_sweep.py w8a16 --rows 256 512 1024)
+    (cd benchmarks && step sweep_w4a16_large 200 python3 kernel_sweep.py w4a16 --rows 256 512 1024)
+    (cd benchmarks && step decode_512 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32
     ;;
 *)
-    echo "unknown part $PART (1-17)" >&2
+    echo "unknown part $PART (1-18)" >&2
     exit 2
     ;;
 esac
