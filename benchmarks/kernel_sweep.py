@@ -158,7 +158,10 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
     (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True), (256, 128, 64, 8, 3, True),
     (128, 128, 128, 8, 3, True), (256, 128, 128, 8, 2, True), (64, 128, 128, 8, 3, True),
     (128, 256, 64, 8, 3, True), (128, 64, 128, 4, 4, True), (256, 64, 64, 8, 3, True),
-    (256, 128, 64, 8, 3, False)]
+    (256, 128, 64, 8, 3, False),
+    # One warpgroup per program and two programs per SM (107 KB of shared memory each at 3 stages):
+    # with no barrier between them, one program's dequantization can overlap the other's MMA.
+    (256, 64, 64, 4, 3, True), (256, 64, 64, 4, 2, True), (256, 32, 128, 4, 3, True)]
 
 
 def decode_configs(m: int, n: int, k: int, sms: int) -> list:
