@@ -40,6 +40,7 @@ from miles.config.schema import AlgoCfg, AlgoName, DType, LoRACfg, PrecisionCfg,
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
 from miles.rollout.native import NativeEngine  # noqa: E402
+from miles.trainer import offload  # noqa: E402
 from miles.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from miles.types import build_train_batch  # noqa: E402
 
@@ -82,7 +83,8 @@ def trainer_side(ckpt, lora: LoRACfg, batch, args, device) -> tuple[dict, TorchT
     dtype = DType(args.dtype)
     precision = PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype)
     cfg = TrainerCfg(lr=args.lr, global_batch_size=batch.tokens.shape[0], micro_batch_size=args.micro_batch,
-                     max_tokens_per_micro_batch=args.micro_batch * batch.tokens.shape[1], lora=lora)
+                     max_tokens_per_micro_batch=args.micro_batch * batch.tokens.shape[1], lora=lora,
+                     recompute=args.recompute)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -132,6 +134,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=None, help="decode prompts (default 4 cpu, 64 cuda)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--new-tokens", type=int, default=None, help="default 16 cpu, 256 cuda")
+    p.add_argument("--recompute", action="store_true",
+                   help="trainer.recompute=true for both trainers (full fine-tuning of the 4B shape needs it on 80 GB)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="default 1 cpu, 2 cuda")
     p.add_argument("--repeats", type=int, default=None, help="default 3 cpu, 5 cuda")
@@ -157,6 +161,9 @@ def main() -> None:
         vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
         batch = synthetic_batch(Case("lora", args.samples, args.prompt_len, args.response_len, 0), vocab)
         full, full_trainer = trainer_side(ckpt, LoRACfg(), batch, args, device)
+        # As a colocated run does before the engine's turn: the full fine-tuning's optimizer state and
+        # gradients (~48 GB at the 4B shape) leave the device, or the engine does not fit on 80 GB.
+        full_trainer.offload((offload.GRADS, offload.OPTIMIZER))
         base = engine_side(ckpt, None, prompts, answers, args, device)
         full["sync_s"], full["sync_bytes"] = sync_seconds(full_trainer, base, device, args)
         del full_trainer

@@ -192,7 +192,8 @@ case $PART in
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
     ;;
 7)
-    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 --warmup 1 --repeats 3
+    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 --warmup 1 --repeats 3 \
+        --recompute --micro-batch 8
     ;;
 *)
     echo "unknown part $PART (1-18)" >&2
