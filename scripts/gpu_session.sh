@@ -4,8 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 18 (the weight-only kernels where a GRPO
-# rollout decodes, 256-1024 rows), 10's windows test, 3's MoE decode, 7):
+# does not cost the rest of a call. Parts (most urgent: 7 (LoRA at the 4B shape: out of memory twice
+# on an H100, 2026-12-06; lora_speed.py now offloads the full fine-tuning's optimizer state before
+# the engines), 10's windows test, 3's MoE decode):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -38,6 +39,7 @@
 #  17  the INT4 decode tiles from part 14's w4a16 sweep, each recipe's 4B decode, the fp8 4B GRPO step
 #      (ran 2026-12-06, seventh session)
 #  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
+#      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-18)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -190,6 +192,7 @@ case $PART in
     (cd benchmarks && step sweep_w4a16_large 200 python3 kernel_sweep.py w4a16 --rows 256 512 1024)
     (cd benchmarks && step decode_512 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
+    step dequant_cost 90 python3 benchmarks/dequant_cost.py
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 --warmup 1 --repeats 3 \
