@@ -161,7 +161,7 @@ WEIGHT_ONLY_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): dec
     (256, 128, 64, 8, 3, False),
     # One warpgroup per program and two programs per SM (107 KB of shared memory each at 3 stages):
     # with no barrier between them, one program's dequantization could overlap the other's MMA (an
-    # H100 at 512 rows: 0.37-0.50x bf16, no better than the 8-warp tiles; 256 x 32 x 128 ran at
+    # H100 at 512 rows: 0.37-0.50x bf16 on qkv / gate_up, no better than the 8-warp tiles; 256 x 32 x 128 ran at
     # 0.06-0.08x and off the prefill's bits, so it left the list).
     (256, 64, 64, 4, 3, True), (256, 64, 64, 4, 2, True)]
 
