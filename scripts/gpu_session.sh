@@ -4,7 +4,7 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 19 (the warp-specialized W8A16 GEMM, never
+# does not cost the rest of a call. Parts (most urgent: 19 (the warp-specialized weight-only GEMMs, never
 # run), 7 (LoRA at the 4B shape: out of memory twice
 # on an H100, 2026-12-06; lora_speed.py now offloads the full fine-tuning's optimizer state before
 # the engines), 10's windows test, 3's MoE decode):
@@ -41,7 +41,7 @@
 #      (ran 2026-12-06, seventh session)
 #  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
-#  19  benchmarks/w8a16_ws.py: the warp-specialized W8A16 GEMM (Gluon) against cuBLAS and the shipped
+#  19  benchmarks/weight_only_ws.py: warp-specialized W8A16 / W4A16 GEMMs (Gluon) against cuBLAS and the shipped
 #      kernel at 256-1024 rows, with its outputs' bits against the trainer's GEMM
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-19)}
@@ -198,7 +198,7 @@ case $PART in
     step dequant_cost 90 python3 benchmarks/dequant_cost.py
     ;;
 19) # compiled for sm_90 on the CPU only so far
-    step w8a16_ws 150 python3 benchmarks/w8a16_ws.py
+    step weight_only_ws 200 python3 benchmarks/weight_only_ws.py
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 --warmup 1 --repeats 3 \
