@@ -3,6 +3,7 @@ bf16, FP8 or INT4 weights, each against its own memory roofline.
 
     python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
         [--variants triton sdpa fused] [--w8a16-split-k] [--w4a16-unsplit]
+        [--warp-specialized-from ROWS]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
@@ -107,8 +108,14 @@ def main() -> None:
                              "2026-12-06; miles/precision/fp8_w8a16_triton.py says why it is off)")
     parser.add_argument("--w4a16-unsplit", action="store_true",
                         help="the int4 engines' GEMM in one K slice (miles/precision/int4_triton.py SPLIT_K)")
+    parser.add_argument("--warp-specialized-from", type=int, metavar="ROWS",
+                        help="the fp8_w8a16 and int4 engines' GEMMs from this many rows through the "
+                             "warp-specialized kernel (miles/precision/weight_only_ws.py; Hopper)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.warp_specialized_from is not None:
+        from miles.precision import fp8_w8a16_triton, int4_triton
+        fp8_w8a16_triton.WARP_SPECIALIZED_MIN_ROWS = int4_triton.WARP_SPECIALIZED_MIN_ROWS = args.warp_specialized_from
     if args.w8a16_split_k:
         use_w8a16_kernel("split")
     if args.w4a16_unsplit:

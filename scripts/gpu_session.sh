@@ -41,8 +41,8 @@
 #      (ran 2026-12-06, seventh session)
 #  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
-#  19  benchmarks/weight_only_ws.py: warp-specialized W8A16 / W4A16 GEMMs (Gluon) against cuBLAS and the shipped
-#      kernel at 256-1024 rows, with its outputs' bits against the trainer's GEMM
+#  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS
+#      and the fused kernels at 256-1024 rows with their bits, their CUDA tests, the 4B decode through them
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-19)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -197,12 +197,16 @@ case $PART in
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
     step dequant_cost 90 python3 benchmarks/dequant_cost.py
     ;;
-19) # compiled for sm_90 on the CPU only so far
-    step weight_only_ws 200 python3 benchmarks/weight_only_ws.py
+19) # the warp-specialized weight-only GEMMs (Gluon), compiled for sm_90 on the CPU only so far: their
+    # speed and bits per layer, their tests, and each recipe's 4B decode at 512 rows through them
+    step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
+    step ws_tests 150 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
+    (cd benchmarks && step decode_512_ws 200 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --warp-specialized-from 128)
     ;;
 7)
-    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 --warmup 1 --repeats 3 \
-        --recompute --micro-batch 8
+    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
+        --warmup 1 --repeats 3 --recompute --micro-batch 8
     ;;
 *)
     echo "unknown part $PART (1-19)" >&2

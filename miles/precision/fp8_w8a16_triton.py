@@ -41,6 +41,7 @@ from miles.precision.fp8 import BLOCK, FP8_DTYPE, dequantize_fp8_weight
 from miles.precision.int4 import _ceil_div
 from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting, _sm_count, pick_config, split_k,
                                          triton, triton_available)
+from miles.precision.weight_only_ws import warp_specialized_or_none
 
 if triton is not None:
     import triton.language as tl
@@ -220,6 +221,9 @@ def w8a16_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
 # 0.43-0.52x). Neither beats bf16 there (docs/benchmarks.md).
 FUSED_MAX_ROWS = 1024
 _REFUSED: set[tuple[int, int, int]] = set()  # (rows, N, K) whose launch the GPU refused
+# Rows from which w8a16_linear_auto runs the warp-specialized kernel (miles/precision/weight_only_ws.py)
+# on Hopper; None: never. That kernel has not run on a GPU yet, so only benchmarks set this.
+WARP_SPECIALIZED_MIN_ROWS: int | None = None
 
 
 def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
@@ -229,6 +233,9 @@ def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
     The two differ only in fp32 summation order. A launch the GPU refuses for its resources falls
     back to w8a16_linear with one warning, as int4_linear_auto does.
     """
+    out = warp_specialized_or_none(x, q_w, w_scale, "w8a16", bias, WARP_SPECIALIZED_MIN_ROWS)
+    if out is not None:
+        return out
     rows = x.numel() // max(x.shape[-1], 1)
     key = (rows, q_w.shape[0], x.shape[-1])
     if x.is_cuda and rows <= FUSED_MAX_ROWS and key not in _REFUSED and fused_supported(x, q_w, w_scale, bias) is None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from miles.precision.int4 import GROUP_SIZES, _ceil_div, int4_linear
+from miles.precision.weight_only_ws import warp_specialized_or_none
 
 try:  # triton ships with CUDA torch wheels; a CPU machine may lack it (int4_linear_auto falls back)
     import triton
@@ -336,6 +337,9 @@ def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 FUSED_MAX_ROWS = 1024
 # (rows, N, K, group) whose launch the GPU refused; they stay on int4_linear for the process.
 _REFUSED: set[tuple[int, int, int, int]] = set()
+# Rows from which int4_linear_auto runs the warp-specialized kernel (miles/precision/weight_only_ws.py)
+# on Hopper, group 128; None: never. That kernel has not run on a GPU yet, so only benchmarks set this.
+WARP_SPECIALIZED_MIN_ROWS: int | None = None
 
 
 def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int = 128,
@@ -348,6 +352,10 @@ def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     A launch the GPU refuses for its resources (Triton's OutOfResources: another GPU's shared memory)
     falls back to int4_linear with one warning, instead of failing the run.
     """
+    if group == 128:
+        out = warp_specialized_or_none(x, packed, scales, "w4a16", bias, WARP_SPECIALIZED_MIN_ROWS)
+        if out is not None:
+            return out
     rows = x.numel() // max(x.shape[-1], 1)
     key = (rows, packed.shape[0], x.shape[-1], group)
     if x.is_cuda and rows <= FUSED_MAX_ROWS and key not in _REFUSED \
