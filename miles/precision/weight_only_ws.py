@@ -39,7 +39,6 @@ if gluon is not None:
     # Triton 3.9 renamed the TMA load (the GPU machine's 3.6 has only the old name)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-
     @gluon.jit
     def _loader(x_desc, q_desc, x_bufs, q_bufs, w_bufs, bars, s_ptr, stride_sn, off_m, off_n, k_tiles, N):
         # Fills the ring: slot s is free once the converter has read its codes and the MMA its activations.
@@ -53,7 +52,6 @@ if gluon is not None:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
             _tma_load(x_desc, [off_m, i * BK], ready.index(s), x_bufs.index(s))
             _tma_load(q_desc, [off_n, i * BKQ], ready.index(s), q_bufs.index(s))
-
 
     @gluon.jit
     def _converter_fp8(x_desc, q_desc, x_bufs, q_bufs, w_bufs, bars, s_ptr, stride_sn, off_m, off_n, k_tiles, N):
@@ -77,7 +75,6 @@ if gluon is not None:
             w_bufs.index(t).store(w)
             fence_async_shared()  # the generic-proxy store visible to wgmma's async proxy
             mbarrier.arrive(w_ready.index(t), count=1)
-
 
     @gluon.jit
     def _converter_int4(x_desc, q_desc, x_bufs, q_bufs, w_bufs, bars, s_ptr, stride_sn, off_m, off_n, k_tiles, N):
@@ -108,7 +105,6 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(w_ready.index(t), count=1)
 
-
     @gluon.jit
     def _mma(x_bufs, w_bufs, bars, k_tiles, BNW: gl.constexpr, BMX: gl.constexpr, INSTR_N: gl.constexpr,
              num_warps: gl.constexpr):
@@ -131,12 +127,11 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return (acc, )  # the default partition's results go back as a tuple
 
-
     @gluon.jit
     def weight_only_ws_kernel(x_desc, q_desc, s_ptr, b_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                        HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr, INSTR_N: gl.constexpr,
-                        CONVERTER_WARPS: gl.constexpr, CONVERTER_REGS: gl.constexpr, INT4: gl.constexpr,
-                        num_warps: gl.constexpr):
+                              HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr,
+                              INSTR_N: gl.constexpr, CONVERTER_WARPS: gl.constexpr, CONVERTER_REGS: gl.constexpr,
+                              INT4: gl.constexpr, num_warps: gl.constexpr):
         BMX: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BNW: gl.constexpr = q_desc.block_type.shape[0]
