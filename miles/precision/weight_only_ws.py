@@ -54,56 +54,55 @@ if gluon is not None:
             _tma_load(q_desc, [off_n, i * BKQ], ready.index(s), q_bufs.index(s))
 
     @gluon.jit
+    def _take_codes(q_bufs, bars, i, layout: gl.constexpr):
+        # Iteration i's code tile out of the ring, its slot released for the loader's next TMA write.
+        ready, empty, w_ready, w_empty = bars
+        STAGES: gl.constexpr = q_bufs.type.shape[0]
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        raw = q_bufs.index(s).load(layout)
+        fence_async_shared()  # the shared read ordered before the next TMA write into the slot
+        mbarrier.arrive(empty.index(s), count=1)
+        return raw
+
+    @gluon.jit
+    def _put_weight(w_bufs, bars, i, w):
+        # Iteration i's bf16 weight tile into its slot once the MMA has read the slot's previous tile.
+        ready, empty, w_ready, w_empty = bars
+        WSTAGES: gl.constexpr = w_bufs.type.shape[0]
+        t = i % WSTAGES
+        mbarrier.wait(w_empty.index(t), ((i // WSTAGES) & 1) ^ 1)
+        w_bufs.index(t).store(w)
+        fence_async_shared()  # the generic-proxy store visible to wgmma's async proxy
+        mbarrier.arrive(w_ready.index(t), count=1)
+
+    @gluon.jit
     def _converter_fp8(x_desc, q_desc, x_bufs, q_bufs, w_bufs, bars, s_ptr, stride_sn, off_m, off_n, k_tiles, N):
         # e4m3 codes -> fp32 -> x block scale -> bf16, rounded once: dequantize_fp8_weight's bits. A tile
         # of <= 128 rows from a multiple of 128, BK <= 128: one block scale per tile.
-        ready, empty, w_ready, w_empty = bars
         BK: gl.constexpr = w_bufs.type.shape[2]
-        STAGES: gl.constexpr = q_bufs.type.shape[0]
-        WSTAGES: gl.constexpr = w_bufs.type.shape[0]
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
         for i in range(k_tiles):
-            s = i % STAGES
-            t = i % WSTAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            raw = q_bufs.index(s).load(layout)
-            fence_async_shared()  # the shared read ordered before the next TMA write into the slot
-            mbarrier.arrive(empty.index(s), count=1)
+            raw = _take_codes(q_bufs, bars, i, layout)
             scale = gl.load(s_ptr + (off_n // SCALE_BLOCK) * stride_sn + (i * BK) // SCALE_BLOCK)
-            w = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16)
-            mbarrier.wait(w_empty.index(t), ((i // WSTAGES) & 1) ^ 1)
-            w_bufs.index(t).store(w)
-            fence_async_shared()  # the generic-proxy store visible to wgmma's async proxy
-            mbarrier.arrive(w_ready.index(t), count=1)
+            _put_weight(w_bufs, bars, i, (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale).to(gl.bfloat16))
 
     @gluon.jit
     def _converter_int4(x_desc, q_desc, x_bufs, q_bufs, w_bufs, bars, s_ptr, stride_sn, off_m, off_n, k_tiles, N):
         # Two codes a byte (the even k in the low nibble, value = code - 8) -> fp32 -> x group scale ->
         # bf16, rounded once: dequantize_int4's bits. BK <= the group of 128: one scale per row.
-        ready, empty, w_ready, w_empty = bars
         BNW: gl.constexpr = w_bufs.type.shape[1]
         BK: gl.constexpr = w_bufs.type.shape[2]
-        STAGES: gl.constexpr = q_bufs.type.shape[0]
-        WSTAGES: gl.constexpr = w_bufs.type.shape[0]
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
         byte_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
         rows = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(1, layout))
         for i in range(k_tiles):
-            s = i % STAGES
-            t = i % WSTAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            raw = q_bufs.index(s).load(byte_layout)
-            fence_async_shared()
-            mbarrier.arrive(empty.index(s), count=1)
+            raw = _take_codes(q_bufs, bars, i, byte_layout)
             lo = (raw & 15).to(gl.int32) - 8
             hi = (raw >> 4).to(gl.int32) - 8
             codes = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BNW, BK]), layout)
             scale = gl.load(s_ptr + rows * stride_sn + (i * BK) // SCALE_BLOCK, mask=rows < N, other=1.0)
-            w = (codes.to(gl.float32) * scale[:, None]).to(gl.bfloat16)
-            mbarrier.wait(w_empty.index(t), ((i // WSTAGES) & 1) ^ 1)
-            w_bufs.index(t).store(w)
-            fence_async_shared()
-            mbarrier.arrive(w_ready.index(t), count=1)
+            _put_weight(w_bufs, bars, i, (codes.to(gl.float32) * scale[:, None]).to(gl.bfloat16))
 
     @gluon.jit
     def _mma(x_bufs, w_bufs, bars, k_tiles, BNW: gl.constexpr, BMX: gl.constexpr, INSTR_N: gl.constexpr,

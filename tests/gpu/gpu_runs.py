@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 
 def run_inprocess(compose, tmp_path, overrides) -> dict[int, dict]:
     """A run through miles.orchestrate.run in this process; its metrics per step (from its journal)."""
@@ -68,3 +70,17 @@ def responses(engine, n=4, temperature=0.0):
 def max_lp_diff(a, b) -> float:
     """Largest |log-prob difference| over two runs' samples, token by token."""
     return max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs))
+
+
+def captured(fn):
+    """fn() captured once in a CUDA graph, after a warm-up call on a side stream (kernels compile
+    outside the capture): (the graph, the output tensor its replays rewrite)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -7,7 +7,7 @@ Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_decode_a
 
 import pytest
 import torch
-from gpu_runs import full_forward_mismatch
+from gpu_runs import captured, full_forward_mismatch
 
 from miles.config.schema import DType, ModelCfg, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
@@ -50,18 +50,11 @@ def test_long_context_split_matches_sdpa():
 def test_captured_in_a_cuda_graph_equals_eager():
     q, k, v, past = _operands(64, 32, 8, 384, 128, seed=2)
     eager = da.slot_decode_attention(q, k, v, past)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        da.slot_decode_attention(q, k, v, past)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = da.slot_decode_attention(q, k, v, past)
+    graph, out = captured(lambda: da.slot_decode_attention(q, k, v, past))
     past += 7  # the graph reads the lengths at replay
     past.clamp_(max=383)
     graph.replay()
-    assert torch.equal(captured, da.slot_decode_attention(q, k, v, past))
+    assert torch.equal(out, da.slot_decode_attention(q, k, v, past))
 
 
 SMALL = ModelCfg(name="qwen3_small", hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,

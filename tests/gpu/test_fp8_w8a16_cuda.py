@@ -8,6 +8,7 @@ Skipped without a GPU (CI). On a GPU machine: `pytest -s tests/gpu/test_fp8_w8a1
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_runs import captured
 
 from miles.precision import fp8_w8a16_triton as wt
 from miles.precision.fp8 import dequantize_fp8_weight, quantize_fp8_weight
@@ -52,14 +53,7 @@ def test_captured_in_a_cuda_graph_equals_eager():
     q, s = _operands(2 * 9728, 2560, seed=2)
     x = torch.randn(64, 2560, device="cuda", dtype=torch.bfloat16)
     eager = wt.w8a16_linear_auto(x, q, s)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        wt.w8a16_linear_auto(x, q, s)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = wt.w8a16_linear_auto(x, q, s)
+    graph, out = captured(lambda: wt.w8a16_linear_auto(x, q, s))
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, wt.w8a16_linear_auto(x, q, s))  # deterministic: no atomics

@@ -6,6 +6,7 @@ Skipped without a GPU (CI); run on a GPU machine with `pytest tests/gpu/test_int
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_runs import captured
 
 from miles.precision import dequantize_int4, int4_linear, pack_int4, quantize_int4
 from miles.precision import int4_triton
@@ -104,14 +105,7 @@ def test_bitwise_deterministic(m, weights):
 def test_cuda_graph_capture(m, weights):
     packed, scales = weights(1024, 3072, 32)
     x = torch.randn(m, 3072, device="cuda").bfloat16()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
-        int4_linear_fused(x, packed, scales, 32)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = int4_linear_fused(x, packed, scales, 32)
+    graph, y = captured(lambda: int4_linear_fused(x, packed, scales, 32))
     for seed in (1, 2):
         x.copy_(torch.randn(m, 3072, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
         graph.replay()

@@ -17,7 +17,7 @@ from miles.models.config import MoEConfig
 from miles.models.moe import Experts, route
 from miles.orchestrate.checkpoints import random_checkpoint
 from miles.types import moe_layers, stack_routing
-from gpu_runs import max_lp_diff, responses, slot_engines
+from gpu_runs import captured, max_lp_diff, responses, slot_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 QWEN3_30B_A3B = MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
@@ -72,14 +72,7 @@ def test_a_captured_call_replays_new_inputs_bit_for_bit():
     buffers = [x.clone(), chosen.clone(), weights.clone()]
     call = lambda: moe_grouped.grouped_experts(*buffers, experts.gate_up_proj, experts.down_proj)  # noqa: E731
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = captured(call)
         _, x2, chosen2, weights2 = _case(QWEN3_30B_A3B, 2048, 64, torch.bfloat16, seed=1)  # other routes
         for buffer, new in zip(buffers, (x2, chosen2, weights2)):
             buffer.copy_(new)

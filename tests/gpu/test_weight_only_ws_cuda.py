@@ -10,6 +10,7 @@ Skipped without an sm_90 GPU (CI). On the GPU machine: `pytest -s tests/gpu/test
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_runs import captured
 
 from miles.precision import fp8_w8a16_triton, int4_triton
 from miles.precision import weight_only_ws as ws
@@ -75,14 +76,7 @@ def test_tails_and_bias(fmt):
 def test_captured_in_a_cuda_graph_equals_eager(fmt):
     codes, s, _ = _operands(fmt, 6144, 2560, seed=3)
     x = torch.randn(512, 2560, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ws.weight_only_ws_linear(x, codes, s, fmt)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ws.weight_only_ws_linear(x, codes, s, fmt)
+    graph, out = captured(lambda: ws.weight_only_ws_linear(x, codes, s, fmt))
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, ws.weight_only_ws_linear(x, codes, s, fmt))  # deterministic: no atomics
