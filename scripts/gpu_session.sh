@@ -42,7 +42,8 @@
 #  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
 #  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS
-#      and the fused kernels at 256-1024 rows with their bits, their CUDA tests, the 4B decode through them
+#      and the fused kernels at 256-1024 rows with their bits, their CUDA tests, the 4B decode through them;
+#      the CUDA-graph tests that moved to gpu_runs.captured (2026-12-06, seventh session)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-19)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -201,6 +202,9 @@ case $PART in
     # speed and bits per layer, their tests, and each recipe's 4B decode at 512 rows through them
     step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
     step ws_tests 150 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
+    step graph_helper 120 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
+        tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
+        -k "captured or capture"
     (cd benchmarks && step decode_512_ws 200 python3 precision_decode.py --model qwen3_4b --rows 512 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --warp-specialized-from 128)
     ;;
