@@ -200,9 +200,9 @@ case $PART in
     ;;
 19) # the warp-specialized weight-only GEMMs (Gluon), compiled for sm_90 on the CPU only so far: their
     # speed and bits per layer, their tests, and each recipe's 4B decode at 512 rows through them
-    step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
-    step ws_tests 150 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
-    step graph_helper 120 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
+    step weight_only_ws 120 python3 benchmarks/weight_only_ws.py
+    step ws_tests 120 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
+    step graph_helper 90 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     (cd benchmarks && step decode_512_ws 200 python3 precision_decode.py --model qwen3_4b --rows 512 \
