@@ -4,10 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 19 (the warp-specialized weight-only GEMMs, never
-# run), 7 (LoRA at the 4B shape: out of memory twice
-# on an H100, 2026-12-06; lora_speed.py now offloads the full fine-tuning's optimizer state before
-# the engines), 10's windows test, 3's MoE decode):
+# does not cost the rest of a call. Parts (most urgent: 19 (the warp-specialized weight-only GEMMs,
+# never run), 7 (LoRA at the 4B shape: out of memory twice on an H100, 2026-12-06; lora_speed.py now
+# offloads the full fine-tuning's optimizer state before the engines), 10's windows test, 3's MoE decode):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
