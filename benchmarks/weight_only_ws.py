@@ -16,10 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from miles.precision.weight_only_ws import (CONFIGS, MAXNREG, _layouts, weight_only_ws_kernel,  # noqa: E402
+from miles.precision.weight_only_ws import (CONFIGS, MAXNREG, smem_layouts, weight_only_ws_kernel,  # noqa: E402
                                             weight_only_ws_linear)
 
 
@@ -32,7 +33,7 @@ def compile_only(formats=("w8a16", "w4a16"), configs=tuple(CONFIGS)) -> None:
         for name in configs:
             bmx, bnw, bk, stages, wstages, warps, cwarps, regs = CONFIGS[name]
             int4 = fmt == "w4a16"
-            x_layout, q_layout = _layouts(bmx, bnw, bk, int4)
+            x_layout, q_layout = smem_layouts(bmx, bnw, bk, int4)
             sig = {"x_desc": f"tensordesc<bf16[{bmx}, {bk}],{x_layout!r}>",
                    "q_desc": f"tensordesc<u8[{bnw}, {bk // 2 if int4 else bk}],{q_layout!r}>",
                    "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
@@ -61,7 +62,6 @@ def main() -> None:
     if args.compile:
         compile_only()
         return
-    import torch
     from kernel_sweep import QWEN3_NK, _time_graph
 
     from miles.precision import fp8_w8a16_triton as w8

@@ -189,7 +189,8 @@ CONFIGS = {
 MAXNREG = 168  # 12 warps (3 warpgroups) x 32 x 168 <= 65,536
 
 
-def _layouts(bmx: int, bnw: int, bk: int, int4: bool):
+def smem_layouts(bmx: int, bnw: int, bk: int, int4: bool):
+    """The shared-memory layouts of a config's activation tile and code tile (TMA's and wgmma's)."""
     return (gl.NVMMASharedLayout.get_default_for([bmx, bk], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([bnw, bk // 2 if int4 else bk], gl.uint8))
 
@@ -233,7 +234,7 @@ def weight_only_ws_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
     int4 = fmt == "w4a16"
     m, k = x.shape
     n = codes.shape[0]
-    x_layout, q_layout = _layouts(bmx, bnw, bk, int4)
+    x_layout, q_layout = smem_layouts(bmx, bnw, bk, int4)
     raw = codes.view(torch.uint8)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bmx, bk], x_layout)
     q_desc = TensorDescriptor(raw, list(raw.shape), list(raw.stride()), [bnw, bk // 2 if int4 else bk], q_layout)
