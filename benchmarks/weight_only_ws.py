@@ -2,6 +2,8 @@
 
     python3 benchmarks/weight_only_ws.py             # GPU (sm_90): bits and speed, W8A16 and W4A16, 256-1024 rows
     python3 benchmarks/weight_only_ws.py --compile   # no GPU needed: compile for sm_90 and print the structure
+    python3 benchmarks/weight_only_ws.py --smoke     # GPU: one small GEMM per format and config (run it
+                                                     # under `timeout` first: a wrong barrier phase hangs)
 
 Per 4B layer shape and row count: cuBLAS bf16 time / kernel time (graph-timed, kernel_sweep.py's
 `_time_graph`) for the shipped fused kernel and every warp-specialized config, each with its
@@ -55,12 +57,41 @@ def compile_only(formats=("w8a16", "w4a16"), configs=tuple(CONFIGS)) -> None:
                   f"{kernel.metadata.shared} B, warps {kernel.metadata.num_warps}")
 
 
+def smoke() -> None:
+    """One 256 x 2560 x 2560 GEMM per format and config against F.linear on the dequantized weight:
+    exits non-zero on a wrong result (a hang is for the caller's `timeout` to catch)."""
+    from miles.precision.fp8 import dequantize_fp8_weight, quantize_fp8_weight
+    from miles.precision.int4 import dequantize_int4, pack_int4, quantize_int4
+
+    x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2560, 2560, device="cuda") * 0.02
+    q8, s8 = quantize_fp8_weight(w)
+    q4, s4 = quantize_int4(w, 128)
+    cases = {"w8a16": (q8, s8, dequantize_fp8_weight(q8, s8, torch.bfloat16)),
+             "w4a16": (pack_int4(q4), s4, dequantize_int4(pack_int4(q4), s4, 128, k=2560, dtype=torch.bfloat16))}
+    worst = 0.0
+    for fmt, (codes, scales, dequantized) in cases.items():
+        ref = torch.nn.functional.linear(x, dequantized).float()
+        for name in CONFIGS:
+            out = weight_only_ws_linear(x, codes, scales, fmt, config=name)
+            torch.cuda.synchronize()
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            worst = max(worst, rel)
+            print(f"{fmt} {name}: relative error {rel:.2e}, outputs off cuBLAS's bits {int((out.float() != ref).sum())}",
+                  flush=True)
+    sys.exit(0 if worst < 1e-2 else 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 only (no GPU needed)")
+    parser.add_argument("--smoke", action="store_true", help="one small GEMM per format and config, checked")
     args = parser.parse_args()
     if args.compile:
         compile_only()
+        return
+    if args.smoke:
+        smoke()
         return
     from kernel_sweep import QWEN3_NK, _time_graph
 
