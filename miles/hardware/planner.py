@@ -214,11 +214,13 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
         from miles.hardware.lora_footprint import lora_params, quantized_base
 
         adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
-        # QLoRA: the projections in the rollout format, the rest fp32 masters; Megatron holds the whole base
-        # in the training dtype (its INT4 or FP8 round trip: miles/trainer/megatron/quant.py), as counted above.
-        if p.train_quant != Quant.none and t.backend != TrainerBackend.megatron:
+        # QLoRA: the projections in the rollout format, the rest fp32 masters. Megatron: under int4_qat its
+        # linears hold the codes, the rest in the training dtype (miles/trainer/megatron/held_int4.py); under
+        # fp8 the whole base in the training dtype (its FP8 round trip: quant.py), as counted above.
+        megatron = t.backend == TrainerBackend.megatron
+        if p.train_quant != Quant.none and (not megatron or p.train_quant == Quant.int4):
             q_params, q_bytes = quantized_base(arch, p)
-            base = (embed + dense + routed - q_params / (tp * pp)) * 4 + q_bytes / (tp * pp)
+            base = (embed + dense + routed - q_params / (tp * pp)) * (w if megatron else 4) + q_bytes / (tp * pp)
             usage["weights"] = base + tower.get("weights", 0.0)
             if "reference" in usage:  # the KL reference is held as the policy's base
                 usage["reference"] = usage["weights"]

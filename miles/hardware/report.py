@@ -22,8 +22,8 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     table.add_column("how")
     layout = plan.layout.describe(plan.train_gpus) if hw.device != "cpu" else "single process"
     qlora = cfg.trainer.lora.rank > 0 and cfg.precision.train_quant.value != "none"
-    if qlora and cfg.trainer.backend.value == "megatron":  # Megatron's linears hold the INT4 round trip dense
-        held = f"frozen base in {cfg.precision.train_dtype.value} (its {cfg.precision.train_quant.value} values), adapters fp32"
+    if qlora and cfg.trainer.backend.value == "megatron" and cfg.precision.train_quant.value == "fp8":
+        held = f"frozen base in {cfg.precision.train_dtype.value} (its fp8 values), adapters fp32"  # Megatron: dense
     elif qlora:
         held = f"frozen base in {cfg.precision.train_quant.value} (QLoRA), adapters fp32"
     else:

@@ -11,7 +11,8 @@ cuda_on_cpu.py), fp32:
   as it was, Megatron's DDP and optimizer hold the adapters only;
 - the sync payload is the adapters only, with the torch trainer's checksum (in-process too);
 - dense (qwen3) and MoE with expert adapters (qwen3_moe); a bf16 base is that round trip rounded to bf16;
-- the memory plan counts what the trainer holds: the base in the training dtype."""
+- int4_qat's linears hold INT4 codes (policy and KL reference), through resume and offload; fp8's base is
+  dense in the training dtype; the memory plan counts what the trainer holds."""
 
 import pytest
 import torch
@@ -106,12 +107,15 @@ def test_a_bf16_base_is_the_round_trip_rounded_once(recipe, tmp_path, megatron_o
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_plan_counts_the_base_in_the_training_dtype(recipe, compose, tmp_path, megatron_on_this_device):
-    """Megatron's QLoRA base is dense in the training dtype: the plan's weights are what the trainer
-    holds (fp32 here), where trainer=torch's plan counts the INT4 / FP8 codes."""
+def test_the_plan_counts_what_the_trainer_holds(recipe, compose, tmp_path, megatron_on_this_device):
+    """The plan's weights are what Megatron's QLoRA trainer holds (fp32 here): under int4_qat the
+    linears' INT4 codes and scales (trainer=torch's count of them) and the rest dense; under fp8 the
+    whole base dense, where trainer=torch's plan counts the FP8 codes."""
     from miles.hardware.footprint import param_groups
+    from miles.hardware.lora_footprint import quantized_base
     from miles.hardware.planner import TrainLayout, train_usage
     from miles.orchestrate.checkpoints import random_checkpoint
+    from miles.trainer.megatron.held_int4 import held_tensors
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     run = ["model=qwen3_tiny", f"precision={recipe}", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32",
@@ -119,12 +123,21 @@ def test_the_plan_counts_the_base_in_the_training_dtype(recipe, compose, tmp_pat
     cfg = compose([*run, "trainer=megatron"])
     ckpt = random_checkpoint(cfg.model, "0123456789+=", 0, tmp_path)
     mega = MegatronTrainer(str(ckpt), cfg.algo, cfg.trainer, cfg.precision, device=megatron_on_this_device, threads=1)
-    held = sum(p.numel() * p.element_size() for n, p in mega.model.module.named_parameters() if "miles_lora" not in n)
+    dense = sum(p.numel() * p.element_size() for n, p in mega.model.module.named_parameters() if "miles_lora" not in n)
+    codes = held_tensors(mega.model.module)
+    held = dense + sum(t.numel() * t.element_size() for t in codes)
     groups = param_groups(mega.arch, cfg.precision)
     planned = train_usage(cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"]
-    assert held == (groups.embed + groups.dense + groups.routed) * 4 == planned - mega.lora.num_bytes()
-    torch_cfg = compose(run)
-    assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < (0.3 if recipe == "int4_qat" else 0.4) * planned  # codes: ~0.5 / 1 byte
+    assert held == planned - mega.lora.num_bytes()
+    total = (groups.embed + groups.dense + groups.routed) * 4
+    if recipe == "int4_qat":  # the 4 fused linears of each layer hold codes: ~0.5 bytes a weight + scales
+        q_params, q_bytes = quantized_base(mega.arch, cfg.precision)
+        assert len(codes) == 2 * 4 * mega.arch.num_layers and held == total - 4 * q_params + q_bytes
+        assert held < 0.45 * total
+    else:
+        assert not codes and held == total
+        torch_cfg = compose(run)
+        assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < 0.4 * planned  # codes: ~1 byte
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -148,3 +161,61 @@ def test_recompute_steps_as_the_torch_trainers_qlora(recipe, tmp_path, megatron_
     for key in ("train/loss", "train/grad_norm"):
         assert m[key] == pytest.approx(n[key], rel=1e-4, abs=1e-6), key
     assert m["train/grad_norm"] > 0
+
+
+def test_int4_codes_resume_offload_and_the_kl_reference(tmp_path, megatron_on_this_device):
+    """bf16 int4_qat QLoRA: the policy's and the KL reference's linears hold INT4 codes and no dense
+    weight; a resumed trainer and an offloaded-and-onloaded one continue bit for bit; a checkpoint whose
+    base differs from the codes by one bf16 step is refused on load."""
+    import dataclasses
+
+    from miles.trainer import offload
+    from miles.trainer.megatron.held_int4 import held_tensors
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    ckpt = _checkpoint("qwen3_tiny", tmp_path)
+    algo, cfg, precision = _qlora("int4_qat", TARGETS["qwen3_tiny"], "bf16")
+    algo = dataclasses.replace(algo, kl_coef=0.1)
+
+    def build():
+        return MegatronTrainer(ckpt, algo, cfg, precision, device=megatron_on_this_device, threads=1)
+
+    first = build()
+    for model in (first.model.module, first.ref_model):
+        codes = held_tensors(model)
+        assert len(codes) == 2 * 4 * first.arch.num_layers  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+        assert {t.dtype for t in codes} == {torch.uint8, torch.float32}
+        assert not any(n.endswith(("linear_qkv.weight", "linear_fc1.weight", "linear_proj.weight", "linear_fc2.weight"))
+                       for n, _ in model.named_parameters())
+    batch = _batch(first.arch.vocab_size)
+    _randomize(first.lora)
+    before = {k: v.clone() for k, v in first._policy_state().items()}
+    metrics = first.train_rl(batch)
+    assert metrics["train/kl_ref"] > 0.0  # the reference (the frozen base without adapters) is read
+    assert all(torch.equal(v, before[k]) for k, v in first._policy_state().items())
+
+    first.save_state(str(tmp_path / "state"))
+    expected = first.train_rl(batch)
+    second = build()
+    second.load_state(str(tmp_path / "state"))
+    assert second.train_rl(batch) == expected
+
+    sizes = second.offload_bytes()
+    offload.FORCE_COPY = True  # on the CPU too, the tensors move (fresh copies)
+    try:
+        second.offload()
+        assert second.offload_bytes() == {"params": 0, "grads": 0, "optimizer": 0}
+        assert all(t.device.type == "cpu" and (t.is_pinned() or not torch.cuda.is_available())
+                   for t in held_tensors(second.model.module))
+        second.onload()
+    finally:
+        offload.FORCE_COPY = False
+    assert sizes["params"] >= sum(t.numel() * t.element_size() for t in held_tensors(second.model.module))
+    assert second.train_rl(batch) == first.train_rl(batch)
+
+    saved = torch.load(tmp_path / "state/megatron.pt", weights_only=False)
+    key = next(k for k in saved["model"] if k.endswith("linear_qkv.weight"))
+    saved["model"][key] = saved["model"][key].float().mul(1.01).to(torch.bfloat16)
+    torch.save(saved, tmp_path / "state/megatron.pt")
+    with pytest.raises(RuntimeError, match="differs from the frozen base this trainer holds as INT4 codes"):
+        build().load_state(str(tmp_path / "state"))
