@@ -62,6 +62,23 @@ def quantized_base(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]
     return _BASE_CACHE[key]
 
 
+def megatron_fp8_dense(arch: ArchConfig, precision: PrecisionCfg) -> tuple[int, int]:
+    """(weights, their FP8 bytes) of the projections counted by quantized_base that trainer=megatron's
+    QLoRA holds dense under fp8 (miles/trainer/megatron/held_base.py): the parts of a fused weight
+    whose 128 x 128 blocks mix native blocks. q/k/v (fused per query group) where head_dim is not a
+    multiple of 128; gate/up where their width is not."""
+    from miles.models import CausalLM
+    from miles.precision.recipe import Recipe
+
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    recipe = Recipe.from_cfg(precision, arch.num_layers)
+    shapes = [tuple(linear.weight.shape) for _, name, linear in recipe.quantized_linears(model)
+              if (name in ("q_proj", "k_proj", "v_proj") and arch.mla is None and arch.head_dim % BLOCK)
+              or (name in ("gate_proj", "up_proj") and linear.weight.shape[0] % BLOCK)]
+    return sum(n * k for n, k in shapes), sum(_held_bytes(n, k, precision) for n, k in shapes)
+
+
 def _held_bytes(n: int, k: int, precision: PrecisionCfg) -> int:
     if precision.train_quant == Quant.fp8:
         return n * k + 4 * _ceil_div(n, BLOCK) * _ceil_div(k, BLOCK)

@@ -211,15 +211,18 @@ def train_usage(cfg: RunCfg, groups: ParamGroups, layout: TrainLayout, gpus: int
     # as the policy's full fine-tuning.
     critic = usage["weights"] + usage["gradients"] + usage["optimizer"]
     if t.lora.rank > 0:  # LoRA: a frozen base in the training dtype; fp32 adapters with gradients and AdamW
-        from miles.hardware.lora_footprint import lora_params, quantized_base
+        from miles.hardware.lora_footprint import lora_params, megatron_fp8_dense, quantized_base
 
         adapters = lora_params(arch, t.lora.rank, t.lora.target_modules, len(t.lora.adapters)) / (tp * pp)
-        # QLoRA: the projections in the rollout format, the rest fp32 masters. Megatron: under int4_qat its
-        # linears hold the codes, the rest in the training dtype (miles/trainer/megatron/held_int4.py); under
-        # fp8 the whole base in the training dtype (its FP8 round trip: quant.py), as counted above.
-        megatron = t.backend == TrainerBackend.megatron
-        if p.train_quant != Quant.none and (not megatron or p.train_quant == Quant.int4):
+        # QLoRA: the projections in the rollout format, the rest fp32 masters (Megatron: in the training
+        # dtype, and under fp8 the fused weights whose blocks mix native blocks dense too:
+        # miles/trainer/megatron/held_base.py).
+        if p.train_quant != Quant.none:
+            megatron = t.backend == TrainerBackend.megatron
             q_params, q_bytes = quantized_base(arch, p)
+            if megatron and p.train_quant == Quant.fp8:
+                dense_params, dense_bytes = megatron_fp8_dense(arch, p)
+                q_params, q_bytes = q_params - dense_params, q_bytes - dense_bytes
             base = (embed + dense + routed - q_params / (tp * pp)) * (w if megatron else 4) + q_bytes / (tp * pp)
             usage["weights"] = base + tower.get("weights", 0.0)
             if "reference" in usage:  # the KL reference is held as the policy's base

@@ -22,9 +22,7 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     table.add_column("how")
     layout = plan.layout.describe(plan.train_gpus) if hw.device != "cpu" else "single process"
     qlora = cfg.trainer.lora.rank > 0 and cfg.precision.train_quant.value != "none"
-    if qlora and cfg.trainer.backend.value == "megatron" and cfg.precision.train_quant.value == "fp8":
-        held = f"frozen base in {cfg.precision.train_dtype.value} (its fp8 values), adapters fp32"  # Megatron: dense
-    elif qlora:
+    if qlora:
         held = f"frozen base in {cfg.precision.train_quant.value} (QLoRA), adapters fp32"
     else:
         held = f"{cfg.precision.train_dtype.value} compute copy"

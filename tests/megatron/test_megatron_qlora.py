@@ -11,8 +11,8 @@ cuda_on_cpu.py), fp32:
   as it was, Megatron's DDP and optimizer hold the adapters only;
 - the sync payload is the adapters only, with the torch trainer's checksum (in-process too);
 - dense (qwen3) and MoE with expert adapters (qwen3_moe); a bf16 base is that round trip rounded to bf16;
-- int4_qat's linears hold INT4 codes (policy and KL reference), through resume and offload; fp8's base is
-  dense in the training dtype; the memory plan counts what the trainer holds."""
+- the linears hold the engine's INT4 / FP8 codes (policy and KL reference; FP8 where a fused weight's
+  blocks are the native blocks), through resume and offload; the memory plan counts what is held."""
 
 import pytest
 import torch
@@ -112,10 +112,9 @@ def test_the_plan_counts_what_the_trainer_holds(recipe, compose, tmp_path, megat
     linears' INT4 codes and scales (trainer=torch's count of them) and the rest dense; under fp8 the
     whole base dense, where trainer=torch's plan counts the FP8 codes."""
     from miles.hardware.footprint import param_groups
-    from miles.hardware.lora_footprint import quantized_base
     from miles.hardware.planner import TrainLayout, train_usage
     from miles.orchestrate.checkpoints import random_checkpoint
-    from miles.trainer.megatron.held_int4 import held_tensors
+    from miles.trainer.megatron.held_base import held_tensors
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     run = ["model=qwen3_tiny", f"precision={recipe}", "precision.train_dtype=fp32", "precision.rollout_dtype=fp32",
@@ -130,14 +129,41 @@ def test_the_plan_counts_what_the_trainer_holds(recipe, compose, tmp_path, megat
     planned = train_usage(cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"]
     assert held == planned - mega.lora.num_bytes()
     total = (groups.embed + groups.dense + groups.routed) * 4
-    if recipe == "int4_qat":  # the 4 fused linears of each layer hold codes: ~0.5 bytes a weight + scales
-        q_params, q_bytes = quantized_base(mega.arch, cfg.precision)
-        assert len(codes) == 2 * 4 * mega.arch.num_layers and held == total - 4 * q_params + q_bytes
-        assert held < 0.45 * total
-    else:
-        assert not codes and held == total
-        torch_cfg = compose(run)
-        assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < 0.4 * planned  # codes: ~1 byte
+    # every fused linear holds codes, but under fp8 linear_qkv: head_dim 32 puts several native 128 x 128
+    # blocks in each of its blocks, so it stays dense (test_fp8_codes_where_the_blocks_align)
+    per_layer = 4 if recipe == "int4_qat" else 3
+    assert len(codes) == 2 * per_layer * mega.arch.num_layers
+    assert held < (0.45 if recipe == "int4_qat" else 0.55) * total
+    torch_cfg = compose(run)  # trainer=torch holds every projection's codes and the rest in fp32
+    assert train_usage(torch_cfg, groups, TrainLayout(1, 1, 1), gpus=1)["weights"] < (0.3 if recipe == "int4_qat" else 0.4) * total
+
+
+def test_fp8_codes_where_the_blocks_align(tmp_path, megatron_on_this_device):
+    """fp8 QLoRA with head_dim 128: linear_qkv's 128 x 128 blocks are the native q / k / v blocks, so
+    every fused linear holds the engine's FP8 codes, which dequantize to the torch trainer's held base
+    bit for bit; a fresh adapter gives trainer=torch's QLoRA log-probs."""
+    import dataclasses
+
+    from test_megatron_cuda import _model_cfg
+
+    from miles.data.tokenizer import DEFAULT_ALPHABET
+    from miles.orchestrate.checkpoints import random_checkpoint
+    from miles.trainer.megatron.held_base import held_tensors
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.torch_trainer import TorchTrainer
+
+    model = dataclasses.replace(_model_cfg("qwen3_tiny"), head_dim=128)
+    ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=tmp_path / "hd128"))
+    mega = MegatronTrainer(ckpt, *_qlora("fp8", TARGETS["qwen3_tiny"]), device=megatron_on_this_device, threads=1)
+    native = TorchTrainer(ckpt, *_qlora("fp8", TARGETS["qwen3_tiny"]), device="cpu", threads=1)
+    codes = held_tensors(mega.model.module)
+    assert len(codes) == 2 * 4 * mega.arch.num_layers
+    assert {t.dtype for t in codes} == {torch.float8_e4m3fn, torch.float32}
+    held = native.model.state_dict()
+    assert all(torch.equal(v.cpu(), held[k].cpu()) for k, v in mega._policy_state().items())
+    batch = _batch(mega.arch.vocab_size)
+    worst, _ = _diff(mega.logprobs(batch), native.logprobs(batch), batch.loss_mask)
+    assert worst < TOL
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -163,19 +189,21 @@ def test_recompute_steps_as_the_torch_trainers_qlora(recipe, tmp_path, megatron_
     assert m["train/grad_norm"] > 0
 
 
-def test_int4_codes_resume_offload_and_the_kl_reference(tmp_path, megatron_on_this_device):
-    """bf16 int4_qat QLoRA: the policy's and the KL reference's linears hold INT4 codes and no dense
-    weight; a resumed trainer and an offloaded-and-onloaded one continue bit for bit; a checkpoint whose
-    base differs from the codes by one bf16 step is refused on load."""
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_codes_through_resume_offload_and_the_kl_reference(recipe, tmp_path, megatron_on_this_device):
+    """bf16 QLoRA: the policy's and the KL reference's linears hold codes and no dense weight (fp8:
+    but linear_qkv, see above); a resumed trainer and an offloaded-and-onloaded one continue bit for
+    bit; a checkpoint whose base differs from the codes is refused on load."""
     import dataclasses
 
     from miles.trainer import offload
-    from miles.trainer.megatron.held_int4 import held_tensors
+    from miles.trainer.megatron.held_base import held_tensors
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     ckpt = _checkpoint("qwen3_tiny", tmp_path)
-    algo, cfg, precision = _qlora("int4_qat", TARGETS["qwen3_tiny"], "bf16")
+    algo, cfg, precision = _qlora(recipe, TARGETS["qwen3_tiny"], "bf16")
     algo = dataclasses.replace(algo, kl_coef=0.1)
+    held_linears = ("linear_fc1", "linear_proj", "linear_fc2") + (("linear_qkv",) if recipe == "int4_qat" else ())
 
     def build():
         return MegatronTrainer(ckpt, algo, cfg, precision, device=megatron_on_this_device, threads=1)
@@ -183,10 +211,9 @@ def test_int4_codes_resume_offload_and_the_kl_reference(tmp_path, megatron_on_th
     first = build()
     for model in (first.model.module, first.ref_model):
         codes = held_tensors(model)
-        assert len(codes) == 2 * 4 * first.arch.num_layers  # linear_qkv, linear_proj, linear_fc1, linear_fc2
-        assert {t.dtype for t in codes} == {torch.uint8, torch.float32}
-        assert not any(n.endswith(("linear_qkv.weight", "linear_fc1.weight", "linear_proj.weight", "linear_fc2.weight"))
-                       for n, _ in model.named_parameters())
+        assert len(codes) == 2 * len(held_linears) * first.arch.num_layers
+        assert {t.dtype for t in codes} == {torch.uint8 if recipe == "int4_qat" else torch.float8_e4m3fn, torch.float32}
+        assert not any(n.endswith(tuple(f"{m}.weight" for m in held_linears)) for n, _ in model.named_parameters())
     batch = _batch(first.arch.vocab_size)
     _randomize(first.lora)
     before = {k: v.clone() for k, v in first._policy_state().items()}
@@ -214,8 +241,8 @@ def test_int4_codes_resume_offload_and_the_kl_reference(tmp_path, megatron_on_th
     assert second.train_rl(batch) == first.train_rl(batch)
 
     saved = torch.load(tmp_path / "state/megatron.pt", weights_only=False)
-    key = next(k for k in saved["model"] if k.endswith("linear_qkv.weight"))
+    key = next(k for k in saved["model"] if k.endswith("linear_fc2.weight"))
     saved["model"][key] = saved["model"][key].float().mul(1.01).to(torch.bfloat16)
     torch.save(saved, tmp_path / "state/megatron.pt")
-    with pytest.raises(RuntimeError, match="differs from the frozen base this trainer holds as INT4 codes"):
+    with pytest.raises(RuntimeError, match="differs from the frozen base this trainer holds as codes"):
         build().load_state(str(tmp_path / "state"))

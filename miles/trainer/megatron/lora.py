@@ -31,9 +31,9 @@ sequence-major layout; an expert's permuted tokens found through its router's ro
 `_expert_ids`); the trainer clips each adapter's gradient on its own and leaves an adapter without
 samples out of the step (MegatronTrainer.step).
 
-QLoRA: the base these hooks sit on is the recipe's round trip, taken once when the trainer is built:
-under int4_qat the linears hold its INT4 codes (held_int4.py, after `attach`: the hooks do not read
-the weight), under fp8 w8a16 its FP8 round trip in the training dtype (quant.py).
+QLoRA: the base these hooks sit on is the recipe's round trip, taken once when the trainer is built
+(quant.py), its linears holding the engine's INT4 / FP8 codes (held_base.py, after `attach`: the
+hooks do not read the weight).
 
 Not built: the Transformer Engine spec (its linears fuse the input norm, so the hook would see the
 un-normalised input), refused here when TE is installed.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from miles.trainer import offload as off
-from miles.trainer.megatron.held_int4 import held_tensors
+from miles.trainer.megatron.held_base import held_tensors
 
 
 class MegatronOffload:
@@ -27,7 +27,7 @@ class MegatronOffload:
         optimizers (each with its torch optimizer in `.optimizer`)."""
         self.ddp, self.ref_model, self.optimizers, self.device = ddp_model, ref_model, optimizers, device
         # Parameters outside DDP's buffers (frozen: the LoRA base, or its INT4 codes and scales under
-        # QLoRA: held_int4.py); moved by .data like the reference.
+        # QLoRA: held_base.py); moved by .data like the reference.
         self._frozen = [p for p in ddp_model.module.parameters() if not p.requires_grad]
         self._frozen += held_tensors(ddp_model.module)
         self.offloaded: set[str] = set()

@@ -23,9 +23,8 @@ optimizers' state (fp32 main parameters, moments, step) and the RNG, for resume.
 attentions' shared DSASelection (miles/trainer/megatron/dsa_attention.py); colocation offload through
 its buffers' storage (miles/trainer/megatron/offload.py). LoRA (trainer.lora.rank > 0): the native adapters hooked
 onto Megatron's fused linears, the base frozen, DDP and the optimizer over the adapters only
-(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA: under int4_qat the
-frozen base's linears hold INT4 codes (held_int4.py); under fp8 w8a16 the base is held in the training
-dtype, its FP8 round trip taken once at build (quant.py). FP8
+(miles/trainer/megatron/lora.py); only the adapters travel, as with trainer=torch. QLoRA: the frozen base's
+linears hold the engine's INT4 / FP8 codes (held_base.py), its round trip taken once at build (quant.py). FP8
 (fp8_scheme w8a16): each forward multiplies the FP8 round trip of every quantized weight's native
 parts, as trainer=torch does (quant.py `FP8Blocks`).
 
@@ -60,7 +59,7 @@ from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron import multi_tensor
 from miles.trainer.megatron.arch import megatron_spec
 from miles.trainer.megatron.offload import MegatronOffload
-from miles.trainer.megatron.held_int4 import hold_int4_base
+from miles.trainer.megatron.held_base import hold_fp8_base, hold_int4_base
 from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, gpt_model_kwargs, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
@@ -206,10 +205,11 @@ class MegatronTrainer:
         self._native_names = list(native.state_dict())  # get_weights' order: the native model's
         rows = quantized_rows(native.state_dict(), self.recipe, self.arch, self.te)
         qlora = cfg.lora.rank > 0 and holds_quantized_base(self.recipe)
+        native_state, fp32_state = native.state_dict(), state  # QLoRA quantizes these (held_base.py)
         if qlora and self.fp8:  # the frozen base (policy and KL reference): its FP8 round trip, once, from fp32
             state = {**state, **fp8_round_trip(state, list(rows), self.recipe, self.arch, self.te)}
         elif qlora:  # the frozen base (policy and KL reference) rounded once, from the fp32 checkpoint
-            fp32_state, state = state, int4_base(state, rows, self.recipe)
+            state = int4_base(state, rows, self.recipe)
         self._qat_rows = {} if qlora else rows  # what each forward quantizes (INT4 QAT, FP8 w8a16)
         with torch.device("meta"):  # the native structure: which Linear layers a quantized engine holds
             self._skeleton = CausalLM(self.arch)
@@ -218,16 +218,15 @@ class MegatronTrainer:
         policy = self._build(state)
         if cfg.lora.rank > 0:  # before DDP: its buffers and the optimizer then hold the adapters only
             self.lora = self._attach_lora(policy, shapes, seed)
-        hold = qlora and not self.fp8  # INT4 QLoRA: the base's linears hold codes (held_int4.py)
-        if hold:
-            hold_int4_base(policy, fp32_state, rows, self.recipe)
+        if qlora:  # the base's linears hold the engine's codes (held_base.py)
+            self._hold_base(policy, fp32_state, native_state, rows, state)
         self.model = self._ddp(policy)
         # Each forward swaps in round trips (INT4 QAT, FP8 w8a16): the recomputation needs them again.
         swaps = self.recipe.train_quant != NONE and bool(self._qat_rows)
         self._recompute_notes = RecomputeNotes(policy.decoder.layers) if cfg.recompute and swaps else None
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
-        if hold and self.ref_model is not None:  # the KL reference is the frozen base: held the same way
-            hold_int4_base(self.ref_model, fp32_state, rows, self.recipe)
+        if qlora and self.ref_model is not None:  # the KL reference is the frozen base: held the same way
+            self._hold_base(self.ref_model, fp32_state, native_state, rows, state)
         self._teacher_rows: dict[str, torch.Tensor] = {}
         if teacher_dir is not None:  # after the policy's _build: megatron_config stays the policy's
             self.teacher = self._build_teacher(teacher_dir)
@@ -248,6 +247,13 @@ class MegatronTrainer:
         self.update = RLUpdate(self)
 
     # ----------------------------------------------------------------------------- building
+    def _hold_base(self, gpt, fp32_state, native_state, rows, round_trip) -> None:
+        """QLoRA: `gpt`'s quantized linears hold the engine's INT4 / FP8 codes, not dense weights."""
+        if self.fp8:
+            hold_fp8_base(gpt, native_state, rows, self.recipe, self.arch, self.te, round_trip)
+        else:
+            hold_int4_base(gpt, fp32_state, rows, self.recipe)
+
     def _build(self, state: dict[str, torch.Tensor], arch=None):
         """A GPTModel of `arch` (default: the policy's, whose config becomes `self.megatron_config`)
         on this GPU holding `state` (Megatron names)."""
