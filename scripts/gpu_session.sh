@@ -42,7 +42,8 @@
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
 #  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS
 #      and the fused kernels at 256-1024 rows with their bits, their CUDA tests, the 4B decode through them;
-#      the CUDA-graph tests that moved to gpu_runs.captured (2026-12-06, seventh session)
+#      the CUDA-graph tests that moved to gpu_runs.captured (2026-12-06, seventh session); Megatron QLoRA's
+#      held codes on CUDA (eighth session)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-19)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -212,6 +213,8 @@ case $PART in
     step graph_helper 90 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
+    # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA
+    step megatron_qlora 90 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
