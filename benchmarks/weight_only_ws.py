@@ -6,7 +6,8 @@
                                                      # under `timeout` first: a wrong barrier phase hangs)
 
 Per 4B layer shape and row count: cuBLAS bf16 time / kernel time (graph-timed, kernel_sweep.py's
-`_time_graph`) for the shipped fused kernel and every warp-specialized config, each with its
+`_time_graph`) for the shipped fused kernel, dequantize + cuBLAS (eager, and the one-pass kernel of
+miles/precision/dequant_triton.py) and every warp-specialized config, each with its
 outputs off the bits of the trainer's GEMM (cuBLAS on a 4096-row batch holding the rows), as
 `kernel_sweep.py` counts them. `--compile` checks what the compiler makes of each config (wgmma,
 TMA loads, setmaxnreg, shared memory, warps) on any machine with Triton's ptxas.
@@ -86,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 only (no GPU needed)")
     parser.add_argument("--smoke", action="store_true", help="one small GEMM per format and config, checked")
+    parser.add_argument("--no-ws", action="store_true", help="leave the warp-specialized configs out")
     args = parser.parse_args()
     if args.compile:
         compile_only()
@@ -97,6 +99,7 @@ def main() -> None:
 
     from miles.precision import fp8_w8a16_triton as w8
     from miles.precision import int4_triton as it
+    from miles.precision.dequant_triton import dequantize_one_pass
     from miles.precision.fp8 import dequantize_fp8_weight, quantize_fp8_weight
     from miles.precision.int4 import dequantize_int4, pack_int4, quantize_int4
 
@@ -104,7 +107,7 @@ def main() -> None:
     print("triton", triton.__version__, "torch", torch.__version__, torch.cuda.get_device_name())
     print("x = cuBLAS bf16 time / kernel time (graph-timed); off = outputs off the 4096-row cuBLAS GEMM's bits")
     for fmt in ("w8a16", "w4a16"):
-        for m in (256, 512, 1024):
+        for m in (256, 512, 1024, 4096):
             for n, k in QWEN3_NK["4b"]:
                 batch = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
                 x = batch[:m].contiguous()
@@ -121,9 +124,19 @@ def main() -> None:
                 prefill = torch.nn.functional.linear(batch, dequantized)[:m]
                 wb = w.bfloat16()
                 bf16 = _time_graph(lambda: torch.nn.functional.linear(x, wb))
+                kind = "int4" if fmt == "w4a16" else "fp8"
+                one_pass = lambda: torch.nn.functional.linear(  # noqa: E731
+                    x, dequantize_one_pass(codes, scales, kind, torch.bfloat16, group=128, k=k))
+                eager = lambda: torch.nn.functional.linear(  # noqa: E731
+                    x, dequantize_fp8_weight(codes, scales, torch.bfloat16) if kind == "fp8"
+                    else dequantize_int4(codes, scales, 128, k=k, dtype=torch.bfloat16))
                 line = (f"{fmt} M={m:5d} N={n:5d} K={k:5d} shipped {bf16 / _time_graph(shipped):.2f}x "
-                        f"off {int((shipped() != prefill).sum())}")
-                for name in CONFIGS:
+                        f"off {int((shipped() != prefill).sum())} | eager dequant + cuBLAS "
+                        f"{bf16 / _time_graph(eager):.2f}x | one-pass dequant + cuBLAS {bf16 / _time_graph(one_pass):.2f}x "
+                        f"off {int((one_pass() != prefill).sum())}")
+                print(line, end="", flush=True)  # before the warp-specialized configs: a hang keeps these
+                line = ""
+                for name in () if args.no_ws else CONFIGS:
                     try:
                         out = weight_only_ws_linear(x, codes, scales, fmt, config=name)
                         ms = _time_graph(lambda: weight_only_ws_linear(x, codes, scales, fmt, config=name))

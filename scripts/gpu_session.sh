@@ -40,8 +40,9 @@
 #      (ran 2026-12-06, seventh session)
 #  18  the weight-only kernels at 256-1024 rows (large swapped tiles), each recipe's 4B decode at 512 rows
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
-#  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS
-#      and the fused kernels at 256-1024 rows with their bits, their CUDA tests, the 4B decode through them;
+#  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS,
+#      the fused kernels and the one-pass dequantization + cuBLAS (dequant_triton.py) at 256-4096 rows
+#      with their bits, their CUDA tests, the 4B decode through them;
 #      the CUDA-graph tests that moved to gpu_runs.captured (2026-12-06, seventh session); Megatron QLoRA's
 #      held codes on CUDA (eighth session)
 set -u
@@ -200,21 +201,22 @@ case $PART in
     ;;
 19) # the warp-specialized weight-only GEMMs (Gluon), compiled for sm_90 on the CPU only so far. A wrong
     # barrier phase hangs, so a small checked GEMM runs first under a short limit; if it fails, the
-    # call goes to part 7 (LoRA at the 4B shape) instead of the kernel's steps
+    # kernel's steps are skipped
     step ws_smoke 60 python3 benchmarks/weight_only_ws.py --smoke
+    step dequant_one_pass 60 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py
     if [[ ! -f "$LOGS/ws_smoke.log" ]] || grep -qx "exit 0" "$LOGS/ws_smoke.log"; then
         step ws_tests 120 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
         step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
-        (cd benchmarks && step decode_512_ws 200 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        (cd benchmarks && step decode_512_ws 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
             --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --warp-specialized-from 128)
-    else
-        STEPS=lora_4b bash "$0" 7
+    else  # the one-pass dequantization's speed without the warp-specialized configs
+        step weight_only_ws 100 python3 benchmarks/weight_only_ws.py --no-ws
     fi
+    # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA
+    step megatron_qlora 60 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py
     step graph_helper 90 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
-    # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA
-    step megatron_qlora 90 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
