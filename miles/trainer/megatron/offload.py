@@ -26,8 +26,8 @@ class MegatronOffload:
         """`ddp_model`: the policy's DistributedDataParallel; `optimizers`: megatron-core's distributed
         optimizers (each with its torch optimizer in `.optimizer`)."""
         self.ddp, self.ref_model, self.optimizers, self.device = ddp_model, ref_model, optimizers, device
-        # Parameters outside DDP's buffers (frozen: the LoRA base, or its INT4 codes and scales under
-        # QLoRA: held_base.py); moved by .data like the reference.
+        # Parameters outside DDP's buffers (frozen: the LoRA base, or its codes and scales under QLoRA:
+        # held_base.py); moved by .data like the reference.
         self._frozen = [p for p in ddp_model.module.parameters() if not p.requires_grad]
         self._frozen += held_tensors(ddp_model.module)
         self.offloaded: set[str] = set()

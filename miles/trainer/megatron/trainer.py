@@ -58,8 +58,8 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron import multi_tensor
 from miles.trainer.megatron.arch import megatron_spec
-from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.held_base import hold_fp8_base, hold_int4_base
+from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, gpt_model_kwargs, transformer_config
 from miles.trainer.megatron.weights import from_megatron, to_megatron
