@@ -111,8 +111,18 @@ def main() -> None:
     parser.add_argument("--warp-specialized-from", type=int, metavar="ROWS",
                         help="the fp8_w8a16 and int4 engines' GEMMs from this many rows through the "
                              "warp-specialized kernel (miles/precision/weight_only_ws.py; Hopper)")
+    parser.add_argument("--fused-max-rows", type=int, metavar="ROWS",
+                        help="above this many rows the weight-only engines dequantize and call cuBLAS "
+                             "(FUSED_MAX_ROWS of fp8_w8a16_triton / int4_triton, default 1024)")
+    parser.add_argument("--one-pass-dequant", action="store_true",
+                        help="that dequantization in one Triton pass (miles/precision/dequant_triton.py)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.fused_max_rows is not None or args.one_pass_dequant:
+        from miles.precision import dequant_triton, fp8_w8a16_triton, int4_triton
+        if args.fused_max_rows is not None:
+            fp8_w8a16_triton.FUSED_MAX_ROWS = int4_triton.FUSED_MAX_ROWS = args.fused_max_rows
+        dequant_triton.ENABLED = args.one_pass_dequant
     if args.warp_specialized_from is not None:
         from miles.precision import fp8_w8a16_triton, int4_triton
         fp8_w8a16_triton.WARP_SPECIALIZED_MIN_ROWS = int4_triton.WARP_SPECIALIZED_MIN_ROWS = args.warp_specialized_from

@@ -209,8 +209,10 @@ case $PART in
         step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
         (cd benchmarks && step decode_512_ws 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
             --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --warp-specialized-from 128)
-    else  # the one-pass dequantization's speed without the warp-specialized configs
+    else  # the one-pass dequantization without the warp-specialized configs, per GEMM and in the decode
         step weight_only_ws 100 python3 benchmarks/weight_only_ws.py --no-ws
+        (cd benchmarks && step decode_512_one_pass 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
+            --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --fused-max-rows 256 --one-pass-dequant)
     fi
     # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA
     step megatron_qlora 60 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py

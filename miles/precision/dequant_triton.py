@@ -26,6 +26,10 @@ except ImportError:  # pragma: no cover - the CPU install has triton; a GPU node
     triton = None
 
 _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Whether the weight-only `*_linear_auto` functions (fp8_w8a16_triton, int4_triton) dequantize in one
+# pass on CUDA where they dequantize and call cuBLAS (rows above FUSED_MAX_ROWS). Off until the kernel
+# has run on a GPU; benchmarks set it (precision_decode.py --one-pass-dequant).
+ENABLED = False
 
 if triton is not None:
 
@@ -75,3 +79,12 @@ def dequantize_one_pass(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: t
                           out.stride(0), ROWS_PER_SCALE=1 if int4 else BLOCK, COLS_PER_SCALE=group if int4 else BLOCK,
                           INT4=int4, BN=bn, BK=bk, num_warps=4)
     return out
+
+
+def one_pass_linear_or_none(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: str,
+                            bias: torch.Tensor | None, group: int = 128) -> torch.Tensor | None:
+    """F.linear(x, the dense weight, bias) through dequantize_one_pass where ENABLED, on CUDA and for
+    operands it takes; else None (the caller's eager path, the same bits)."""
+    if not (ENABLED and x.is_cuda) or one_pass_supported(q, scale, fmt, x.dtype) is not None:
+        return None
+    return torch.nn.functional.linear(x, dequantize_one_pass(q, scale, fmt, x.dtype, group, k=x.shape[-1]), bias)

@@ -37,6 +37,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from miles.precision.dequant_triton import one_pass_linear_or_none
 from miles.precision.fp8 import BLOCK, FP8_DTYPE, dequantize_fp8_weight
 from miles.precision.int4 import _ceil_div
 from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting, _sm_count, pick_config, split_k,
@@ -244,4 +245,5 @@ def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
         except triton.runtime.errors.OutOfResources as e:
             _REFUSED.add(key)
             warnings.warn(f"w8a16_linear_fused refused on this GPU for {key} ({e}); using w8a16_linear", stacklevel=2)
-    return w8a16_linear(x, q_w, w_scale, bias)
+    out = one_pass_linear_or_none(x, q_w, w_scale, "fp8", bias)
+    return out if out is not None else w8a16_linear(x, q_w, w_scale, bias)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from miles.precision.dequant_triton import one_pass_linear_or_none
 from miles.precision.int4 import GROUP_SIZES, _ceil_div, int4_linear
 from miles.precision.weight_only_ws import warp_specialized_or_none
 
@@ -365,4 +366,5 @@ def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         except triton.runtime.errors.OutOfResources as e:
             _REFUSED.add(key)
             warnings.warn(f"int4_linear_fused refused on this GPU for {key} ({e}); using int4_linear", stacklevel=2)
-    return int4_linear(x, packed, scales, group, bias)
+    out = one_pass_linear_or_none(x, packed, scales, "int4", bias, group)
+    return out if out is not None else int4_linear(x, packed, scales, group, bias)

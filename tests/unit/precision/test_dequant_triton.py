@@ -72,3 +72,26 @@ def test_what_it_does_not_take_is_named():
     q, s = quantize_fp8_weight(torch.randn(128, 128))
     assert "bf16 / fp16 / fp32" in one_pass_supported(q, s, "fp8", torch.int8)
     assert "fp8 or int4" in one_pass_supported(q, s, "nf4", torch.bfloat16)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the *_linear_auto dispatch takes CUDA tensors")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_linear_auto_above_the_fused_rows_gives_the_eager_bits(fmt, monkeypatch):
+    """dequant_triton.ENABLED: fp8_w8a16_triton / int4_triton's dequantize-then-cuBLAS path (rows
+    above FUSED_MAX_ROWS) through the one-pass kernel, bit for bit the eager path."""
+    from miles.precision import dequant_triton, fp8_w8a16_triton, int4_triton
+
+    w, x = _weight(384, 512).to(DEV), torch.randn(2048, 512, device=DEV, dtype=torch.bfloat16)
+    if fmt == "fp8":
+        q, s = quantize_fp8_weight(w)
+        auto, eager = fp8_w8a16_triton.w8a16_linear_auto, fp8_w8a16_triton.w8a16_linear
+    else:
+        codes, s = quantize_int4(w, 128)
+        q = pack_int4(codes)
+        auto, eager = int4_triton.int4_linear_auto, int4_triton.int4_linear
+    monkeypatch.setattr(dequant_triton, "ENABLED", True)
+    called = []
+    monkeypatch.setattr(dequant_triton, "dequantize_one_pass",
+                        lambda *a, **kw: called.append(1) or dequantize_one_pass(*a, **kw))
+    assert torch.equal(auto(x, q, s), eager(x, q, s))
+    assert called  # 2048 rows: above FUSED_MAX_ROWS, through the kernel
