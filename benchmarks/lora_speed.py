@@ -168,17 +168,33 @@ def main() -> None:
         full["sync_s"], full["sync_bytes"] = sync_seconds(full_trainer, base, device, args)
         del full_trainer
         adapted, trainer = trainer_side(ckpt, lora, batch, args, device)
-        engines = {"base": base, "unmerged": engine_side(ckpt, lora, prompts, answers, args, device),
-                   "merged": engine_side(ckpt, LoRACfg(**{**vars(lora), "merge_in_engine": True}), prompts,
-                                         answers, args, device)}
-        for name in ("unmerged", "merged"):
-            adapted[f"sync_s_{name}"], adapted["sync_bytes"] = sync_seconds(trainer, engines[name], device, args)
+        configs = {"unmerged": lora, "merged": LoRACfg(**{**vars(lora), "merge_in_engine": True})}
         rows = args.prompts * args.n * args.new_tokens
-        seconds = interleaved({name: (lambda e=engine: e.generate(prompts, answers, n=args.n))
-                               for name, engine in engines.items()}, device, args.warmup, args.repeats)
-        decode = {name: dict(seconds=seconds[name], tokens_per_s=rows / seconds[name],
-                             mismatch=None if name == "base" else mismatch(trainer, engine, prompts, answers, args))
-                  for name, engine in engines.items()}
+        generate = lambda e: (lambda: e.generate(prompts, answers, n=args.n))  # noqa: E731
+        decode = {}
+
+        def record(name, engine, seconds):
+            decode[name] = dict(seconds=seconds, tokens_per_s=rows / seconds,
+                                mismatch=None if name == "base" else mismatch(trainer, engine, prompts, answers, args))
+
+        if cpu:  # a shared CPU is noisy: every engine held, their decodes timed in turn
+            engines = {"base": base, **{name: engine_side(ckpt, c, prompts, answers, args, device)
+                                        for name, c in configs.items()}}
+            for name in configs:
+                adapted[f"sync_s_{name}"], adapted["sync_bytes"] = sync_seconds(trainer, engines[name], device, args)
+            seconds = interleaved({name: generate(e) for name, e in engines.items()}, device, args.warmup,
+                                  args.repeats)
+            for name, engine in engines.items():
+                record(name, engine, seconds[name])
+        else:  # 80 GB holds one 4B engine (weights, slot caches) beside the LoRA trainer, not three
+            record("base", base, timed(generate(base), device, args.warmup, args.repeats))
+            del base
+            for name, c in configs.items():
+                torch.cuda.empty_cache()
+                engine = engine_side(ckpt, c, prompts, answers, args, device)
+                adapted[f"sync_s_{name}"], adapted["sync_bytes"] = sync_seconds(trainer, engine, device, args)
+                record(name, engine, timed(generate(engine), device, args.warmup, args.repeats))
+                del engine
     result = dict(args=vars(args), full=full, lora=adapted, decode=decode)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -3,7 +3,7 @@ bf16, FP8 or INT4 weights, each against its own memory roofline.
 
     python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
         [--variants triton sdpa fused] [--w8a16-split-k] [--w4a16-unsplit]
-        [--warp-specialized-from ROWS]
+        [--w8a16-fused-max-rows ROWS] [--eager-dequant]
 
 Random weights of the model's published shape, 128-token prompts, exactly `--new-tokens` new tokens
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
@@ -108,24 +108,20 @@ def main() -> None:
                              "2026-12-06; miles/precision/fp8_w8a16_triton.py says why it is off)")
     parser.add_argument("--w4a16-unsplit", action="store_true",
                         help="the int4 engines' GEMM in one K slice (miles/precision/int4_triton.py SPLIT_K)")
-    parser.add_argument("--warp-specialized-from", type=int, metavar="ROWS",
-                        help="the fp8_w8a16 and int4 engines' GEMMs from this many rows through the "
-                             "warp-specialized kernel (miles/precision/weight_only_ws.py; Hopper)")
-    parser.add_argument("--fused-max-rows", type=int, metavar="ROWS",
-                        help="above this many rows the weight-only engines dequantize and call cuBLAS "
-                             "(FUSED_MAX_ROWS of fp8_w8a16_triton / int4_triton, default 1024)")
-    parser.add_argument("--one-pass-dequant", action="store_true",
-                        help="that dequantization in one Triton pass (miles/precision/dequant_triton.py)")
+    parser.add_argument("--w8a16-fused-max-rows", type=int, metavar="ROWS",
+                        help="above this many rows the fp8_w8a16 engines dequantize and call cuBLAS "
+                             "(fp8_w8a16_triton.FUSED_MAX_ROWS, 256; 1024 before 2026-12-06)")
+    parser.add_argument("--eager-dequant", action="store_true",
+                        help="that dequantization (both formats) in eager torch, not in one Triton pass "
+                             "(miles/precision/dequant_triton.py; before 2026-12-06)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if args.fused_max_rows is not None or args.one_pass_dequant:
-        from miles.precision import dequant_triton, fp8_w8a16_triton, int4_triton
-        if args.fused_max_rows is not None:
-            fp8_w8a16_triton.FUSED_MAX_ROWS = int4_triton.FUSED_MAX_ROWS = args.fused_max_rows
-        dequant_triton.ENABLED = args.one_pass_dequant
-    if args.warp_specialized_from is not None:
-        from miles.precision import fp8_w8a16_triton, int4_triton
-        fp8_w8a16_triton.WARP_SPECIALIZED_MIN_ROWS = int4_triton.WARP_SPECIALIZED_MIN_ROWS = args.warp_specialized_from
+    if args.w8a16_fused_max_rows is not None:
+        from miles.precision import fp8_w8a16_triton
+        fp8_w8a16_triton.FUSED_MAX_ROWS = args.w8a16_fused_max_rows
+    if args.eager_dequant:
+        from miles.precision import dequant_triton
+        dequant_triton.ENABLED = False
     if args.w8a16_split_k:
         use_w8a16_kernel("split")
     if args.w4a16_unsplit:

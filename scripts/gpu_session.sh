@@ -4,9 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 19 (the warp-specialized weight-only GEMMs,
-# never run), 7 (LoRA at the 4B shape: out of memory twice on an H100, 2026-12-06; lora_speed.py now
-# offloads the full fine-tuning's optimizer state before the engines), 10's windows test, 3's MoE decode):
+# does not cost the rest of a call. Parts (most urgent: 20 (the fp8 engine's one-pass dequantization +
+# cuBLAS above 256 rows, the new default, end to end: decode and the GRPO step; LoRA at the 4B shape,
+# out of memory three times on an H100, now one engine at a time), 10's windows test, 3's MoE decode):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -42,11 +42,13 @@
 #      (ran 2026-12-06, seventh session; benchmarks/dequant_cost.py ran beside it)
 #  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS,
 #      the fused kernels and the one-pass dequantization + cuBLAS (dequant_triton.py) at 256-4096 rows
-#      with their bits, their CUDA tests, the 4B decode through them;
-#      the CUDA-graph tests that moved to gpu_runs.captured (2026-12-06, seventh session); Megatron QLoRA's
-#      held codes on CUDA (eighth session)
+#      with their bits, their CUDA tests; the CUDA-graph tests that moved to gpu_runs.captured; Megatron
+#      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; its 512-row decode through the
+#      warp-specialized kernel hit its limit)
+#  20  the new w8a16 default (one-pass dequantization + cuBLAS above 256 rows) against the old path in
+#      one run, the 4B decode at 512 rows and the fp8 GRPO step; LoRA against full fine-tuning (4B)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-19)}
+PART=${1:?usage: gpu_session.sh PART (1-20)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -220,12 +222,23 @@ case $PART in
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     ;;
+20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06)
+    # against the fused kernel with eager dequantization above 1024 (the old path), side by side
+    step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
+        tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
+    (cd benchmarks && step decode_512 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        --recipes bf16 fp8_w8a16 --repeats 2 --new-tokens 128)
+    (cd benchmarks && step decode_512_old 100 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        --recipes fp8_w8a16 --repeats 2 --new-tokens 128 --w8a16-fused-max-rows 1024 --eager-dequant)
+    step grpo_fp8 240 python3 benchmarks/grpo_step.py --model qwen3_4b --steps 2 --recipes bf16 \
+        fp8,trainer.recompute=true
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
         --warmup 1 --repeats 3 --recompute --micro-batch 8
     ;;
 *)
-    echo "unknown part $PART (1-19)" >&2
+    echo "unknown part $PART (1-20)" >&2
     exit 2
     ;;
 esac

@@ -27,9 +27,9 @@ except ImportError:  # pragma: no cover - the CPU install has triton; a GPU node
 
 _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Whether the weight-only `*_linear_auto` functions (fp8_w8a16_triton, int4_triton) dequantize in one
-# pass on CUDA where they dequantize and call cuBLAS (rows above FUSED_MAX_ROWS). Off until the kernel
-# has run on a GPU; benchmarks set it (precision_decode.py --one-pass-dequant).
-ENABLED = False
+# pass on CUDA where they dequantize and call cuBLAS (rows above FUSED_MAX_ROWS): the eager bits, faster
+# (docs/benchmarks.md). False: the eager functions (precision_decode.py --eager-dequant compares).
+ENABLED = True
 
 if triton is not None:
 

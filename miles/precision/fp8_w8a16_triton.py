@@ -42,7 +42,6 @@ from miles.precision.fp8 import BLOCK, FP8_DTYPE, dequantize_fp8_weight
 from miles.precision.int4 import _ceil_div
 from miles.precision.int4_triton import (FUSED_DTYPES, TileConfig, _interpreting, _sm_count, pick_config, split_k,
                                          triton, triton_available)
-from miles.precision.weight_only_ws import warp_specialized_or_none
 
 if triton is not None:
     import triton.language as tl
@@ -216,15 +215,14 @@ def w8a16_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
     return F.linear(x, dequantize_fp8_weight(q_w, w_scale, x.dtype), bias)
 
 
-# Rows above which w8a16_linear_auto dequantizes and calls cuBLAS. `kernel_sweep.py w8a16` on the
-# H200's 4B layers (graph-timed, against bf16 F.linear): fused 0.35-0.52x at 512 rows and 0.43-0.51x
-# at 1024 against dequantize + cuBLAS's 0.16x / 0.27x; at 4096 the latter wins (0.53-0.62x vs
-# 0.43-0.52x). Neither beats bf16 there (docs/benchmarks.md).
-FUSED_MAX_ROWS = 1024
+# Rows above which w8a16_linear_auto dequantizes (in one pass, dequant_triton.py) and calls cuBLAS.
+# benchmarks/weight_only_ws.py on an H100, the 4B layers, graph-timed against bf16 F.linear
+# (2026-12-06): one-pass dequantize + cuBLAS 0.56-0.64x at 512 rows and 0.71-0.74x at 1024 against the
+# fused kernel's 0.32-0.53x and 0.39-0.50x, with 0 outputs off the 4096-row GEMM's bits (the trainer's);
+# at 256 rows it wins on 3 of the 4 layers (0.43-0.56x against 0.36-0.54x) but leaves 2,785 of the
+# down projection's outputs off, so 256 rows stay fused.
+FUSED_MAX_ROWS = 256
 _REFUSED: set[tuple[int, int, int]] = set()  # (rows, N, K) whose launch the GPU refused
-# Rows from which w8a16_linear_auto runs the warp-specialized kernel (miles/precision/weight_only_ws.py)
-# on Hopper; None: never. That kernel has not run on a GPU yet, so only benchmarks set this.
-WARP_SPECIALIZED_MIN_ROWS: int | None = None
 
 
 def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
@@ -234,9 +232,6 @@ def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
     The two differ only in fp32 summation order. A launch the GPU refuses for its resources falls
     back to w8a16_linear with one warning, as int4_linear_auto does.
     """
-    out = warp_specialized_or_none(x, q_w, w_scale, "w8a16", bias, WARP_SPECIALIZED_MIN_ROWS)
-    if out is not None:
-        return out
     rows = x.numel() // max(x.shape[-1], 1)
     key = (rows, q_w.shape[0], x.shape[-1])
     if x.is_cuda and rows <= FUSED_MAX_ROWS and key not in _REFUSED and fused_supported(x, q_w, w_scale, bias) is None:

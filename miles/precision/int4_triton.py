@@ -44,7 +44,6 @@ import torch
 
 from miles.precision.dequant_triton import one_pass_linear_or_none
 from miles.precision.int4 import GROUP_SIZES, _ceil_div, int4_linear
-from miles.precision.weight_only_ws import warp_specialized_or_none
 
 try:  # triton ships with CUDA torch wheels; a CPU machine may lack it (int4_linear_auto falls back)
     import triton
@@ -331,16 +330,15 @@ def int4_linear_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return out.reshape(*lead, n)
 
 
-# Rows above which int4_linear_auto keeps int4_linear (dequantize + cuBLAS). `kernel_sweep.py int4`
-# on the 4B layers (sum of the 4 GEMMs, eager): fused 0.43 / 0.69 / 1.06 ms at 128 / 512 / 1024 rows
-# against int4_linear's 1.14 / 1.21 / 1.40 ms; at 4096 rows int4_linear wins (2.31 vs 3.06 ms), as
-# cuBLAS's bf16 GEMM then outruns the kernel's in-register dequantization.
+# Rows above which int4_linear_auto dequantizes (in one pass, dequant_triton.py) and calls cuBLAS.
+# `kernel_sweep.py int4` on the 4B layers (sum of the 4 GEMMs, eager): fused 0.43 / 0.69 / 1.06 ms at
+# 128 / 512 / 1024 rows against int4_linear's 1.14 / 1.21 / 1.40 ms; at 4096 rows dequantize + cuBLAS
+# wins. benchmarks/weight_only_ws.py (an H100, 2026-12-06, against bf16 F.linear): the one-pass
+# dequantization + cuBLAS 0.13-0.37x at 256-1024 rows (fused 0.24-0.53x), 0.54-0.67x at 4096 (eager
+# dequantization 0.52-0.56x, fused 0.33-0.42x).
 FUSED_MAX_ROWS = 1024
 # (rows, N, K, group) whose launch the GPU refused; they stay on int4_linear for the process.
 _REFUSED: set[tuple[int, int, int, int]] = set()
-# Rows from which int4_linear_auto runs the warp-specialized kernel (miles/precision/weight_only_ws.py)
-# on Hopper, group 128; None: never. That kernel has not run on a GPU yet, so only benchmarks set this.
-WARP_SPECIALIZED_MIN_ROWS: int | None = None
 
 
 def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int = 128,
@@ -353,10 +351,6 @@ def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     A launch the GPU refuses for its resources (Triton's OutOfResources: another GPU's shared memory)
     falls back to int4_linear with one warning, instead of failing the run.
     """
-    if group == 128:
-        out = warp_specialized_or_none(x, packed, scales, "w4a16", bias, WARP_SPECIALIZED_MIN_ROWS)
-        if out is not None:
-            return out
     rows = x.numel() // max(x.shape[-1], 1)
     key = (rows, packed.shape[0], x.shape[-1], group)
     if x.is_cuda and rows <= FUSED_MAX_ROWS and key not in _REFUSED \

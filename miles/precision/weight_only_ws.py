@@ -15,10 +15,12 @@ the registers of the warps that issue the MMAs, reach about half of cuBLAS bf16 
 Each output sums K in one pass in wgmma's order with the weight as the left operand, as the fused
 kernels' swap does, so its bits should be those of cuBLAS on the dequantized weight.
 
-Status: compiled for sm_90 on a CPU machine (Triton 3.6, the GPU machine's version, and 3.9;
-tests/unit/precision/test_weight_only_ws_compile.py), **not yet run on a GPU**. Nothing calls it
-unless `WARP_SPECIALIZED_MIN_ROWS` is set in fp8_w8a16_triton / int4_triton, which only benchmarks do
-(benchmarks/weight_only_ws.py, precision_decode.py --warp-specialized-from).
+Status (an H100, Triton 3.6, 2026-12-06; benchmarks/weight_only_ws.py, docs/benchmarks.md): every
+config gives cuBLAS's bits on the dequantized weight (0 outputs off the 4096-row GEMM at 256-4096
+rows), and none is faster than the alternatives: 0.12-0.79x cuBLAS bf16, against the fused kernels'
+0.24-0.56x and the one-pass dequantization + cuBLAS's 0.43-0.95x (FP8). So nothing in the engine calls
+it; it stays as the measured baseline for a weight-only GEMM at cuBLAS speed (the converter warps are
+the suspect: 2-4 warps convert a 128 x 64 tile while wgmma multiplies it by 128-256 activation rows).
 """
 
 from __future__ import annotations
@@ -245,16 +247,3 @@ def weight_only_ws_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
                           WSTAGES=wstages, INSTR_N=min(bmx, 256), CONVERTER_WARPS=cwarps, CONVERTER_REGS=regs,
                           INT4=int4, num_warps=warps, maxnreg=MAXNREG)
     return out
-
-
-def warp_specialized_or_none(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
-                             bias: torch.Tensor | None, min_rows: int | None) -> torch.Tensor | None:
-    """The kernel's output for x [..., K] when `min_rows` is set, the call has that many rows and
-    the kernel takes the operands; else None (the caller's own path). fp8_w8a16_triton's and
-    int4_triton's `*_linear_auto` ask here first with their WARP_SPECIALIZED_MIN_ROWS."""
-    if min_rows is None or x.numel() // max(x.shape[-1], 1) < min_rows:
-        return None
-    x2 = x.reshape(-1, x.shape[-1])
-    if weight_only_ws_supported(x2, codes, scales, fmt, bias) is not None:
-        return None
-    return weight_only_ws_linear(x2, codes, scales, fmt, bias).reshape(*x.shape[:-1], codes.shape[0])

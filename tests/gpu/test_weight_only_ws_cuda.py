@@ -1,6 +1,6 @@
 """The warp-specialized weight-only GEMMs (miles/precision/weight_only_ws.py) on a Hopper GPU: close to
 cuBLAS on the dequantized weight at the 4B layer shapes, the weight's bits through an identity, tails
-in M and N, bias, CUDA graphs, and the `*_linear_auto` dispatch when WARP_SPECIALIZED_MIN_ROWS is set.
+in M and N, bias, CUDA graphs.
 The bits against the trainer's GEMM are counted by `benchmarks/weight_only_ws.py` (a result, not an
 assertion, until the kernel has run).
 
@@ -80,18 +80,3 @@ def test_captured_in_a_cuda_graph_equals_eager(fmt):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, ws.weight_only_ws_linear(x, codes, s, fmt))  # deterministic: no atomics
-
-
-def test_auto_dispatch_from_the_row_threshold(monkeypatch):
-    monkeypatch.setattr(fp8_w8a16_triton, "WARP_SPECIALIZED_MIN_ROWS", 256)
-    monkeypatch.setattr(int4_triton, "WARP_SPECIALIZED_MIN_ROWS", 256)
-    for fmt, auto, fused in (
-            ("w8a16", fp8_w8a16_triton.w8a16_linear_auto, fp8_w8a16_triton.w8a16_linear_fused),
-            ("w4a16", lambda x, c, s: int4_triton.int4_linear_auto(x, c, s, 128),
-             lambda x, c, s: int4_triton.int4_linear_fused(x, c, s, 128))):
-        codes, s, _ = _operands(fmt, 6144, 2560, seed=4)
-        x = torch.randn(2, 256, 2560, device="cuda", dtype=torch.bfloat16)  # leading dims flatten to 512 rows
-        assert torch.equal(auto(x, codes, s), ws.weight_only_ws_linear(x.reshape(512, 2560), codes, s, fmt)
-                           .reshape(2, 256, 6144))
-        small = x[0, :64]
-        assert torch.equal(auto(small, codes, s), fused(small, codes, s))  # below the threshold: as before
