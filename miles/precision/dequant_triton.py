@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - the CPU install has triton; a GPU node without it falls back
     triton = None
 
-_OUT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel writes
 # Whether the weight-only `*_linear_auto` functions (fp8_w8a16_triton, int4_triton) dequantize in one
 # pass on CUDA where they dequantize and call cuBLAS (rows above FUSED_MAX_ROWS): the eager bits, faster
 # (docs/benchmarks.md). False: the eager functions (precision_decode.py --eager-dequant compares).
@@ -58,7 +58,7 @@ def one_pass_supported(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: to
         return "triton is not importable"
     if q.dim() != 2 or scale.dim() != 2:
         return "one 2-D weight (stacked experts go through the eager functions)"
-    if q.stride(-1) != 1 or scale.dtype != torch.float32 or dtype not in _OUT:
+    if q.stride(-1) != 1 or scale.dtype != torch.float32 or dtype not in _DTYPES:
         return "codes with contiguous rows, fp32 scales, a bf16 / fp16 / fp32 result"
     if fmt not in ("fp8", "int4"):
         return f"format {fmt!r}: fp8 or int4"

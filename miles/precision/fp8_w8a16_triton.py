@@ -227,7 +227,8 @@ _REFUSED: set[tuple[int, int, int]] = set()  # (rows, N, K) whose launch the GPU
 
 def w8a16_linear_auto(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused kernel on CUDA where it applies (M <= FUSED_MAX_ROWS), else w8a16_linear.
+    """The fused kernel on CUDA where it applies (M <= FUSED_MAX_ROWS), else w8a16_linear's product
+    (on CUDA its weight dequantized in one pass: dequant_triton.py, the same bits).
 
     The two differ only in fp32 summation order. A launch the GPU refuses for its resources falls
     back to w8a16_linear with one warning, as int4_linear_auto does.

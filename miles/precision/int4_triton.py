@@ -343,7 +343,8 @@ _REFUSED: set[tuple[int, int, int, int]] = set()
 
 def int4_linear_auto(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int = 128,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused kernel on CUDA where it applies and pays (M <= FUSED_MAX_ROWS), else int4_linear.
+    """The fused kernel on CUDA where it applies and pays (M <= FUSED_MAX_ROWS), else int4_linear's
+    product (on CUDA its weight dequantized in one pass: dequant_triton.py, the same bits).
 
     Both compute the same weight values; they differ only in fp32 summation order, so a caller that
     needs one row's output not to depend on how many rows share the call (true on-policy) should call
