@@ -222,9 +222,9 @@ case $PART in
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     ;;
-20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06), and
-    # the one-pass kernel's faster INT4 path (each byte loaded once, a scale per row): per GEMM, then the
-    # 512-row decode per recipe (part 18 gave fp8_w8a16 0.63x, int4 0.56x) and the GRPO step side by side
+20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06): per
+    # GEMM, then the 512-row decode per recipe (part 18 gave fp8_w8a16 0.63x, int4 0.56x) and the GRPO
+    # step side by side
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
         tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
