@@ -43,8 +43,8 @@
 #  19  the warp-specialized W8A16 / W4A16 GEMMs (miles/precision/weight_only_ws.py, Gluon) against cuBLAS,
 #      the fused kernels and the one-pass dequantization + cuBLAS (dequant_triton.py) at 256-4096 rows
 #      with their bits, their CUDA tests; the CUDA-graph tests that moved to gpu_runs.captured; Megatron
-#      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; its 512-row decode through the
-#      warp-specialized kernel hit its limit)
+#      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; a 512-row decode through the
+#      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
 #  20  the new w8a16 default (one-pass dequantization + cuBLAS above 256 rows) against the old path in
 #      one run, the 4B decode at 512 rows and the fp8 GRPO step; LoRA against full fine-tuning (4B)
 set -u
@@ -201,23 +201,18 @@ case $PART in
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
     step dequant_cost 90 python3 benchmarks/dequant_cost.py
     ;;
-19) # the warp-specialized weight-only GEMMs (Gluon), compiled for sm_90 on the CPU only so far. A wrong
-    # barrier phase hangs, so a small checked GEMM runs first under a short limit; if it fails, the
-    # kernel's steps are skipped
+19) # the warp-specialized weight-only GEMMs (Gluon). A wrong barrier phase would hang, so a small checked
+    # GEMM runs first under a short limit; if it fails, the kernel's steps are skipped
     step ws_smoke 60 python3 benchmarks/weight_only_ws.py --smoke
     step dequant_one_pass 60 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py
     if [[ ! -f "$LOGS/ws_smoke.log" ]] || grep -qx "exit 0" "$LOGS/ws_smoke.log"; then
         step ws_tests 120 python3 -m pytest -q -rf tests/gpu/test_weight_only_ws_cuda.py
         step weight_only_ws 150 python3 benchmarks/weight_only_ws.py
-        (cd benchmarks && step decode_512_ws 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
-            --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --warp-specialized-from 128)
-    else  # the one-pass dequantization without the warp-specialized configs, per GEMM and in the decode
+    else  # the one-pass dequantization without the warp-specialized configs
         step weight_only_ws 100 python3 benchmarks/weight_only_ws.py --no-ws
-        (cd benchmarks && step decode_512_one_pass 150 python3 precision_decode.py --model qwen3_4b --rows 512 \
-            --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128 --fused-max-rows 256 --one-pass-dequant)
     fi
-    # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA
-    step megatron_qlora 60 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py
+    # Megatron QLoRA holding the engine's INT4 / FP8 codes in its linears (held_base.py), on CUDA (104 s)
+    step megatron_qlora 150 python3 -m pytest -q -rf tests/megatron/test_megatron_qlora.py
     step graph_helper 90 python3 -m pytest -q -rf tests/gpu/test_decode_attention_cuda.py \
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
