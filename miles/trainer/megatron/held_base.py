@@ -1,12 +1,13 @@
 """QLoRA on the Megatron-core trainer: the frozen base held as the engine's codes in its linears.
 
-    hold_int4_base(gpt, fp32_state, rows, recipe)                        # int4_qat
-    hold_fp8_base(gpt, native_fp32, rows, recipe, arch, te, round_trip)  # fp8 (w8a16)
+    codes = int4_codes(fp32_state, rows, recipe, device)                        # int4_qat
+    codes = fp8_codes(native_fp32, rows, recipe, arch, te, round_trip, device)  # fp8 (w8a16)
+    hold_base(gpt, codes, group)   # after the LoRA hooks, before DDP wraps `gpt` (the KL reference: copy=True)
 
-(after the LoRA hooks, before DDP wraps `gpt`). Each local-spec linear whose rows the recipe all
-quantizes (quant.py `quantized_rows`) drops its dense weight and holds codes and fp32 scales: INT4
-packed two a byte with a scale per group of its input (~0.53 bytes a weight), or FP8 e4m3 with a scale
-per 128 x 128 block (~1 byte), in place of 2 (bf16) or 4 (fp32).
+Each local-spec linear whose rows the recipe all quantizes (quant.py `quantized_rows`) drops its dense
+weight and holds codes and fp32 scales: INT4 packed two a byte with a scale per group of its input
+(~0.53 bytes a weight), or FP8 e4m3 with a scale per 128 x 128 block (~1 byte), in place of 2 (bf16)
+or 4 (fp32). The codes are computed once; the KL reference holds copies.
 
 - INT4 groups run along each row's input, so quantizing GPTModel's fused q/k/v or gate/up weight row
   by row gives the codes the engine and trainer=torch hold for each native part.
@@ -63,35 +64,28 @@ def _dense(linear, dtype: torch.dtype) -> torch.Tensor:
                            dtype=dtype)
 
 
-def _linears(gpt, rows: dict[str, torch.Tensor]):
-    """(Megatron weight name, linear) for each local-spec linear whose rows are all quantized."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    modules = dict(gpt.named_modules())
-    for name, mask in rows.items():
-        linear = modules.get(name.removesuffix(".weight"))
-        if bool(mask.all()) and isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
-            yield name, linear
+def _whole(rows: dict[str, torch.Tensor]) -> list[str]:
+    """The Megatron weights whose rows the recipe all quantizes (a linear with kept rows stays dense)."""
+    return [name for name, mask in rows.items() if bool(mask.all())]
 
 
-def hold_int4_base(gpt: torch.nn.Module, fp32_state: dict[str, torch.Tensor], rows: dict[str, torch.Tensor],
-                   recipe: Recipe) -> int:
-    """Hold each wholly quantized linear weight of `gpt` as INT4 codes of `fp32_state` (Megatron
-    names); returns how many linears now do."""
-    held = 0
-    for name, linear in _linears(gpt, rows):
-        codes, scales = quantize_int4(fp32_state[name].to(linear.weight.device, torch.float32), recipe.group)
-        _hold(linear, pack_int4(codes), scales, recipe.group)
-        held += 1
-    return held
+def int4_codes(fp32_state: dict[str, torch.Tensor], rows: dict[str, torch.Tensor], recipe: Recipe,
+               device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Megatron weight name -> (packed INT4 codes, group scales) of `fp32_state` (Megatron names) on
+    `device`, for each wholly quantized weight."""
+    out = {}
+    for name in _whole(rows):
+        codes, scales = quantize_int4(fp32_state[name].to(device, torch.float32), recipe.group)
+        out[name] = (pack_int4(codes), scales)
+    return out
 
 
 @torch.no_grad()
-def hold_fp8_base(gpt: torch.nn.Module, native_fp32: dict[str, torch.Tensor], rows: dict[str, torch.Tensor],
-                  recipe: Recipe, arch, te: bool, round_trip: dict[str, torch.Tensor]) -> int:
-    """Hold each wholly quantized linear weight of `gpt` as the FP8 codes of the native tensors
-    (`native_fp32`, quantized in 128 x 128 blocks as the engine does), where they dequantize to
-    `round_trip[name]` (quant.py `fp8_round_trip`, fp32) bit for bit; returns how many linears do."""
+def fp8_codes(native_fp32: dict[str, torch.Tensor], rows: dict[str, torch.Tensor], recipe: Recipe, arch, te: bool,
+              round_trip: dict[str, torch.Tensor], device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Megatron weight name -> (e4m3 codes, 128 x 128 block scales) on `device`: the native tensors'
+    (`native_fp32`, quantized as the engine does) moved as the weights are, for each wholly quantized
+    weight they dequantize to `round_trip[name]` (quant.py `fp8_round_trip`, fp32) bit for bit."""
     codes, row_scales = {}, {}
     for name, t in native_fp32.items():
         if recipe.quantizes(name, t):
@@ -102,12 +96,28 @@ def hold_fp8_base(gpt: torch.nn.Module, native_fp32: dict[str, torch.Tensor], ro
             codes[name] = t if t.dim() < 2 else torch.zeros((), dtype=torch.uint8).expand(t.shape)
             row_scales[name] = t if t.dim() < 2 else torch.zeros(()).expand(*t.shape[:-1], -(-t.shape[-1] // BLOCK))
     codes, row_scales = to_megatron(codes, arch, te), to_megatron(row_scales, arch, te)
-    held = 0
-    for name, linear in _linears(gpt, rows):
+    out = {}
+    for name in _whole(rows):
         q = codes[name].contiguous().view(torch.float8_e4m3fn)
         scales = row_scales[name][::BLOCK].contiguous()
         if torch.equal(dequantize_fp8_weight(q, scales, torch.float32), round_trip[name].float()):
-            _hold(linear, q.to(linear.weight.device), scales.to(linear.weight.device), None)
+            out[name] = (q.to(device), scales.to(device))
+    return out
+
+
+def hold_base(gpt: torch.nn.Module, codes: dict[str, tuple[torch.Tensor, torch.Tensor]], group: int | None,
+              copy: bool = False) -> int:
+    """Each local-spec linear of `gpt` named in `codes` (int4_codes: `group` its INT4 group; fp8_codes:
+    None) drops its weight and holds them (copies with `copy`: a second model, offloaded on its own);
+    returns how many linears now do."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    modules = dict(gpt.named_modules())
+    held = 0
+    for name, (q, scales) in codes.items():
+        linear = modules.get(name.removesuffix(".weight"))
+        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+            _hold(linear, q.clone() if copy else q, scales.clone() if copy else scales, group)
             held += 1
     return held
 

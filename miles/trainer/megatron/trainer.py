@@ -58,7 +58,7 @@ from miles.trainer.megatron import require_megatron
 from miles.trainer.megatron import lora as megatron_lora
 from miles.trainer.megatron import multi_tensor
 from miles.trainer.megatron.arch import megatron_spec
-from miles.trainer.megatron.held_base import hold_fp8_base, hold_int4_base
+from miles.trainer.megatron.held_base import fp8_codes, hold_base, int4_codes
 from miles.trainer.megatron.offload import MegatronOffload
 from miles.trainer.megatron.quant import FP8Blocks, fake_quantized, fp8_round_trip, int4_base, quantized_rows
 from miles.trainer.megatron.specs import decoder_block_spec, gpt_model_kwargs, transformer_config
@@ -218,15 +218,18 @@ class MegatronTrainer:
         policy = self._build(state)
         if cfg.lora.rank > 0:  # before DDP: its buffers and the optimizer then hold the adapters only
             self.lora = self._attach_lora(policy, shapes, seed)
-        if qlora:  # the base's linears hold the engine's codes (held_base.py)
-            self._hold_base(policy, fp32_state, native_state, rows, state)
+        if qlora:  # the base's linears hold the engine's codes (held_base.py), computed once for both models
+            codes = (fp8_codes(native_state, rows, self.recipe, self.arch, self.te, state, self.device) if self.fp8
+                     else int4_codes(fp32_state, rows, self.recipe, self.device))
+            group = None if self.fp8 else self.recipe.group
+            hold_base(policy, codes, group)
         self.model = self._ddp(policy)
         # Each forward swaps in round trips (INT4 QAT, FP8 w8a16): the recomputation needs them again.
         swaps = self.recipe.train_quant != NONE and bool(self._qat_rows)
         self._recompute_notes = RecomputeNotes(policy.decoder.layers) if cfg.recompute and swaps else None
         self.ref_model = self._build(state).eval().requires_grad_(False) if algo.kl_coef > 0 else None
         if qlora and self.ref_model is not None:  # the KL reference is the frozen base: held the same way
-            self._hold_base(self.ref_model, fp32_state, native_state, rows, state)
+            hold_base(self.ref_model, codes, group, copy=True)
         self._teacher_rows: dict[str, torch.Tensor] = {}
         if teacher_dir is not None:  # after the policy's _build: megatron_config stays the policy's
             self.teacher = self._build_teacher(teacher_dir)
@@ -247,13 +250,6 @@ class MegatronTrainer:
         self.update = RLUpdate(self)
 
     # ----------------------------------------------------------------------------- building
-    def _hold_base(self, gpt, fp32_state, native_state, rows, round_trip) -> None:
-        """QLoRA: `gpt`'s quantized linears hold the engine's INT4 / FP8 codes, not dense weights."""
-        if self.fp8:
-            hold_fp8_base(gpt, native_state, rows, self.recipe, self.arch, self.te, round_trip)
-        else:
-            hold_int4_base(gpt, fp32_state, rows, self.recipe)
-
     def _build(self, state: dict[str, torch.Tensor], arch=None):
         """A GPTModel of `arch` (default: the policy's, whose config becomes `self.megatron_config`)
         on this GPU holding `state` (Megatron names)."""
