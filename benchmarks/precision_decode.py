@@ -1,7 +1,7 @@
 """Decode speed per precision recipe on one GPU: the native engine (slot decode, CUDA graphs) holding
 bf16, FP8 or INT4 weights, each against its own memory roofline.
 
-    python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
+    python benchmarks/precision_decode.py [--model qwen3_0_6b qwen3_4b qwen3_30b_a3b_8l] [--rows 64 256] [--recipes bf16 fp8 fp8_w8a16 int4]
         [--variants triton sdpa fused] [--w8a16-split-k] [--w4a16-unsplit]
         [--w8a16-fused-max-rows ROWS] [--eager-dequant]
 
@@ -11,8 +11,9 @@ the recipes' calls are interleaved. `--variants`: how each engine decodes, `trit
 slot-decode attention kernel of miles/models/decode_attention.py), `sdpa` (the masked SDPA it
 replaced), `fused` (triton, plus q / k / v and gate / up as one GEMM each: rollout.fuse_projections);
 with several, every recipe runs with each, side by side. Roofline per recipe: a decode step reads every weight once in the
-format the engine holds (quantized Linear layers: fp8 1 byte + scales, int4 0.5 byte + scales; the
-rest, embeddings / head / norms, bf16) and each row's KV cache so far:
+format the engine holds (quantized Linear layers and MoE expert stacks: fp8 1 byte + scales, int4
+0.5 byte + scales; the rest, embeddings / head / norms, bf16; a MoE step at 64 rows or more reads
+nearly every expert) and each row's KV cache so far:
 tok/s <= rows / ((weight bytes + rows * mean context * KV bytes per token) / BW), BW the measured
 device-to-device copy bandwidth. Imports torch and miles only (no Hydra / MLflow).
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from mismatch_sources import use_w4a16_kernel, use_w8a16_kernel  # noqa: E402
-from rollout_gpu import SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
+from rollout_gpu import QWEN3_30B_A3B_8L, SAMPLES, copy_bandwidth, prompts, timed  # noqa: E402
 
 from miles.config.schema import DType, FP8Scheme, ModelCfg, PrecisionCfg, Quant, RolloutCfg  # noqa: E402
 from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
@@ -48,6 +49,9 @@ MODELS = {
     "qwen3_4b": ModelCfg(name="qwen3_4b", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
                          num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
                          tie_word_embeddings=True, max_position_embeddings=40960),
+    # MoE: 8 of Qwen3-30B-A3B's 48 layers (128 experts, 8 a token): at 64 rows a step reads nearly every
+    # expert, and the FP8 / INT4 engines hold the stacks quantized (miles/models/quant_experts.py).
+    "qwen3_30b_a3b_8l": QWEN3_30B_A3B_8L,
 }
 
 

@@ -47,8 +47,10 @@
 #      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
 #  20  the new w8a16 default (one-pass dequantization + cuBLAS above 256 rows) against the old path in
 #      one run, the 4B decode at 512 rows and the fp8 GRPO step; LoRA against full fine-tuning (4B)
+#  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
+#      (tests), the decode of 8 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-20)}
+PART=${1:?usage: gpu_session.sh PART (1-21)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -217,9 +219,9 @@ case $PART in
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     ;;
-20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06): per
-    # GEMM, then the 512-row decode per recipe (part 18 gave fp8_w8a16 0.63x, int4 0.56x) and the GRPO
-    # step side by side
+20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06), and
+    # the one-pass kernel's faster INT4 path (each byte loaded once, a scale per row): per GEMM, then the
+    # 512-row decode per recipe (part 18 gave fp8_w8a16 0.63x, int4 0.56x) and the GRPO step side by side
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
         tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
@@ -228,12 +230,23 @@ case $PART in
     step grpo_fp8 240 python3 benchmarks/grpo_step.py --model qwen3_4b --steps 2 --recipes bf16 \
         fp8,trainer.recompute=true
     ;;
+21) # the FP8 / INT4 engines' MoE experts held quantized (quant_experts.py): the grouped kernels reading
+    # codes and scales, their bits against the dense kernels, the captured MoE decode tests; the decode
+    # of 8 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs (faster INT4 path)
+    step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
+        tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
+    step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
+    step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
+        tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
+    (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_8l --rows 64 256 \
+        --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 64)
+    ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
         --warmup 1 --repeats 3 --recompute --micro-batch 8
     ;;
 *)
-    echo "unknown part $PART (1-20)" >&2
+    echo "unknown part $PART (1-21)" >&2
     exit 2
     ;;
 esac

@@ -39,12 +39,9 @@ import torch.nn.functional as F
 
 from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts
-from miles.precision.fp8 import dequantize_fp8_weight
-from miles.precision.int4 import dequantize_int4
+from miles.models.quant_experts import STACKED, QuantStacks
 from miles.precision.recipe import FP8, W8A16, Recipe
 from miles.precision.rollout_format import rollout_format
-
-STACKED = ("gate_up_proj", "down_proj")
 
 
 class _ExpertProduct(torch.autograd.Function):
@@ -95,34 +92,18 @@ class _HeldExpert(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-class FrozenStacks:
-    """Mixin of the frozen holders: quantized buffers `<tensor>` + `<tensor>_scale_inv` (FP8) or
-    `<tensor>_packed` + `<tensor>_scale` (INT4), no parameters. Placed before the experts class, whose
-    forward reads each expert's slice through `expert_weight`."""
-
-    held_quantized = True
+class FrozenStacks(QuantStacks):
+    """The frozen holders: the stacks quantized once from the dense experts (the engine's payload, bit
+    for bit), slices handed to the expert loop as `_HeldExpert`s."""
 
     def _hold(self, experts: torch.nn.Module, recipe: Recipe) -> None:
-        torch.nn.Module.__init__(self)
-        self.num_experts = experts.num_experts
-        self.lora_hooks = experts.lora_hooks
-        self.quant, self.group, self.fp8_scheme = recipe.rollout_quant, recipe.group, recipe.fp8_scheme
-        self.dense_dtype = experts.gate_up_proj.dtype
-        self._shapes = {name: getattr(experts, name).shape for name in STACKED}
+        self._init_stacks(experts, recipe.rollout_quant, recipe.group)
+        self.fp8_scheme = recipe.fp8_scheme
         for name in STACKED:
             payload = rollout_format({name: getattr(experts, name).detach()}, recipe.rollout_quant, lambda _: False,
                                      recipe.group)
             for key, t in payload.items():
                 self.register_buffer(key, t)
-
-    def stacked_shape(self, name: str) -> torch.Size:
-        return self._shapes[name]
-
-    def _dequantize(self, name: str, index, dtype: torch.dtype) -> torch.Tensor:
-        if self.quant == FP8:
-            return dequantize_fp8_weight(getattr(self, name)[index], getattr(self, f"{name}_scale_inv")[index], dtype)
-        return dequantize_int4(getattr(self, f"{name}_packed")[index], getattr(self, f"{name}_scale")[index], self.group,
-                               k=self._shapes[name][-1], dtype=dtype)
 
     def _code(self) -> torch.Tensor:
         return getattr(self, "gate_up_proj" if self.quant == FP8 else "gate_up_proj_packed")
@@ -139,9 +120,6 @@ class FrozenStacks:
     def dequantized(self, name: str) -> torch.Tensor:
         """The whole stacked tensor in the master dtype, as stored (state dicts, exports)."""
         return self._dequantize(name, slice(None), self.dense_dtype)
-
-    def held_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name in STACKED:

@@ -19,8 +19,9 @@ Experts are fused tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj
 the in-memory layout of transformers 5; checkpoints store one tensor per expert and per matrix,
 which `miles.models.families.moe_io` converts. Each expert runs only on the tokens routed to it.
 Slot decode steps on CUDA take the grouped Triton kernels of `miles.models.moe_grouped` instead of
-the expert loop (no host sync, so the slot decoder captures them in CUDA graphs); quantized holders,
-expert LoRA hooks and batch-invariant kernels keep the loop.
+the expert loop (no host sync, so the slot decoder captures them in CUDA graphs), the FP8 / INT4
+engines' quantized stacks too (miles/models/quant_experts.py); QLoRA's frozen holder, expert LoRA hooks
+and batch-invariant kernels keep the loop.
 
 Shared experts (always on) are one SwiGLU of width shared_expert_intermediate_size; with
 `shared_expert_gate` (Qwen2-MoE / Qwen3-Next) their output is scaled by sigmoid(x @ g) and the
@@ -212,7 +213,7 @@ class MoE(nn.Module):
         if ctx is not None and ctx.routing_record is not None:
             ctx.routing_record[self.layer] = experts.view(b, t, -1)
         if moe_grouped.applies(self.experts, flat, ctx):  # slot decode on CUDA: no host sync, graph-capturable
-            out = moe_grouped.grouped_experts(flat, experts, weights, self.experts.gate_up_proj, self.experts.down_proj)
+            out = moe_grouped.grouped_experts(flat, experts, weights, *moe_grouped.grouped_stacks(self.experts))
         else:
             out = self.experts(flat, experts, weights)
         if self.shared_name is not None:
@@ -226,8 +227,8 @@ class MoE(nn.Module):
 def graph_capturable(model: nn.Module) -> bool:
     """Whether the slot decoder may capture `model`'s (a CausalLM's) decode steps in CUDA graphs: every
     MoE layer is a `MoE` block whose experts take the grouped kernels in slot steps (what
-    `moe_grouped.applies` will say on CUDA). Llama 4's experts, QLoRA's quantized holder and experts
-    with LoRA hooks keep the expert loop, which reads each expert's token count on the host."""
+    `moe_grouped.applies` will say on CUDA). Llama 4's experts, QLoRA's frozen holder and experts with
+    LoRA hooks keep the expert loop, which reads each expert's token count on the host."""
     mlps = [layer.mlp for layer in model.layers]
-    return moe_grouped.available() and all(type(mlp) is MoE and moe_grouped.plain_experts(mlp.experts)
+    return moe_grouped.available() and all(type(mlp) is MoE and moe_grouped.grouped_stacks(mlp.experts) is not None
                                            for mlp in mlps if hasattr(mlp, "experts"))

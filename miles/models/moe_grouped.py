@@ -26,21 +26,26 @@ Experts nobody chose cost nothing but their exiting programs; each active expert
 once per block of its tokens (one block at decode sizes: the active experts only).
 
 Where it runs (`applies`): CUDA, a slot-decode step (the slot decoder's one token per row, or a
-speculative verify's few), plain stacked bf16 / fp16 / fp32 experts of x's dtype, no autocast, no
-batch-invariant kernels (true on-policy keeps the trainer's expert loop). QLoRA's quantized holder
-(`held_quantized`, miles/models/frozen_experts.py) and experts with LoRA hooks (`lora_hooks`) keep the
-eager loop: those hooks run per expert on its own tokens. The FP8 / INT4 engines hold their stacked
-experts dequantized in the engine's dtype (miles/precision/recipe.py), so they run here too.
+speculative verify's few), stacked bf16 / fp16 / fp32 experts of x's dtype, no autocast, no
+batch-invariant kernels (true on-policy keeps the trainer's expert loop). The FP8 / INT4 engines hold
+their stacks quantized (miles/models/quant_experts.py): the kernels read the codes and scales (`Stack`)
+and dequantize each weight as they load it, to the bits the expert loop multiplies, so a decode step
+reads 1 (FP8) or 1/2 (INT4) byte an expert weight instead of 2. QLoRA's frozen holder
+(miles/models/frozen_experts.py) and experts with LoRA hooks (`lora_hooks`) keep the eager loop: those
+hooks run per expert on its own tokens.
 `miles.models.moe.graph_capturable` makes the same test once for a model, before the engine captures its
 decode graphs.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from miles.precision import invariance
+from miles.precision.fp8 import BLOCK as FP8_BLOCK
 from miles.precision.int4_triton import _interpreting
 
 try:  # triton ships with CUDA torch wheels; the CPU path never needs it
@@ -61,17 +66,30 @@ def available() -> bool:
     return enabled and triton is not None and not invariance.active()
 
 
-def plain_experts(experts: nn.Module) -> bool:
-    """Stacked dense tensors whose matmuls are the whole computation (no quantized holder, no hooks)."""
-    return (not getattr(experts, "held_quantized", True) and not experts.lora_hooks
-            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
-            and experts.gate_up_proj.dtype in DTYPES and experts.down_proj.dtype == experts.gate_up_proj.dtype)
+def grouped_stacks(experts: nn.Module) -> tuple[torch.Tensor | Stack, torch.Tensor | Stack] | None:
+    """(gate_up_proj, down_proj) as the kernels take them: the dense stacks, or the engine's quantized
+    holder's (miles/models/quant_experts.py); None where the expert loop must run (QLoRA's holder, LoRA
+    hooks, Llama 4's transposed layout, other dtypes)."""
+    if experts.lora_hooks or getattr(experts, "is_transposed", False):
+        return None
+    if getattr(experts, "holds_payload", False):
+        return (experts.stack("gate_up_proj"), experts.stack("down_proj")) if experts.dense_dtype in DTYPES else None
+    dense = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if getattr(experts, "held_quantized", True) or not all(isinstance(t, torch.Tensor) for t in dense) \
+            or dense[0].dtype not in DTYPES or dense[1].dtype != dense[0].dtype:
+        return None
+    return dense
+
+
+def compute_dtype(experts: nn.Module) -> torch.dtype:
+    """The dtype the experts multiply in: the dense stacks', or the one a quantized holder dequantizes to."""
+    return experts.dense_dtype if getattr(experts, "holds_payload", False) else experts.gate_up_proj.dtype
 
 
 def applies(experts: nn.Module, x: torch.Tensor, ctx) -> bool:
     """Whether this MoE call runs the grouped kernels (else `Experts.forward`'s loop)."""
-    return (available() and x.is_cuda and getattr(ctx, "slot_decode", False) and plain_experts(experts)
-            and x.dtype == experts.gate_up_proj.dtype and not torch.is_autocast_enabled(x.device.type))
+    return (available() and x.is_cuda and getattr(ctx, "slot_decode", False) and grouped_stacks(experts) is not None
+            and x.dtype == compute_dtype(experts) and not torch.is_autocast_enabled(x.device.type))
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -124,9 +142,31 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we, stride_wn,
-                        stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    def _load_w(w_base, s_base, offs_n, offs_k, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
+                ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, dtype: tl.constexpr,
+                INTERPRET: tl.constexpr):
+        # The [BLOCK_K, BLOCK_N] tile W[n, k] of one expert in `dtype`. Quantized stacks: code x scale in
+        # fp32, rounded once to dtype: the bits of dequantize_fp8_weight / dequantize_int4 (what the
+        # eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight instead of 2.
+        if QUANT == 0:
+            return tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+        if QUANT == 1:  # e4m3 codes [N, K]
+            value = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+            value = value.to(tl.float32)
+        else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
+            byte = tl.load(w_base + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
+            code = tl.where((offs_k % 2 == 0)[:, None], byte & 15, byte >> 4)
+            value = (code.to(tl.int32) - 8).to(tl.float32)
+        scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn + (offs_k // COLS_PER_SCALE)[:, None],
+                        mask=mask, other=0.0)
+        return _round(value * scale, dtype, INTERPRET)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
+                        stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                        ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                        INTERPRET: tl.constexpr):
         # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
         # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
         pid_m = tl.program_id(0)
@@ -140,6 +180,8 @@ if triton is not None:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
         w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        dtype = act_ptr.dtype.element_ty
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -148,11 +190,12 @@ if triton is not None:
             x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w_ok = k_ok[:, None] & n_ok[None, :]
-            w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
-            w_up = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            w_gate = _load_w(w_base, s_base, offs_n, offs_k, w_ok, stride_wn, stride_sn, QUANT, ROWS_PER_SCALE,
+                             COLS_PER_SCALE, dtype, INTERPRET)
+            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, w_ok, stride_wn, stride_sn, QUANT, ROWS_PER_SCALE,
+                           COLS_PER_SCALE, dtype, INTERPRET)
             acc_gate = _dot(x, w_gate, acc_gate, IEEE)
             acc_up = _dot(x, w_up, acc_up, IEEE)
-        dtype = act_ptr.dtype.element_ty
         # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
         gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
         up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
@@ -161,9 +204,11 @@ if triton is not None:
         tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am, stride_we,
-                     stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_ym, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                     ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                     INTERPRET: tl.constexpr):
         # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
         # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
         pid_m = tl.program_id(0)
@@ -176,14 +221,15 @@ if triton is not None:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
         w_base = w_ptr + expert.to(tl.int64) * stride_we
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < I
             a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                        other=0.0)
+            w = _load_w(w_base, s_base, offs_n, offs_k, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn, QUANT,
+                        ROWS_PER_SCALE, COLS_PER_SCALE, act_ptr.dtype.element_ty, INTERPRET)
             acc = _dot(a, w, acc, IEEE)
         route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
         out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
@@ -205,33 +251,65 @@ if triton is not None:
         tl.store(out_ptr + token * H + offs, _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
 
 
-def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+class Stack(NamedTuple):
+    """A stacked expert tensor as the kernels read it: dense [E, N, K] in x's dtype (no scale), FP8
+    e4m3 codes [E, N, K] with fp32 128x128 block scales [E, ceil(N/128), ceil(K/128)], or INT4 bytes
+    [E, N, ceil(K/2)] (two codes a byte, rollout_format's) with fp32 group scales [E, N, ceil(K/group)]."""
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    fmt: str = "dense"  # dense, fp8, int4
+    group: int = 128
+
+
+_QUANT = {"dense": 0, "fp8": 1, "int4": 2}
+
+
+def _operand(stack: torch.Tensor | Stack) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(weights, scales, the kernel's constexprs) of a stacked tensor, dense or quantized."""
+    stack = stack if isinstance(stack, Stack) else Stack(stack)
+    w = stack.w.contiguous()  # parameters and held buffers: no copy
+    if stack.fmt == "dense":
+        return w, w, dict(QUANT=0, ROWS_PER_SCALE=1, COLS_PER_SCALE=1)
+    w = w.view(torch.uint8) if stack.fmt == "int4" else w
+    per = (1, stack.group) if stack.fmt == "int4" else (FP8_BLOCK, FP8_BLOCK)
+    return w, stack.scale.contiguous(), dict(QUANT=_QUANT[stack.fmt], ROWS_PER_SCALE=per[0], COLS_PER_SCALE=per[1])
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor | Stack,
+                    down_proj: torch.Tensor | Stack, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{experts[:, j]}(x), SwiGLU experts, as `Experts.forward` computes it.
 
     x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
-    [E, H, I], both x.dtype -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only."""
+    [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
+    the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only."""
     n, hidden = x.shape
     k = experts.shape[1]
-    num_experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    gate_up, gate_up_scale, gate_up_quant = _operand(gate_up_proj)
+    down, down_scale, down_quant = _operand(down_proj)
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     x = x if x.stride(-1) == 1 else x.contiguous()
-    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()  # parameters: no copy
     pairs, block_expert = block_layout(experts, num_experts)
     blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32 or _interpreting()
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, INTERPRET=_interpreting())
     act = torch.empty(blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up_proj, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up_proj.stride(0),
-        gate_up_proj.stride(1), act.stride(0), TOPK=k, **common)
+        x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k, **gate_up_quant,
+        **common)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     route = weights.reshape(-1).float().contiguous()
     _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down_proj, pairs, block_expert, route, y, hidden, inter, act.stride(0), down_proj.stride(0),
-        down_proj.stride(1), y.stride(0), **common)
+        act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
+        down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0), **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256
     _combine_kernel[(n, triton.cdiv(hidden, block))](y, slots, out, hidden, TOPK=k, BLOCK=block,
                                                      INTERPRET=_interpreting())
     return out
+
+
+def _scale_strides(scale: torch.Tensor, quant: dict) -> tuple[int, int]:
+    """(expert, row) strides of a stack's scales; 0 for a dense stack (its scale argument is unread)."""
+    return (scale.stride(0), scale.stride(1)) if quant["QUANT"] else (0, 0)

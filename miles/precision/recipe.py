@@ -39,6 +39,7 @@ from miles.precision.rollout_format import (FP8_SCALE_SUFFIX, from_rollout_forma
                                             rollout_checksum, rollout_format)
 
 NONE, FP8, INT4 = "none", "fp8", "int4"
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a MoE layer's stacked expert tensors (miles.models.moe)
 W8A8, W8A16 = "w8a8", "w8a16"  # precision.fp8_scheme
 
 
@@ -49,6 +50,8 @@ class QuantLinear(nn.Module):
     quantized in 1x128 tiles (fp8_scheme w8a8) or kept in high precision (w8a16); int4: `weight_packed`
     (uint8 [N, K/2]), `weight_scale` (fp32 per group), activations in high precision (W4A16).
     """
+
+    holds_payload = True  # load_engine / held_tensors find the payload's holders by this (MoE stacks too)
 
     def __init__(self, linear: nn.Linear, quant: str, group: int, fp8_backend: str = "auto",
                  fp8_scheme: str = W8A8):
@@ -101,7 +104,12 @@ class QuantLinear(nn.Module):
 
 def payload_names(quant: str) -> tuple[str, ...]:
     """The tensors a quantized Linear weight travels as (rollout_format's names, minus metadata)."""
-    return ("weight", "weight" + FP8_SCALE_SUFFIX) if quant == FP8 else ("weight_packed", "weight_scale")
+    return stack_payload_names("weight", quant)
+
+
+def stack_payload_names(name: str, quant: str) -> tuple[str, ...]:
+    """The tensors the quantized weight `name` travels as (rollout_format's, minus INT4's `_shape`)."""
+    return (name, name + FP8_SCALE_SUFFIX) if quant == FP8 else (name + "_packed", name + "_scale")
 
 
 @dataclass
@@ -182,9 +190,15 @@ class Recipe:
         """What weight sync carries: the rollout format of the trainer's (master) weights."""
         return rollout_format(state_dict, self.rollout_quant, self.keep, self.group)
 
+    def holds_stacks_quantized(self, prefix: str) -> bool:
+        """Whether the engine holds the MoE expert stacks at `prefix` (gate_up_proj, down_proj) in the
+        payload's format (miles/models/quant_experts.py): both travel quantized."""
+        return self.rollout_quant != NONE and not any(self.keep(f"{prefix}.{t}") for t in EXPERT_STACKS)
+
     # ---- rollout side ----
     def prepare_engine(self, model: nn.Module) -> None:
-        """Replace each quantized nn.Linear by a QuantLinear (its payload arrives with load_engine)."""
+        """Replace each quantized nn.Linear by a QuantLinear (its payload arrives with load_engine); the
+        engine replaces its expert stacks too (miles.models.quant_experts.quantize_engine_experts)."""
         if self.rollout_quant == NONE:
             return
         for parent, child_name, linear in self.quantized_linears(model):
@@ -203,10 +217,10 @@ class Recipe:
         return found
 
     def load_engine(self, model: nn.Module, payload: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Install a sync payload: QuantLinear layers take their tensors as they are; everything
-        else (kept tensors, biases, stacked experts) is rebuilt dense in the engine's dtype."""
-        quant_linears = self._quant_linears(model)
-        held, dense = self._split(payload, list(quant_linears), dtype)
+        """Install a sync payload: the holders (QuantLinear layers, quantized expert stacks) take their
+        tensors as they are; everything else (kept tensors, biases) is rebuilt dense in the engine's dtype."""
+        quant_linears = self._holders(model)
+        held, dense = self._split(payload, {p: m.buffer_names() for p, m in quant_linears.items()}, dtype)
         missing, unexpected = model.load_state_dict(dense, strict=False)
         if missing or unexpected:
             raise ValueError(f"sync payload does not match the engine: missing {missing}, unexpected {unexpected}")
@@ -221,9 +235,9 @@ class Recipe:
             module.refresh()
 
     def held_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """What the engine holds: QuantLinear payload tensors and its dense state."""
+        """What the engine holds: its holders' payload tensors and its dense state."""
         held = dict(model.state_dict())
-        for prefix, module in self._quant_linears(model).items():
+        for prefix, module in self._holders(model).items():
             held.update({f"{prefix}.{b}": getattr(module, b) for b in module.buffer_names()})
         return held
 
@@ -235,33 +249,42 @@ class Recipe:
         """What held_tensors must give after load_engine(payload), computed by either side from the
         payload (`model`: the trainer's or the engine's, to tell which Linear layers the engine holds
         quantized)."""
-        held, dense = self._split(payload, self.linear_prefixes(model), dtype)
+        held, dense = self._split(payload, self.held_layout(model), dtype)
         return {**held, **dense}
 
     def expected_checksum(self, payload: dict[str, torch.Tensor], model: nn.Module, dtype: torch.dtype) -> str:
         return rollout_checksum(self.expected_tensors(payload, model, dtype))
 
-    def _split(self, payload, prefixes, dtype) -> tuple[dict, dict]:
-        """(payload tensors the quantized Linear layers hold as they are, dense state of the rest)."""
-        held_keys = {f"{p}.{b}" for p in prefixes for b in payload_names(self.rollout_quant)}
-        extra = {f"{p}.weight_shape" for p in prefixes}  # int4 metadata, implied by the module
+    def _split(self, payload, layout: dict[str, tuple[str, ...]], dtype) -> tuple[dict, dict]:
+        """(payload tensors the holders keep as they are, dense state of the rest); layout: held_layout's."""
+        held_keys = {f"{p}.{b}" for p, names in layout.items() for b in names}
+        # INT4 metadata (the weight's shape), implied by the holder
+        extra = {f"{p}.{b[:-len('_packed')]}_shape" for p, names in layout.items() for b in names if b.endswith("_packed")}
         held = {k: payload[k] for k in held_keys}
         rest = {k: v for k, v in payload.items() if k not in held_keys and k not in extra}
         dense = {k: v.to(dtype) if v.is_floating_point() else v
                  for k, v in from_rollout_format(rest, self.rollout_quant, dtype, self.group).items()}
         return held, dense
 
-    def linear_prefixes(self, model: nn.Module) -> list[str]:
-        """Linear layers the engine holds in the payload format: its QuantLinear modules, or on the
-        trainer's model the nn.Linear layers prepare_engine would replace."""
+    def held_layout(self, model: nn.Module) -> dict[str, tuple[str, ...]]:
+        """What the engine holds in the payload's format, module prefix -> tensor names: on the engine's
+        model its holders; on the trainer's the nn.Linear layers prepare_engine would replace and the
+        expert stacks the engine holds quantized (modules with `stacked_shape`: dense stacks or QLoRA's)."""
         if self.rollout_quant == NONE:
-            return []
-        return [name for name, m in model.named_modules() if isinstance(m, QuantLinear)
-                or isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)]
+            return {}
+        layout = {}
+        for name, m in model.named_modules():
+            if getattr(m, "holds_payload", False):
+                layout[name] = m.buffer_names()
+            elif isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight):
+                layout[name] = payload_names(self.rollout_quant)
+            elif callable(getattr(m, "stacked_shape", None)) and self.holds_stacks_quantized(name):
+                layout[name] = tuple(n for t in EXPERT_STACKS for n in stack_payload_names(t, self.rollout_quant))
+        return layout
 
     @staticmethod
-    def _quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
-        return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    def _holders(model: nn.Module) -> dict[str, nn.Module]:
+        return {name: m for name, m in model.named_modules() if getattr(m, "holds_payload", False)}
 
 
 def _fp8_linear_forward(module: nn.Linear, cache: FP8WeightCache, x: torch.Tensor) -> torch.Tensor:

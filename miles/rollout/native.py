@@ -73,6 +73,7 @@ from miles.config.schema import DType, LoRACfg, PrecisionCfg, RolloutCfg
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
 from miles.models import fused, fused_projections, from_pretrained, invariant
 from miles.models.moe import graph_capturable
+from miles.models.quant_experts import quantize_engine_experts
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision.recipe import Recipe
@@ -138,6 +139,7 @@ class NativeEngine:
         self.model.to(self.dtype)
         if payload is not None:
             self.recipe.prepare_engine(self.model)
+            quantize_engine_experts(self.model, self.recipe)  # MoE stacks held as the payload sends them
             self.recipe.load_engine(self.model, payload, self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
