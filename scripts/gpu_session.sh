@@ -4,9 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 20 (the fp8 engine's one-pass dequantization +
-# cuBLAS above 256 rows, the new default, end to end: decode and the GRPO step; LoRA at the 4B shape,
-# out of memory three times on an H100, now one engine at a time), 10's windows test, 3's MoE decode):
+# does not cost the rest of a call. Parts (most urgent: 21 (MoE experts held quantized: tests, decode),
+# 20 (the GRPO step on a MoE and the 4B shape), 7 (LoRA at the 4B shape, out of memory three times on
+# an H100, now one engine at a time), 10's windows test):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -45,8 +45,8 @@
 #      with their bits, their CUDA tests; the CUDA-graph tests that moved to gpu_runs.captured; Megatron
 #      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; a 512-row decode through the
 #      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
-#  20  the new w8a16 default (one-pass dequantization + cuBLAS above 256 rows) against the old path in
-#      one run, the 4B decode at 512 rows and the fp8 GRPO step; LoRA against full fine-tuning (4B)
+#  20  the GRPO step per recipe on 4 Qwen3-30B-A3B layers (experts held quantized) and on the 4B shape
+#      (the fp8 engine's one-pass dequantization + cuBLAS above 256 rows)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 8 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
@@ -219,14 +219,11 @@ case $PART in
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     ;;
-20) # the fp8 engine above 256 rows: one-pass dequantization + cuBLAS (the default since 2026-12-06), and
-    # the one-pass kernel's faster INT4 path (each byte loaded once, a scale per row): per GEMM, then the
-    # 512-row decode per recipe (part 18 gave fp8_w8a16 0.63x, int4 0.56x) and the GRPO step side by side
-    step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
-        tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
-    step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
-    (cd benchmarks && step decode_512 180 python3 precision_decode.py --model qwen3_4b --rows 512 \
-        --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 128)
+20) # the GRPO step per recipe: 4 of Qwen3-30B-A3B's layers (the FP8 engine holds the experts quantized
+    # since 2026-12-06: decode reads half their bytes), then the 4B shape with the fp8 engine's one-pass
+    # dequantization + cuBLAS above 256 rows (the default since 2026-12-06; part 18: fp8_w8a16 0.63x at 512 rows)
+    step grpo_moe 330 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
+        --recipes bf16,model.num_layers=4,trainer.recompute=true fp8,model.num_layers=4,trainer.recompute=true
     step grpo_fp8 240 python3 benchmarks/grpo_step.py --model qwen3_4b --steps 2 --recipes bf16 \
         fp8,trainer.recompute=true
     ;;

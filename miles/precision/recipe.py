@@ -13,8 +13,9 @@ once per sync, and multiplies through `fp8_linear_with` (emulated on CPU, `torch
 Hopper, DeepGEMM where it loads) or `int4_linear_auto` (a fused W4A16 Triton kernel on CUDA). On the
 training side an FP8 nn.Linear runs that same FP8 GEMM on the same operands (`fp8_train_linear`:
 the engine's bits for the same input, a bf16 backward), and every other quantized weight (INT4
-QAT, stacked MoE experts, which the engine holds dequantized) is `dequantize(quantize(w))` through
-the very functions the engine rebuilds its weights with. So the two sides multiply the same numbers
+QAT, stacked MoE experts, which the engine holds quantized and dequantizes on use:
+miles/models/quant_experts.py) is `dequantize(quantize(w))` through the very functions the engine
+dequantizes its weights with. So the two sides multiply the same numbers
 with the same arithmetic. Under LoRA (QLoRA, miles/precision/qlora.py) the trainer holds its frozen
 base's quantized layers as the engine does, a QuantLinear subclass with a straight-through backward.
 """
