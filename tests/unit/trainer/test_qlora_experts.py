@@ -4,7 +4,7 @@ rollout's quantized format too (miles/models/frozen_experts.py), in-process agai
 - a fresh adapter gives the recipe's own (non-LoRA) log-probs bit for bit, expert adapters or not;
 - a step moves the (expert) adapters as LoRA over the recipe's fp32 masters does, bit for bit;
 - the experts are held as FP8 codes / packed INT4 + fp32 scales (bytes by hand), the engine holds
-  their dequantized values, and they never change;
+  the same codes and scales, and they never change;
 - a state dict shows the dense dequantized experts (resume and export), another base is refused;
 - the planner counts the experts at their quantized bytes.
 """

@@ -6,7 +6,7 @@ stacks (gate_up_proj [E, H, 2I], down_proj [E, I, H], x @ W_e) held in the rollo
   the checkpoint's stacks: FP8 blocks over the stored [H, 2I], INT4 groups along the stored last dim);
 - a fresh adapter gives the recipe's own (non-LoRA) log-probs bit for bit, expert adapters or not;
 - a step moves the (expert) adapters as LoRA over the recipe's fp32 masters does, bit for bit;
-- bytes held by hand, the engine holds their dequantized values, they never change, a resume loads
+- bytes held by hand, the engine holds the same codes and scales, they never change, a resume loads
   them back and another base is refused;
 - the planner counts them at their quantized bytes.
 """
@@ -96,8 +96,10 @@ def test_experts_held_quantized_and_the_engine_holds_their_values(ckpt, batch, q
     for i, experts in zip(MOE_LAYERS, experts_of(t)):
         assert [n for n, _ in experts.named_parameters()] == []
         assert experts.held_bytes() == expected_bytes
+        held = engine.model.layers[i].mlp.experts  # the engine holds the same codes and scales
+        assert all(torch.equal(getattr(held, n), getattr(experts, n)) for n in held.buffer_names())
         for name in ("gate_up_proj", "down_proj"):
-            assert torch.equal(getattr(engine.model.layers[i].mlp.experts, name), experts.dequantized(name))
+            assert torch.equal(held.expert_weight(name, 1), experts.dequantized(name)[1])
     before = {k: v.clone() for k, v in experts_of(t)[0].state_dict().items()}
     t.train_rl(batch)
     assert all(torch.equal(experts_of(t)[0].state_dict()[k], v) for k, v in before.items())
