@@ -48,7 +48,7 @@
 #  20  the GRPO step per recipe on 4 Qwen3-30B-A3B layers (experts held quantized) and on the 4B shape
 #      (the fp8 engine's one-pass dequantization + cuBLAS above 256 rows)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
-#      (tests), the decode of 8 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
+#      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-21)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -229,13 +229,13 @@ case $PART in
     ;;
 21) # the FP8 / INT4 engines' MoE experts held quantized (quant_experts.py): the grouped kernels reading
     # codes and scales, their bits against the dense kernels, the captured MoE decode tests; the decode
-    # of 8 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs (faster INT4 path)
+    # of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs (faster INT4 path)
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
         tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
-    (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_8l --rows 64 256 \
+    (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_4l --rows 64 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 64)
     ;;
 7)
