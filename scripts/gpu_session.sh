@@ -235,6 +235,7 @@ case $PART in
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
+    step moe_grouped_speed 60 python3 benchmarks/moe_grouped_speed.py
     (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_4l --rows 64 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 64)
     ;;

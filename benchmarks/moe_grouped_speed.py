@@ -1,0 +1,92 @@
+"""The grouped MoE expert kernels (miles/models/moe_grouped.py) per stack format, against the memory roofline.
+
+    python3 benchmarks/moe_grouped_speed.py [--rows 1 8 64 256] [--experts 128 --topk 8 --hidden 2048 --width 768]
+
+One MoE layer of Qwen3-30B-A3B's width by default (128 experts, 8 a token, hidden 2048, expert width
+768): random bf16 experts, and the FP8 / INT4 payloads weight sync makes of them (held so by the FP8 /
+INT4 engines, miles/models/quant_experts.py). Per row count, each format's `grouped_experts` call is
+graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead), its output checked against the
+dense kernels on the dequantized stacks (bits equal: "exact"), and set against the roofline of the
+bytes it must read: every expert some token chose, once, in the format held (bf16 2 bytes a weight;
+FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale per group of 128), over the
+measured device-to-device copy bandwidth. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from kernel_sweep import _time_graph  # noqa: E402
+from rollout_gpu import copy_bandwidth  # noqa: E402
+
+from miles.models import moe_grouped as mg  # noqa: E402
+from miles.precision.rollout_format import from_rollout_format, rollout_format  # noqa: E402
+
+FORMATS = ("bf16", "fp8", "int4")
+
+
+def stacks(e: int, h: int, i: int) -> dict[str, tuple]:
+    """format -> (gate_up, down) operands, the quantized ones with the dense stacks they dequantize to."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = {"gate_up_proj": 0.02 * torch.randn(e, 2 * i, h, device="cuda", generator=g),
+               "down_proj": 0.02 * torch.randn(e, h, i, device="cuda", generator=g)}
+    out = {"bf16": tuple(w.to(torch.bfloat16) for w in weights.values())}
+    for fmt in ("fp8", "int4"):
+        payload = rollout_format(weights, fmt, lambda _: False)
+        dense = from_rollout_format(payload, fmt, torch.bfloat16)
+        if fmt == "fp8":
+            quant = tuple(mg.Stack(payload[n], payload[n + "_scale_inv"], "fp8") for n in weights)
+        else:
+            quant = tuple(mg.Stack(payload[n + "_packed"], payload[n + "_scale"], "int4", 128) for n in weights)
+        out[fmt] = quant, tuple(dense[n] for n in weights)
+    del weights
+    return out
+
+
+def bytes_per_weight(fmt: str) -> float:
+    return {"bf16": 2.0, "fp8": 1 + 4 / 128**2, "int4": 0.5 + 4 / 128}[fmt]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=768)
+    args = parser.parse_args()
+    e, k, h, i = args.experts, args.topk, args.hidden, args.width
+    bandwidth = copy_bandwidth()
+    ops = stacks(e, h, i)
+    print(f"{e} experts, top-{k}, hidden {h}, width {i}; copy bandwidth {bandwidth / 1e12:.2f} TB/s\n")
+    print("| rows | experts read | format | us | vs bf16 | % of roofline | bits vs dense |")
+    print("|---:|---:|---|---:|---:|---:|---|")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for rows in args.rows:
+        x = torch.randn(rows, h, device="cuda", generator=g).to(torch.bfloat16)
+        chosen = torch.rand(rows, e, device="cuda", generator=g).topk(k, dim=-1).indices
+        route = torch.rand(rows, k, device="cuda", generator=g)
+        active = chosen.unique().numel()
+        base = None
+        for fmt in FORMATS:
+            operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
+            ms = _time_graph(lambda: mg.grouped_experts(x, chosen, route, *operands))
+            bits = "-"
+            if fmt != "bf16":
+                out = mg.grouped_experts(x, chosen, route, *operands)
+                ref = mg.grouped_experts(x, chosen, route, *ops[fmt][1])
+                bits = "exact" if torch.equal(out, ref) else f"{(out != ref).sum().item()} off"
+            base = base or ms
+            roofline_ms = active * 3 * h * i * bytes_per_weight(fmt) / bandwidth * 1e3
+            print(f"| {rows} | {active} | {fmt} | {ms * 1e3:,.1f} | {base / ms:.2f}x | {100 * roofline_ms / ms:.1f}% "
+                  f"| {bits} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
