@@ -228,16 +228,18 @@ case $PART in
         fp8,trainer.recompute=true
     ;;
 21) # the FP8 / INT4 engines' MoE experts held quantized (quant_experts.py): the grouped kernels reading
-    # codes and scales, their bits against the dense kernels, the captured MoE decode tests; the decode
-    # of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs (faster INT4 path)
-    step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
-        tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
-    step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
+    # codes and scales, their bits against the dense kernels, the captured MoE decode tests; the one-pass
+    # dequantization's tests (its faster INT4 path, also each expert's slice in prefill); the grouped
+    # kernels per format against the roofline; the decode of 4 Qwen3-30B-A3B layers per recipe; last,
+    # the one-pass dequantization's GEMMs
     step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
+    step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
+        tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
     step moe_grouped_speed 60 python3 benchmarks/moe_grouped_speed.py
     (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_4l --rows 64 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 64)
+    step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     ;;
 7)
     step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
