@@ -53,7 +53,9 @@ def test_forward_matches_the_eager_log_softmax(v, t):
     ref_logp, ref_entropy, ref_lse = _eager_forward(logits, targets, t)
     torch.testing.assert_close(logp, ref_logp, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=0)
-    torch.testing.assert_close(entropy, ref_entropy, atol=2e-6, rtol=0)
+    # The entropy sums V terms of p log p in another order than eager's (~8 nats at V = 4133): fp32 sums
+    # differ by a few ulps of the total (2.1e-6 on an AVX2 EPYC, under 2e-6 on AVX-512 Xeons).
+    torch.testing.assert_close(entropy, ref_entropy, atol=2e-6, rtol=1e-6)
     _, _, no_entropy = fused.row_logprobs(logits, targets, t, with_entropy=False)
     assert float(no_entropy.abs().max()) == 0.0
 
