@@ -40,22 +40,14 @@ if triton is not None:
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         rk = tl.program_id(1) * BK + tl.arange(0, BK)
         mask = (rn < N)[:, None] & (rk < K)[None, :]
-        if INT4:  # each byte loaded once: the even k in its low nibble, the odd in its high; value = code - 8
-            rb = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-            byte = tl.load(q_ptr + rn[:, None] * stride_q + rb[None, :],
-                           mask=(rn < N)[:, None] & (rb < (K + 1) // 2)[None, :], other=0)
-            low = ((byte & 15).to(tl.int32) - 8).to(tl.float32)
-            high = ((byte >> 4).to(tl.int32) - 8).to(tl.float32)
-            value = tl.reshape(tl.join(low, high), [BN, BK])  # [BN, BK / 2, 2] -> k = 2 j + nibble
+        if INT4:  # two codes a byte, the even k in the low nibble; value = code - 8
+            byte = tl.load(q_ptr + rn[:, None] * stride_q + (rk // 2)[None, :], mask=mask, other=0)
+            code = tl.where((rk % 2 == 0)[None, :], byte & 15, byte >> 4)
+            value = (code.to(tl.int32) - 8).to(tl.float32)
         else:
             value = tl.load(q_ptr + rn[:, None] * stride_q + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if COLS_PER_SCALE % BK == 0:  # the tile inside one scale column: a scale per row (INT4 groups of
-            # 128) or one for the tile (FP8 blocks), not one load per element
-            scale = tl.load(s_ptr + (rn // ROWS_PER_SCALE) * stride_s + (tl.program_id(1) * BK) // COLS_PER_SCALE,
-                            mask=rn < N, other=0.0)[:, None]
-        else:
-            scale = tl.load(s_ptr + (rn // ROWS_PER_SCALE)[:, None] * stride_s + (rk // COLS_PER_SCALE)[None, :],
-                            mask=mask, other=0.0)
+        scale = tl.load(s_ptr + (rn // ROWS_PER_SCALE)[:, None] * stride_s + (rk // COLS_PER_SCALE)[None, :],
+                        mask=mask, other=0.0)
         tl.store(out_ptr + rn[:, None] * stride_o + rk[None, :], (value * scale).to(out_ptr.dtype.element_ty),
                  mask=mask)
 
