@@ -23,6 +23,7 @@ from triton_interpreter import run_under_interpreter
 from miles.config.schema import AlgoCfg, AlgoName, DType, LoRACfg, ModelCfg, PrecisionCfg, Quant, RolloutCfg, TrainerCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import moe_grouped as mg
+from miles.models import quant_experts
 from miles.models.config import MoEConfig
 from miles.models.moe import Experts
 from miles.models.quant_experts import EngineQuantExperts
@@ -42,6 +43,12 @@ E, H, I = 4, 128, 128  # whole 128-blocks and INT4 groups: the rounding is real
 MODEL = ModelCfg(name="m", family="qwen3_moe", hidden_size=H, intermediate_size=256, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=32, max_position_embeddings=64,
                  moe=MoEConfig(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I))
+
+
+@pytest.fixture(autouse=True)
+def quantized_on_cuda(monkeypatch):
+    """On a GPU: the CUDA engine's quantized stacks, off by default until these tests have run there."""
+    monkeypatch.setattr(quant_experts, "ON_CUDA", True)
 
 
 def recipe(quant: str) -> PrecisionCfg:
@@ -108,11 +115,11 @@ PROMPTS = ["1+2=", "35+47=", "9*9="]
 
 def _engine(ckpt, quant, dense_experts=False, monkeypatch=None, **rollout):
     cfg = RolloutCfg(max_new_tokens=5, max_prompt_len=8, max_running=4, **rollout)
-    if dense_experts:  # the engine before its experts were held quantized: the dequantized stacks
-        monkeypatch.setattr("miles.rollout.native.quantize_engine_experts", lambda model, recipe: None)
-    engine = NativeEngine(ckpt, cfg, DType.bf16, seed=0, precision=recipe(quant), device=DEV)
-    monkeypatch and monkeypatch.undo()
-    return engine
+    if not dense_experts:
+        return NativeEngine(ckpt, cfg, DType.bf16, seed=0, precision=recipe(quant), device=DEV)
+    with monkeypatch.context() as m:  # the engine before its experts were held quantized: the dequantized stacks
+        m.setattr("miles.rollout.native.quantize_engine_experts", lambda model, recipe: None)
+        return NativeEngine(ckpt, cfg, DType.bf16, seed=0, precision=recipe(quant), device=DEV)
 
 
 def _generate(engine):
