@@ -23,6 +23,8 @@ trainer's frozen base the same way.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from miles.models.llama4 import Llama4Experts
@@ -114,9 +116,10 @@ class EngineQuantLlama4Experts(EngineStacks, Llama4Experts):
 ENGINE_HOLDER = {Experts: EngineQuantExperts, Llama4Experts: EngineQuantLlama4Experts}
 # Whether a CUDA engine holds its stacks quantized. Off until the grouped kernels on codes have run on a
 # GPU (tests/unit/models/test_quant_experts.py there: `scripts/gpu_session.sh 21`, not yet run, no device
-# time left on 2026-12-06): a CUDA engine holds the dequantized stacks, as before. The CPU engine holds
-# them quantized (the kernels checked bit for bit under the Triton interpreter).
-ON_CUDA = False
+# time left on 2026-12-06): a CUDA engine holds the dequantized stacks, as before; MILES_QUANT_EXPERTS_CUDA=1
+# turns it on (the benchmarks that measure it). The CPU engine holds them quantized (the kernels checked
+# bit for bit under the Triton interpreter).
+ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
 
 
 def quantize_engine_experts(model: torch.nn.Module, recipe: Recipe) -> None:

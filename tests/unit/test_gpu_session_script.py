@@ -14,11 +14,12 @@ SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 
 def steps() -> list[tuple[str, list[str]]]:
     """(step name, the command's words) of every `step NAME SECONDS COMMAND...` line, continuation
-    lines joined; a command inside `(cd benchmarks && ...)` names its script relative to benchmarks/."""
+    lines joined, environment assignments before `step` skipped; a command inside `(cd benchmarks && ...)`
+    names its script relative to benchmarks/."""
     text = SCRIPT.read_text().replace("\\\n", " ")
     found = []
     for line in text.splitlines():
-        match = re.search(r"(\(cd (\S+) && )?step (\S+) \d+ (.*)", line)
+        match = re.search(r"(\(cd (\S+) && )?(?:[A-Z_]+=\S+ )*step (\S+) \d+ (.*)", line)
         if match:
             words = shlex.split(match.group(4).rstrip(")"))
             if match.group(2) and words[0] == "python3" and words[1].endswith(".py"):
