@@ -148,18 +148,22 @@ if triton is not None:
         # The [BLOCK_K, BLOCK_N] tile W[n, k] of one expert in `dtype`. Quantized stacks: code x scale in
         # fp32, rounded once to dtype: the bits of dequantize_fp8_weight / dequantize_int4 (what the
         # eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight instead of 2.
+        # One return, branches on constexprs only: the compiler builds the taken branch alone (code after
+        # an early return is still compiled, and the INT4 bit operations refuse a bf16 pointer).
         if QUANT == 0:
-            return tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
-        if QUANT == 1:  # e4m3 codes [N, K]
-            value = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
-            value = value.to(tl.float32)
-        else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
-            byte = tl.load(w_base + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
-            code = tl.where((offs_k % 2 == 0)[:, None], byte & 15, byte >> 4)
-            value = (code.to(tl.int32) - 8).to(tl.float32)
-        scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn + (offs_k // COLS_PER_SCALE)[:, None],
-                        mask=mask, other=0.0)
-        return _round(value * scale, dtype, INTERPRET)
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+        else:
+            if QUANT == 1:  # e4m3 codes [N, K]
+                value = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+                value = value.to(tl.float32)
+            else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
+                byte = tl.load(w_base + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
+                code = tl.where((offs_k % 2 == 0)[:, None], byte & 15, byte >> 4)
+                value = (code.to(tl.int32) - 8).to(tl.float32)
+            scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn
+                            + (offs_k // COLS_PER_SCALE)[:, None], mask=mask, other=0.0)
+            w = _round(value * scale, dtype, INTERPRET)
+        return w
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
