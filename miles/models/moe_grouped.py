@@ -17,6 +17,10 @@ in a CUDA graph. Here every shape and launch grid depends only on (N, k, E):
 4. `_combine_kernel`: per token, 0 + its k rows of y in ascending expert order (the order of
    Experts.forward's sum on the CPU), rounded to x.dtype once. Fixed order, no atomics: deterministic.
 
+`_gate_up_codes_kernel` / `_down_codes_kernel` are 2. and 3. for FP8 / INT4 stacks (`Stack`): each
+weight dequantized as it is loaded (`_load_w`). They are checked under the interpreter and compiled
+for sm_90 on the CPU, not yet run on a GPU, so dense stacks keep the two kernels above (which have).
+
 Numerics match the eager loop's roundings: gate and up rounded to x.dtype (F.linear's output),
 SiLU in fp32 rounded, times up rounded, the down product rounded before the fp32 routing weight. The
 sums inside the GEMMs run in another order than cuBLAS's (fp32 accumulation both), so bf16 results
@@ -141,6 +145,76 @@ if triton is not None:
         else:
             return tl.dot(a, b, acc)
 
+    # The dense kernels as they ran on GPUs (tests/gpu/test_moe_graph_decode_cuda.py); the *_codes_kernel
+    # pair below also reads FP8 / INT4 stacks and, once it has run on a GPU (scripts/gpu_session.sh 21),
+    # replaces these two for dense stacks too.
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we, stride_wn,
+                        stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
+        # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
+        pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + offs_m)
+        row_ok = pair >= 0
+        token = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < H
+            x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            w_up = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            acc_gate = _dot(x, w_gate, acc_gate, IEEE)
+            acc_up = _dot(x, w_up, acc_up, IEEE)
+        dtype = act_ptr.dtype.element_ty
+        # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
+        gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
+        up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
+        silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRET).to(tl.float32)
+        act = _round(silu * up, dtype, INTERPRET)
+        tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am, stride_we,
+                     stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
+        # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
+        pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + offs_m)
+        row_ok = pair >= 0
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            acc = _dot(a, w, acc, IEEE)
+        route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
+        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
+        rows = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
+
     @triton.jit
     def _load_w(w_base, s_base, offs_n, offs_k, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
                 ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, dtype: tl.constexpr,
@@ -166,7 +240,7 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
+    def _gate_up_codes_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
                         stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                         ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
@@ -208,7 +282,7 @@ if triton is not None:
         tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
+    def _down_codes_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
                      stride_we, stride_wn, stride_se, stride_sn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                      ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
@@ -297,15 +371,23 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     ieee = x.dtype == torch.float32 or _interpreting()
     common = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, INTERPRET=_interpreting())
     act = torch.empty(blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k, **gate_up_quant,
-        **common)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     route = weights.reshape(-1).float().contiguous()
-    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
-        down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0), **down_quant, **common)
+    if not gate_up_quant["QUANT"] and not down_quant["QUANT"]:
+        _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+            x, gate_up, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+            act.stride(0), TOPK=k, **common)
+        _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+            act, down, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
+            y.stride(0), **common)
+    else:
+        _gate_up_codes_kernel[(blocks, triton.cdiv(inter, block_n))](
+            x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
+            gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
+            **gate_up_quant, **common)
+        _down_codes_kernel[(blocks, triton.cdiv(hidden, block_n))](
+            act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
+            down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0), **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256
