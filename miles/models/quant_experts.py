@@ -114,11 +114,11 @@ class EngineQuantLlama4Experts(EngineStacks, Llama4Experts):
 
 
 ENGINE_HOLDER = {Experts: EngineQuantExperts, Llama4Experts: EngineQuantLlama4Experts}
-# Whether a CUDA engine holds its stacks quantized. Off until the grouped kernels on codes have run on a
-# GPU (tests/unit/models/test_quant_experts.py there: `scripts/gpu_session.sh 21`, not yet run, no device
-# time left on 2026-12-06): a CUDA engine holds the dequantized stacks, as before; MILES_QUANT_EXPERTS_CUDA=1
-# turns it on (the benchmarks that measure it). The CPU engine holds them quantized (the kernels checked
-# bit for bit under the Triton interpreter).
+# Whether a CUDA engine holds its stacks quantized. Off until the grouped kernels on codes have passed on a
+# GPU (tests/unit/models/test_quant_experts.py there: `scripts/gpu_session.sh 21`; their first try, on
+# 2026-12-07, did not compile, since fixed): a CUDA engine holds the dequantized stacks, as before;
+# MILES_QUANT_EXPERTS_CUDA=1 turns it on (the benchmarks that measure it). The CPU engine holds them
+# quantized (the kernels checked bit for bit under the Triton interpreter, compiled for sm_90).
 ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
 
 
