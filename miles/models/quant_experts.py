@@ -11,8 +11,7 @@ memory planner counts, and multiplies them two ways, with the same bits:
 - slot decode on CUDA: the grouped Triton kernels (miles.models.moe_grouped) read the codes and scales
   and dequantize each weight as they load it; decode is bound by the bytes of the experts it reads;
 - everything else (prefill, the CPU, true on-policy's batch-invariant kernels): the expert loop of the
-  dense class, which asks `expert_weight(name, e)` for one expert's slice, dequantized on use (on CUDA
-  in one pass: miles/precision/dequant_triton.py).
+  dense class, which asks `expert_weight(name, e)` for one expert's slice, dequantized on use.
 
 Either way a weight is code x scale in fp32 rounded once to the engine dtype: `from_rollout_format`'s
 value, which the engine held dense before, and the trainer's fake-quantized weight.
@@ -30,7 +29,6 @@ import torch
 from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts
 from miles.models.moe_grouped import Stack
-from miles.precision import dequant_triton
 from miles.precision.fp8 import dequantize_fp8_weight
 from miles.precision.int4 import dequantize_int4
 from miles.precision.recipe import EXPERT_STACKS as STACKED
@@ -56,12 +54,6 @@ class QuantStacks:
         return self._shapes[name]
 
     def _dequantize(self, name: str, index, dtype: torch.dtype) -> torch.Tensor:
-        fmt = "fp8" if self.quant == FP8 else "int4"
-        if isinstance(index, int) and dequant_triton.ENABLED:  # one expert on CUDA: one kernel, the same bits
-            q, scale = self.stack(name)[:2]
-            if q.is_cuda and dequant_triton.one_pass_supported(q[index], scale[index], fmt, dtype) is None:
-                return dequant_triton.dequantize_one_pass(q[index], scale[index], fmt, dtype, self.group,
-                                                          k=self._shapes[name][-1])
         if self.quant == FP8:
             return dequantize_fp8_weight(getattr(self, name)[index], getattr(self, f"{name}_scale_inv")[index], dtype)
         return dequantize_int4(getattr(self, f"{name}_packed")[index], getattr(self, f"{name}_scale")[index], self.group,
