@@ -9,7 +9,8 @@ scales). The engine keeps them so (1 or 1/2 byte a weight, not the engine dtype'
 memory planner counts, and multiplies them two ways, with the same bits:
 
 - slot decode on CUDA: the grouped Triton kernels (miles.models.moe_grouped) read the codes and scales
-  and dequantize each weight as they load it; decode is bound by the bytes of the experts it reads;
+  and dequantize each weight as they load it; decode is bound by the bytes of the experts it reads
+  (once those kernels have passed on a GPU: `moe_grouped.CODES_ON_CUDA`, off until then);
 - everything else (prefill, the CPU, true on-policy's batch-invariant kernels): the expert loop of the
   dense class, which asks `expert_weight(name, e)` for one expert's slice, dequantized on use.
 
@@ -21,8 +22,6 @@ trainer's frozen base the same way.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -106,18 +105,12 @@ class EngineQuantLlama4Experts(EngineStacks, Llama4Experts):
 
 
 ENGINE_HOLDER = {Experts: EngineQuantExperts, Llama4Experts: EngineQuantLlama4Experts}
-# Whether a CUDA engine holds its stacks quantized. Off until the grouped kernels on codes have passed on a
-# GPU (tests/unit/models/test_quant_experts.py there: `scripts/gpu_session.sh 21`; their first try, on
-# 2026-12-07, did not compile, since fixed): a CUDA engine holds the dequantized stacks, as before;
-# MILES_QUANT_EXPERTS_CUDA=1 turns it on (the benchmarks that measure it). The CPU engine holds them
-# quantized (the kernels checked bit for bit under the Triton interpreter, compiled for sm_90).
-ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
 
 
 def quantize_engine_experts(model: torch.nn.Module, recipe: Recipe) -> None:
     """Replace each expert stack the recipe sends quantized by an empty engine holder, in place (the dense
     stacks freed as each is replaced); Recipe.load_engine fills the holders."""
-    if recipe.rollout_quant == NONE or not ON_CUDA and any(p.is_cuda for p in model.parameters()):
+    if recipe.rollout_quant == NONE:
         return
     found = [(name, m) for name, m in model.named_modules()
              if type(m) in ENGINE_HOLDER and recipe.holds_stacks_quantized(name)]

@@ -23,7 +23,6 @@ from triton_interpreter import run_under_interpreter
 from miles.config.schema import AlgoCfg, AlgoName, DType, LoRACfg, ModelCfg, PrecisionCfg, Quant, RolloutCfg, TrainerCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import moe_grouped as mg
-from miles.models import quant_experts
 from miles.models.config import MoEConfig
 from miles.models.moe import Experts
 from miles.models.quant_experts import EngineQuantExperts
@@ -46,9 +45,9 @@ MODEL = ModelCfg(name="m", family="qwen3_moe", hidden_size=H, intermediate_size=
 
 
 @pytest.fixture(autouse=True)
-def quantized_on_cuda(monkeypatch):
-    """On a GPU: the CUDA engine's quantized stacks, off by default until these tests have run there."""
-    monkeypatch.setattr(quant_experts, "ON_CUDA", True)
+def codes_kernels(monkeypatch):
+    """The grouped kernels on codes for the engines' holders, off by default until these tests pass on a GPU."""
+    monkeypatch.setattr(mg, "CODES_ON_CUDA", True)
 
 
 def recipe(quant: str) -> PrecisionCfg:
@@ -174,6 +173,17 @@ def test_the_engine_holds_the_payloads_codes_and_decodes_as_the_dequantized_stac
     a, b = _generate(engine), _generate(dense)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert [s.rollout_logprobs for s in a] == [s.rollout_logprobs for s in b]
+
+
+@parent_only
+def test_until_the_codes_kernels_pass_on_a_gpu_the_holders_keep_the_expert_loop(ckpt, monkeypatch):
+    from miles.models.moe import graph_capturable
+
+    engine = _engine(ckpt, "fp8")
+    held = engine.model.layers[0].mlp.experts
+    assert mg.grouped_stacks(held) is not None and graph_capturable(engine.model) == (mg.triton is not None)
+    monkeypatch.setattr(mg, "CODES_ON_CUDA", False)  # the default
+    assert mg.grouped_stacks(held) is None and not graph_capturable(engine.model)
 
 
 @parent_only
