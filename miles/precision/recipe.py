@@ -220,13 +220,13 @@ class Recipe:
     def load_engine(self, model: nn.Module, payload: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         """Install a sync payload: the holders (QuantLinear layers, quantized expert stacks) take their
         tensors as they are; everything else (kept tensors, biases) is rebuilt dense in the engine's dtype."""
-        quant_linears = self._holders(model)
-        held, dense = self._split(payload, {p: m.buffer_names() for p, m in quant_linears.items()}, dtype)
+        holders = self._holders(model)
+        held, dense = self._split(payload, {p: m.buffer_names() for p, m in holders.items()}, dtype)
         missing, unexpected = model.load_state_dict(dense, strict=False)
         if missing or unexpected:
             raise ValueError(f"sync payload does not match the engine: missing {missing}, unexpected {unexpected}")
         device = _device(model)
-        for prefix, module in quant_linears.items():
+        for prefix, module in holders.items():
             for buffer in module.buffer_names():
                 new, old = held[f"{prefix}.{buffer}"], getattr(module, buffer)
                 if old.shape == new.shape and old.dtype == new.dtype:
