@@ -103,6 +103,23 @@ def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, g
     assert out.dtype == dtype and torch.equal(out, ref)
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("dense_side", [0, 1], ids=["gate_up_dense", "down_dense"])
+def test_the_codes_kernels_on_a_dense_stack_give_the_dense_kernels_bits(dense_side):
+    """One dense operand and one FP8 one take the *_codes_kernel pair, the dense one through QUANT=0:
+    its bits against the dense pair's show whether the codes pair can replace it for dense stacks."""
+    n, k, e, h, i, group = CASES[0]
+    quant, dense = _stacks(e, h, i, "fp8", group, torch.bfloat16)
+    mixed = [dense[j] if j == dense_side else quant[j] for j in (0, 1)]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, h, generator=g).to(dtype=torch.bfloat16, device=DEV)
+    experts = torch.rand(n, e, generator=g).topk(k, dim=-1).indices.to(DEV)
+    weights = torch.rand(n, k, generator=g).to(DEV)
+    with torch.no_grad():
+        assert torch.equal(mg.grouped_experts(x, experts, weights, *mixed),
+                           mg.grouped_experts(x, experts, weights, *dense))
+
 def _hopper_signature(fn, quant: int) -> tuple[dict, dict]:
     """(signature, constexprs) of a codes kernel for a bf16 engine reading `quant` stacks (0 dense, 1 FP8,
     2 INT4), at decode tiles."""
