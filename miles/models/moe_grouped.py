@@ -224,12 +224,14 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _load_w(w_base, s_base, offs_n, offs_k, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
-                ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, dtype: tl.constexpr,
-                INTERPRET: tl.constexpr):
-        # The [BLOCK_K, BLOCK_N] tile W[n, k] of one expert in `dtype`. Quantized stacks: code x scale in
-        # fp32, rounded once to dtype: the bits of dequantize_fp8_weight / dequantize_int4 (what the
-        # eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight instead of 2.
+    def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
+                ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
+                dtype: tl.constexpr, INTERPRET: tl.constexpr):
+        # The [BLOCK_K, BLOCK_N] tile W[n, k] (rows n0 + .., columns k0 + ..) of one expert in `dtype`.
+        # Quantized stacks: code x scale in fp32, rounded once to dtype: the bits of dequantize_fp8_weight /
+        # dequantize_int4 (what the eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight.
+        # TILE_SCALE: the tile lies in one scale block along K (and along N for FP8), so its scales are one
+        # value (FP8) or one per row (INT4), loaded once, not gathered per weight (4 bytes a weight).
         # One return, branches on constexprs only: the compiler builds the taken branch alone (code after
         # an early return is still compiled, and the INT4 bit operations refuse a bf16 pointer).
         if QUANT == 0:
@@ -242,17 +244,25 @@ if triton is not None:
                 byte = tl.load(w_base + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
                 code = tl.where((offs_k % 2 == 0)[:, None], byte & 15, byte >> 4)
                 value = (code.to(tl.int32) - 8).to(tl.float32)
-            scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn
-                            + (offs_k // COLS_PER_SCALE)[:, None], mask=mask, other=0.0)
-            w = _round(value * scale, dtype, INTERPRET)
+            if TILE_SCALE:
+                if ROWS_PER_SCALE == 1:
+                    scale = tl.load(s_base + offs_n * stride_sn + k0 // COLS_PER_SCALE, mask=n_ok, other=0.0)
+                    w = _round(value * scale[None, :], dtype, INTERPRET)
+                else:
+                    w = _round(value * tl.load(s_base + (n0 // ROWS_PER_SCALE) * stride_sn + k0 // COLS_PER_SCALE),
+                               dtype, INTERPRET)
+            else:
+                scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn
+                                + (offs_k // COLS_PER_SCALE)[:, None], mask=mask, other=0.0)
+                w = _round(value * scale, dtype, INTERPRET)
         return w
 
     @triton.jit
     def _gate_up_codes_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
                         stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                        ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
+                        IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
         # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
         pid_m = tl.program_id(0)
@@ -263,7 +273,8 @@ if triton is not None:
         pair = tl.load(pairs_ptr + offs_m)
         row_ok = pair >= 0
         token = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
         w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
         s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -276,10 +287,10 @@ if triton is not None:
             x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w_ok = k_ok[:, None] & n_ok[None, :]
-            w_gate = _load_w(w_base, s_base, offs_n, offs_k, w_ok, stride_wn, stride_sn, QUANT, ROWS_PER_SCALE,
-                             COLS_PER_SCALE, dtype, INTERPRET)
-            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, w_ok, stride_wn, stride_sn, QUANT, ROWS_PER_SCALE,
-                           COLS_PER_SCALE, dtype, INTERPRET)
+            w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
+                             ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
+            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
+                           ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
             acc_gate = _dot(x, w_gate, acc_gate, IEEE)
             acc_up = _dot(x, w_up, acc_up, IEEE)
         # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
@@ -293,8 +304,8 @@ if triton is not None:
     def _down_codes_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
                      stride_we, stride_wn, stride_se, stride_sn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                     ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
         # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
         pid_m = tl.program_id(0)
@@ -304,7 +315,8 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(pairs_ptr + offs_m)
         row_ok = pair >= 0
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -314,8 +326,9 @@ if triton is not None:
             k_ok = offs_k < I
             a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w = _load_w(w_base, s_base, offs_n, offs_k, k_ok[:, None] & n_ok[None, :], stride_wn, stride_sn, QUANT,
-                        ROWS_PER_SCALE, COLS_PER_SCALE, act_ptr.dtype.element_ty, INTERPRET)
+            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, k_ok[:, None] & n_ok[None, :], stride_wn,
+                        stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, act_ptr.dtype.element_ty,
+                        INTERPRET)
             acc = _dot(a, w, acc, IEEE)
         route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
         out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
@@ -392,16 +405,25 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         _gate_up_codes_kernel[(blocks, triton.cdiv(inter, block_n))](
             x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
             gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
-            **gate_up_quant, **common)
+            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), **gate_up_quant, **common)
         _down_codes_kernel[(blocks, triton.cdiv(hidden, block_n))](
             act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
-            down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0), **down_quant, **common)
+            down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0),
+            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256
     _combine_kernel[(n, triton.cdiv(hidden, block))](y, slots, out, hidden, TOPK=k, BLOCK=block,
                                                      INTERPRET=_interpreting())
     return out
+
+
+def _tile_scale(quant: dict, block_n: int, block_k: int, row_offset: int) -> bool:
+    """Whether every [block_n, block_k] weight tile lies in one scale block along K, and along N where a
+    scale covers several rows (FP8; `row_offset`: the up half's first row, I, in gate_up), so the kernel
+    loads its scales once a tile instead of one a weight."""
+    rows, cols = quant["ROWS_PER_SCALE"], quant["COLS_PER_SCALE"]
+    return cols % block_k == 0 and (rows == 1 or (rows % block_n == 0 and row_offset % block_n == 0))
 
 
 def _scale_strides(scale: torch.Tensor, quant: dict) -> tuple[int, int]:

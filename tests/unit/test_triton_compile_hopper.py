@@ -129,23 +129,30 @@ def slot_decode_attention():
                 decode_attention.slot_decode_attention(q, kv, kv, _z(rows, dtype=torch.long))
 
 
-def _moe_stack(fmt: str, e: int, n: int, k: int, dtype: torch.dtype):
+def _moe_stack(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, group: int = 128):
     """A stacked expert weight [e, n, k] as the engines hold it: dense, FP8 codes, or packed INT4 bytes."""
     if fmt == "dense":
         return _z(e, n, k, dtype=dtype)
     if fmt == "fp8":
         return moe_grouped.Stack(_z(e, n, k, dtype=FP8), _z(e, -(-n // 128), -(-k // 128)), "fp8")
-    return moe_grouped.Stack(_z(e, n, -(-k // 2), dtype=torch.uint8), _z(e, n, -(-k // 128)), "int4", 128)
+    return moe_grouped.Stack(_z(e, n, -(-k // 2), dtype=torch.uint8), _z(e, n, -(-k // group)), "int4", group)
 
 
 def grouped_experts():
-    """Dense stacks (the dense kernel pair) and FP8 / INT4 stacks (the codes pair), in each dtype, top-8."""
-    tokens, topk, e, h, i = 4, 8, 16, 256, 128
+    """Dense, FP8 and INT4 stacks in each dtype, top-8, the quantized ones with their scales loaded once a
+    tile; then per weight (FP8: an expert width off the tiles; INT4: groups of 32, narrower than a tile)."""
+    tokens, topk, e, h = 4, 8, 16, 256
+
+    def launch(fmt, dtype, i, group=128):
+        moe_grouped.grouped_experts(_z(tokens, h, dtype=dtype), _z(tokens, topk, dtype=torch.long),
+                                    _z(tokens, topk), _moe_stack(fmt, e, 2 * i, h, dtype, group),
+                                    _moe_stack(fmt, e, h, i, dtype, group))
+
     for dtype in moe_grouped.DTYPES:
         for fmt in ("dense", "fp8", "int4"):
-            moe_grouped.grouped_experts(_z(tokens, h, dtype=dtype), _z(tokens, topk, dtype=torch.long),
-                                        _z(tokens, topk), _moe_stack(fmt, e, 2 * i, h, dtype),
-                                        _moe_stack(fmt, e, h, i, dtype))
+            launch(fmt, dtype, 128)
+    launch("fp8", BF16, 136)
+    launch("int4", BF16, 128, group=32)
 
 
 def dequantize_one_pass():

@@ -83,8 +83,10 @@ def _stacks(e, h, i, fmt, group, dtype, seed=0):
 
 
 # (tokens, k, experts, hidden, expert width, INT4 group): two 128-blocks each way with partial last ones
-# (FP8), several groups, an odd K of the down projection (INT4: its last byte half used), 64 tokens.
-CASES = [(5, 2, 4, 160, 136, 32), (9, 3, 6, 48, 41, 32), (64, 8, 16, 64, 24, 32)]
+# (FP8; the up half starting mid-tile: its scales per weight, the rest a scale a tile), INT4 groups of
+# 128 (scales a row a tile) and of 32 (per weight), an odd K of the down projection (INT4: its last byte
+# half used), 64 tokens.
+CASES = [(5, 2, 4, 160, 136, 128), (9, 3, 6, 48, 41, 32), (64, 8, 16, 64, 24, 32)]
 
 
 @needs_kernel
@@ -125,6 +127,7 @@ def _hopper_signature(fn, quant: int) -> tuple[dict, dict]:
     2 INT4), at decode tiles."""
     sig, consts = {}, {}
     fixed = dict(TOPK=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, QUANT=quant, ROWS_PER_SCALE=1 if quant == 2 else 128,
+                 TILE_SCALE=quant != 0,
                  COLS_PER_SCALE=128, IEEE=False, INTERPRET=False)
     pointers = dict(w_ptr={0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}[quant], s_ptr="*fp32" if quant else "*bf16",
                     pairs_ptr="*i32", block_expert_ptr="*i32", route_ptr="*fp32", y_ptr="*fp32")
