@@ -18,8 +18,8 @@ in a CUDA graph. Here every shape and launch grid depends only on (N, k, E):
    Experts.forward's sum on the CPU), rounded to x.dtype once. Fixed order, no atomics: deterministic.
 
 `_gate_up_codes_kernel` / `_down_codes_kernel` are 2. and 3. for FP8 / INT4 stacks (`Stack`): each
-weight dequantized as it is loaded (`_load_w`). They are checked under the interpreter and compiled
-for sm_90 on the CPU, not yet run on a GPU, so dense stacks keep the two kernels above (which have).
+weight dequantized as it is loaded (`_load_w`). They ran on an H100 but slower than the dense pair and
+not yet bit-equal in every case (`CODES_ON_CUDA`), so dense stacks keep the two kernels above.
 
 Numerics match the eager loop's roundings: gate and up rounded to x.dtype (F.linear's output),
 SiLU in fp32 rounded, times up rounded, the down product rounded before the fp32 routing weight. The
@@ -64,11 +64,10 @@ BLOCK_M = 16  # pairs per block: the smallest MMA height, as decode gives each e
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # On/off for the whole process (off: the expert loop, and no decode graphs for MoE models), to compare.
 enabled = True
-# Whether FP8 / INT4 stacks (the engines' quantized holders) take the *_codes_kernel pair. Off until it has
-# passed on a GPU (tests/unit/models/test_quant_experts.py there: `scripts/gpu_session.sh 21`; its first
-# try, on 2026-12-07, did not compile, since fixed and compiled for sm_90 on the CPU): until then those
-# engines decode their MoE layers through the expert loop, without CUDA graphs. MILES_QUANT_EXPERTS_CUDA=1
-# turns it on (the benchmarks that measure it).
+# Whether FP8 / INT4 stacks (the engines' quantized holders) take the *_codes_kernel pair. Off: on an H100
+# (2026-12-07) they ran at 0.05-0.38x the dense kernels' speed, and one FP8 case was not bit-equal
+# (docs/benchmarks.md, tenth session). Until they beat the expert loop, those engines decode their MoE
+# layers through it, without CUDA graphs. MILES_QUANT_EXPERTS_CUDA=1 turns them on (the benchmarks).
 CODES_ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
 
 
