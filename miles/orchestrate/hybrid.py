@@ -21,7 +21,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from miles.orchestrate.handles import LocalHandle, RayHandle
+from miles.orchestrate.handles import LocalHandle, RayHandle, settle_heap
 from miles.transport.object_store import ObjectStoreTransport
 
 
@@ -33,6 +33,7 @@ class HybridWorker:
         self.parts = {name: cls(*args, **kwargs) for name, (cls, args, kwargs) in parts.items()}
         local = SimpleNamespace(**{name: LocalHandle(part) for name, part in self.parts.items()})
         self.transport = ObjectStoreTransport(local)  # both handles in process: the flat device copy
+        settle_heap()  # the actor's long-lived objects out of its full collections
 
     def call(self, part: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.parts[part], method)(*args, **kwargs)

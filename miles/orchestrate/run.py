@@ -22,7 +22,7 @@ from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate import determinism
 from miles.orchestrate.checkpoints import copy_tokenizer, draft_checkpoint, initial_checkpoint, teacher_checkpoint
 from miles.orchestrate.debug import check_sync_tensors, rollout_hook
-from miles.orchestrate.handles import spawn, start_ray
+from miles.orchestrate.handles import settled_heap, spawn, start_ray
 from miles.orchestrate.hybrid import HybridWorker, PartHandle
 from miles.orchestrate.loop import LoopContext, rl_loop, sft_loop
 from miles.orchestrate.prompting import adapter_routing, prompt_setup
@@ -116,10 +116,12 @@ def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: s
 
     if cfg.algo.name == AlgoName.sft:
         def loop(ctx):
-            return sft_loop(ctx, cfg.steps, cfg.trainer.global_batch_size, cfg.eval.interval)
+            with settled_heap():
+                return sft_loop(ctx, cfg.steps, cfg.trainer.global_batch_size, cfg.eval.interval)
     else:
         def loop(ctx):
-            return rl_loop(ctx, cfg)
+            with settled_heap():  # the driver's start-up objects out of its full collections (handles.py)
+                return rl_loop(ctx, cfg)
 
     use_ray = cfg.ray.enabled
     try:
