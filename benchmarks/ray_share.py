@@ -4,9 +4,10 @@ by side (issue 28's target: the Ray step <= 1.15x the in-process step; docs/benc
     .venv/bin/python benchmarks/ray_share.py --steps 23 --repeats 1
 
 Each mode runs `launch.py warm_start.enabled=false` (random init: the speed, not the learning) for the
-same steps and seed, modes alternating per repeat: in-process (`ray.enabled=false`), Ray with the engine
-and the trainer in one actor (`ray.hybrid`, the default where it applies), and Ray with an actor each
-(`ray.hybrid=false`). Reported: medians of
+same steps and seed, each repeat running the modes in an order rotated by one (no mode always first on a
+machine that drifts): in-process (`ray.enabled=false`), Ray with the engine and the trainer in one actor
+(`ray.hybrid`, the default where it applies), and Ray with an actor each (`ray.hybrid=false`). Reported:
+medians of
 `perf/step_time_s`, `perf/rollout_time_s` and `perf/train_time_s` over the steps after the first
 three (warm-up), and what the step spends outside rollout and training (weight sync and the calls).
 """
@@ -40,11 +41,11 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            inprocess = None
-            for i, (mode, overrides) in enumerate(MODES):
-                m = medians(launch_metrics([*base, *overrides], Path(tmp) / f"mode_{i}_{repeat}"))
-                step, rollout, train = (m[k] for k in TIMES)
-                inprocess = inprocess or step
+            order = [(i + repeat) % len(MODES) for i in range(len(MODES))]
+            runs = {i: medians(launch_metrics([*base, *MODES[i][1]], Path(tmp) / f"mode_{i}_{repeat}")) for i in order}
+            inprocess = runs[0]["perf/step_time_s"]
+            for i, (mode, _) in enumerate(MODES):
+                step, rollout, train = (runs[i][k] for k in TIMES)
                 print(f"| {repeat} | {mode} | {step:.3f} | {rollout:.3f} | {train:.3f} | {step - rollout - train:.3f} | "
                       f"{step / inprocess:.2f} |", flush=True)
 
