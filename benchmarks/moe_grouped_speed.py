@@ -9,16 +9,19 @@ graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead), its output ch
 dense kernels on the dequantized stacks (bits equal: "exact"), and set against the roofline of the
 bytes it must read: every expert some token chose, once, in the format held (bf16 2 bytes a weight;
 FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale per group of 128), over the
-measured device-to-device copy bandwidth. Needs CUDA.
+measured device-to-device copy bandwidth. Last, the compiled kernels per format (registers, spills,
+shared memory, mma.sync or wgmma), which say why a format runs as it does. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -47,6 +50,30 @@ def stacks(e: int, h: int, i: int) -> dict[str, tuple]:
         out[fmt] = quant, tuple(dense[n] for n in weights)
     del weights
     return out
+
+
+@contextmanager
+def compiled_kernels():
+    """{kernel name: its compiled form} of the Triton launches inside the block (JITFunction.run returns it)."""
+    seen, run = {}, JITFunction.run
+
+    def recording(self, *args, **kwargs):
+        kernel = run(self, *args, **kwargs)
+        seen[self.fn.__name__] = kernel
+        return kernel
+
+    JITFunction.run = recording
+    try:
+        yield seen
+    finally:
+        JITFunction.run = run
+
+
+def kernel_facts(kernel) -> str:
+    ptx = kernel.asm["ptx"]
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no mma"
+    return (f"{kernel.n_regs} | {kernel.n_spills} | {kernel.metadata.shared / 1024:.1f} | {mma} "
+            f"| {kernel.metadata.num_warps} | {kernel.metadata.num_stages}")
 
 
 def bytes_per_weight(fmt: str) -> float:
@@ -86,6 +113,13 @@ def main() -> None:
             roofline_ms = active * 3 * h * i * bytes_per_weight(fmt) / bandwidth * 1e3
             print(f"| {rows} | {active} | {fmt} | {ms * 1e3:,.1f} | {base / ms:.2f}x | {100 * roofline_ms / ms:.1f}% "
                   f"| {bits} |", flush=True)
+    print("\n| format | kernel | registers | spills | shared KB | MMA | warps | stages |")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
+    for fmt in FORMATS:
+        with compiled_kernels() as seen:
+            mg.grouped_experts(x, chosen, route, *(ops[fmt] if fmt == "bf16" else ops[fmt][0]))
+        for name, kernel in seen.items():
+            print(f"| {fmt} | {name} | {kernel_facts(kernel)} |", flush=True)
 
 
 if __name__ == "__main__":
