@@ -226,7 +226,7 @@ if triton is not None:
     def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
                 ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
                 dtype: tl.constexpr, INTERPRET: tl.constexpr):
-        # The [BLOCK_K, BLOCK_N] tile W[n, k] (rows n0 + .., columns k0 + ..) of one expert in `dtype`.
+        # The [BLOCK_N, BLOCK_K] tile W[n, k] (rows n0 + .., columns k0 + ..) of one expert in `dtype`.
         # Quantized stacks: code x scale in fp32, rounded once to dtype: the bits of dequantize_fp8_weight /
         # dequantize_int4 (what the eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight.
         # TILE_SCALE: the tile lies in one scale block along K (and along N for FP8), so its scales are one
@@ -234,34 +234,60 @@ if triton is not None:
         # One return, branches on constexprs only: the compiler builds the taken branch alone (code after
         # an early return is still compiled, and the INT4 bit operations refuse a bf16 pointer).
         if QUANT == 0:
-            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+            w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
         else:
             if QUANT == 1:  # e4m3 codes [N, K]
-                value = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+                value = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
                 value = value.to(tl.float32)
             else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
-                byte = tl.load(w_base + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
-                code = tl.where((offs_k % 2 == 0)[:, None], byte & 15, byte >> 4)
+                byte = tl.load(w_base + offs_n[:, None] * stride_wn + (offs_k // 2)[None, :], mask=mask, other=0)
+                code = tl.where((offs_k % 2 == 0)[None, :], byte & 15, byte >> 4)
                 value = (code.to(tl.int32) - 8).to(tl.float32)
             if TILE_SCALE:
                 if ROWS_PER_SCALE == 1:
                     scale = tl.load(s_base + offs_n * stride_sn + k0 // COLS_PER_SCALE, mask=n_ok, other=0.0)
-                    w = _round(value * scale[None, :], dtype, INTERPRET)
+                    w = _round(value * scale[:, None], dtype, INTERPRET)
                 else:
                     w = _round(value * tl.load(s_base + (n0 // ROWS_PER_SCALE) * stride_sn + k0 // COLS_PER_SCALE),
                                dtype, INTERPRET)
             else:
-                scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[None, :] * stride_sn
-                                + (offs_k // COLS_PER_SCALE)[:, None], mask=mask, other=0.0)
+                scale = tl.load(s_base + (offs_n // ROWS_PER_SCALE)[:, None] * stride_sn
+                                + (offs_k // COLS_PER_SCALE)[None, :], mask=mask, other=0.0)
                 w = _round(value * scale, dtype, INTERPRET)
         return w
+
+    @triton.jit
+    def _dot_w(x, w, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+        # acc += x W^T ([BLOCK_M, BLOCK_N]) or, SWAP, W x^T ([BLOCK_N, BLOCK_M]): the weight tile as the MMA's
+        # A operand, which Hopper's wgmma takes from registers (where the codes were dequantized) and which
+        # is 64 rows high where the block's 16 tokens are too few for it.
+        if SWAP:
+            return _dot(w, tl.trans(x), acc, IEEE)
+        else:
+            return _dot(x, tl.trans(w), acc, IEEE)
+
+    @triton.jit
+    def _by_row(v, SWAP: tl.constexpr):
+        # A per-token vector broadcast over the accumulator's token axis (its rows, or its columns if SWAP).
+        if SWAP:
+            return v[None, :]
+        else:
+            return v[:, None]
+
+    @triton.jit
+    def _store_rows(ptr, rows, offs_n, stride, value, row_ok, n_ok, SWAP: tl.constexpr):
+        # value (the accumulator's layout) into ptr[rows, offs_n].
+        if SWAP:
+            tl.store(ptr + rows[None, :] * stride + offs_n[:, None], value, mask=row_ok[None, :] & n_ok[:, None])
+        else:
+            tl.store(ptr + rows[:, None] * stride + offs_n[None, :], value, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _gate_up_codes_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
                         stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                         ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
-                        IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                        SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
         # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
         pid_m = tl.program_id(0)
@@ -278,33 +304,37 @@ if triton is not None:
         w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         dtype = act_ptr.dtype.element_ty
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:
+            acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < H
             x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w_ok = k_ok[:, None] & n_ok[None, :]
+            w_ok = n_ok[:, None] & k_ok[None, :]
             w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
                              ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
             w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
                            ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
-            acc_gate = _dot(x, w_gate, acc_gate, IEEE)
-            acc_up = _dot(x, w_up, acc_up, IEEE)
+            acc_gate = _dot_w(x, w_gate, acc_gate, SWAP, IEEE)
+            acc_up = _dot_w(x, w_up, acc_up, SWAP, IEEE)
         # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
         gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
         up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
         silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRET).to(tl.float32)
         act = _round(silu * up, dtype, INTERPRET)
-        tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
+        _store_rows(act_ptr, offs_m, offs_n, stride_am, act, row_ok, n_ok, SWAP)
 
     @triton.jit
     def _down_codes_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
                      stride_we, stride_wn, stride_se, stride_sn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                      ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
-                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                     SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
         # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
         pid_m = tl.program_id(0)
@@ -319,20 +349,22 @@ if triton is not None:
         n_ok = offs_n < H
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < I
             a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, k_ok[:, None] & n_ok[None, :], stride_wn,
+            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
                         stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, act_ptr.dtype.element_ty,
                         INTERPRET)
-            acc = _dot(a, w, acc, IEEE)
+            acc = _dot_w(a, w, acc, SWAP, IEEE)
         route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
-        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
-        rows = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
+        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * _by_row(route, SWAP)
+        _store_rows(y_ptr, tl.where(row_ok, pair, 0).to(tl.int64), offs_n, stride_ym, out, row_ok, n_ok, SWAP)
 
     @triton.jit
     def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
@@ -374,12 +406,15 @@ def _operand(stack: torch.Tensor | Stack) -> tuple[torch.Tensor, torch.Tensor, d
 
 
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor | Stack,
-                    down_proj: torch.Tensor | Stack, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+                    down_proj: torch.Tensor | Stack, block_n: int = 64, block_k: int = 64,
+                    swap: bool | None = None) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{experts[:, j]}(x), SwiGLU experts, as `Experts.forward` computes it.
 
     x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
     [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
-    the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only."""
+    the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only.
+    swap: None takes the dense pair for two dense stacks and the codes pair, unswapped, otherwise; True /
+    False take the codes pair for any stacks, with the weight tile as the MMA's A operand or its B."""
     n, hidden = x.shape
     k = experts.shape[1]
     gate_up, gate_up_scale, gate_up_quant = _operand(gate_up_proj)
@@ -393,7 +428,7 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     act = torch.empty(blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     route = weights.reshape(-1).float().contiguous()
-    if not gate_up_quant["QUANT"] and not down_quant["QUANT"]:
+    if swap is None and not gate_up_quant["QUANT"] and not down_quant["QUANT"]:
         _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
             x, gate_up, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
             act.stride(0), TOPK=k, **common)
@@ -404,11 +439,12 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         _gate_up_codes_kernel[(blocks, triton.cdiv(inter, block_n))](
             x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
             gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
-            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), **gate_up_quant, **common)
+            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), SWAP=bool(swap), **gate_up_quant,
+            **common)
         _down_codes_kernel[(blocks, triton.cdiv(hidden, block_n))](
             act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
             down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0),
-            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), **down_quant, **common)
+            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), SWAP=bool(swap), **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256

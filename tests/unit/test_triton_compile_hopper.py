@@ -140,19 +140,22 @@ def _moe_stack(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, group: int 
 
 def grouped_experts():
     """Dense, FP8 and INT4 stacks in each dtype, top-8, the quantized ones with their scales loaded once a
-    tile; then per weight (FP8: an expert width off the tiles; INT4: groups of 32, narrower than a tile)."""
+    tile; then per weight (FP8: an expert width off the tiles; INT4: groups of 32, narrower than a tile);
+    then the codes pair swapped (the weight tile as the MMA's A operand) for every format in bf16."""
     tokens, topk, e, h = 4, 8, 16, 256
 
-    def launch(fmt, dtype, i, group=128):
+    def launch(fmt, dtype, i, group=128, swap=None):
         moe_grouped.grouped_experts(_z(tokens, h, dtype=dtype), _z(tokens, topk, dtype=torch.long),
                                     _z(tokens, topk), _moe_stack(fmt, e, 2 * i, h, dtype, group),
-                                    _moe_stack(fmt, e, h, i, dtype, group))
+                                    _moe_stack(fmt, e, h, i, dtype, group), swap=swap)
 
     for dtype in moe_grouped.DTYPES:
         for fmt in ("dense", "fp8", "int4"):
             launch(fmt, dtype, 128)
     launch("fp8", BF16, 136)
     launch("int4", BF16, 128, group=32)
+    for fmt in ("dense", "fp8", "int4"):
+        launch(fmt, BF16, 128, swap=True)
 
 
 def dequantize_one_pass():

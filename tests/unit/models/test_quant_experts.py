@@ -90,18 +90,21 @@ CASES = [(5, 2, 4, 160, 136, 128), (9, 3, 6, 48, 41, 32), (64, 8, 16, 64, 24, 32
 
 
 @needs_kernel
+@pytest.mark.parametrize("swap", [None, True], ids=["codes_vs_dense_pair", "swapped_both"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("n,k,e,h,i,group,dtype", [(*case, torch.bfloat16) for case in CASES]
                          + [(*CASES[0], torch.float32)])  # fp32: the IEEE dots (the interpreter's time is the cost)
-def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, group, dtype, fmt):
+def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, group, dtype, fmt, swap):
+    """swap None: the codes pair against the dense pair on the dequantized stacks (two kernels); True: the
+    swapped codes pair on both (one kernel, so only the dequantization in registers can differ)."""
     quant, dense = _stacks(e, h, i, fmt, group, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, h, generator=g).to(dtype=dtype, device=DEV)
     experts = torch.rand(n, e, generator=g).topk(k, dim=-1).indices.to(DEV)
     weights = torch.rand(n, k, generator=g).to(DEV)
     with torch.no_grad():
-        out = mg.grouped_experts(x, experts, weights, *quant)
-        ref = mg.grouped_experts(x, experts, weights, *dense)
+        out = mg.grouped_experts(x, experts, weights, *quant, swap=swap)
+        ref = mg.grouped_experts(x, experts, weights, *dense, swap=swap)
     assert out.dtype == dtype and torch.equal(out, ref)
 
 
