@@ -5,10 +5,10 @@
 One MoE layer of Qwen3-30B-A3B's width by default (128 experts, 8 a token, hidden 2048, expert width
 768): random bf16 experts, and the FP8 / INT4 payloads weight sync makes of them (held so by the FP8 /
 INT4 engines, miles/models/quant_experts.py). Per row count, each format's `grouped_experts` call is
-graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead) with the default kernels and with the
-codes pair swapped (`swap=True`), its output checked against the same kernels on the dequantized stacks
-(bf16: against the dense pair; bits equal: "exact"), and set against the roofline of the
-bytes it must read: every expert some token chose, once, in the format held (bf16 2 bytes a weight;
+graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead) with the default kernels and with
+the codes pair swapped (`swap=True`, K tiles of 64 and 128), its output checked against the same
+kernels on the dequantized stacks (bf16: against the dense pair; bits equal: "exact"), and set
+against the roofline of the bytes it must read: every expert some token chose, once, in the format held (bf16 2 bytes a weight;
 FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale per group of 128), over the
 measured device-to-device copy bandwidth. Last, the compiled kernels per format (registers, spills,
 shared memory, mma.sync or wgmma), which say why a format runs as it does. Needs CUDA.
@@ -33,9 +33,9 @@ from miles.models import moe_grouped as mg  # noqa: E402
 from miles.precision.rollout_format import from_rollout_format, rollout_format  # noqa: E402
 
 FORMATS = ("bf16", "fp8", "int4")
-# grouped_experts' `swap`: its default (the dense pair for bf16, the codes pair otherwise), and the codes pair
-# with the weight tile as the MMA's A operand (wgmma on Hopper).
-SWAPS = {None: "default", True: "swapped"}
+# grouped_experts' keywords per variant: its defaults (the dense pair for bf16, the codes pair otherwise), and
+# the codes pair with the weight tile as the MMA's A operand (wgmma on Hopper), at K tiles of 64 and 128.
+VARIANTS = {"default": {}, "swapped": {"swap": True}, "swapped, BK 128": {"swap": True, "block_k": 128}}
 
 
 def stacks(e: int, h: int, i: int) -> dict[str, tuple]:
@@ -106,26 +106,26 @@ def main() -> None:
         active = chosen.unique().numel()
         base = None
         for fmt in FORMATS:
-            for swap in SWAPS:
+            for variant, kw in VARIANTS.items():
                 operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
-                ms = _time_graph(lambda: mg.grouped_experts(x, chosen, route, *operands, swap=swap))
-                out = mg.grouped_experts(x, chosen, route, *operands, swap=swap)
+                ms = _time_graph(lambda: mg.grouped_experts(x, chosen, route, *operands, **kw))
+                out = mg.grouped_experts(x, chosen, route, *operands, **kw)
                 # bf16: against the dense pair; FP8 / INT4: the same kernels on the dequantized stacks.
                 ref = mg.grouped_experts(x, chosen, route, *(ops[fmt] if fmt == "bf16" else ops[fmt][1]),
-                                         swap=None if fmt == "bf16" else swap)
+                                         **({} if fmt == "bf16" else kw))
                 bits = "exact" if torch.equal(out, ref) else f"{(out != ref).sum().item()} off"
                 base = base or ms
                 roofline_ms = active * 3 * h * i * bytes_per_weight(fmt) / bandwidth * 1e3
-                print(f"| {rows} | {active} | {fmt} | {SWAPS[swap]} | {ms * 1e3:,.1f} | {base / ms:.2f}x "
+                print(f"| {rows} | {active} | {fmt} | {variant} | {ms * 1e3:,.1f} | {base / ms:.2f}x "
                       f"| {100 * roofline_ms / ms:.1f}% | {bits} |", flush=True)
     print("\n| format | kernels | kernel | registers | spills | shared KB | MMA | warps | stages |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     for fmt in FORMATS:
-        for swap in SWAPS:
+        for variant, kw in VARIANTS.items():
             with compiled_kernels() as seen:
-                mg.grouped_experts(x, chosen, route, *(ops[fmt] if fmt == "bf16" else ops[fmt][0]), swap=swap)
+                mg.grouped_experts(x, chosen, route, *(ops[fmt] if fmt == "bf16" else ops[fmt][0]), **kw)
             for name, kernel in seen.items():
-                print(f"| {fmt} | {SWAPS[swap]} | {name} | {kernel_facts(kernel)} |", flush=True)
+                print(f"| {fmt} | {variant} | {name} | {kernel_facts(kernel)} |", flush=True)
 
 
 if __name__ == "__main__":

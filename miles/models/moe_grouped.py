@@ -223,9 +223,9 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
+    def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, K, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
                 ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
-                dtype: tl.constexpr, INTERPRET: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         # The [BLOCK_N, BLOCK_K] tile W[n, k] (rows n0 + .., columns k0 + ..) of one expert in `dtype`.
         # Quantized stacks: code x scale in fp32, rounded once to dtype: the bits of dequantize_fp8_weight /
         # dequantize_int4 (what the eager loop multiplies), read as 1 (FP8) or 1/2 (INT4) byte a weight.
@@ -240,8 +240,12 @@ if triton is not None:
                 value = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
                 value = value.to(tl.float32)
             else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
-                byte = tl.load(w_base + offs_n[:, None] * stride_wn + (offs_k // 2)[None, :], mask=mask, other=0)
-                code = tl.where((offs_k % 2 == 0)[None, :], byte & 15, byte >> 4)
+                # Each byte loaded once (vector loads along the row), its nibbles interleaved by join +
+                # reshape (int4_triton's unpack 0). Bytes past the row read 0x88, two zero codes.
+                offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                byte = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
+                               mask=n_ok[:, None] & (offs_b < (K + 1) // 2)[None, :], other=0x88)
+                code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K))
                 value = (code.to(tl.int32) - 8).to(tl.float32)
             if TILE_SCALE:
                 if ROWS_PER_SCALE == 1:
@@ -316,10 +320,10 @@ if triton is not None:
             x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w_ok = n_ok[:, None] & k_ok[None, :]
-            w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
-                             ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
-            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
-                           ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, dtype, INTERPRET)
+            w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, H, n_ok, w_ok, stride_wn, stride_sn, QUANT,
+                             ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
+            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, H, n_ok, w_ok, stride_wn, stride_sn,
+                           QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
             acc_gate = _dot_w(x, w_gate, acc_gate, SWAP, IEEE)
             acc_up = _dot_w(x, w_up, acc_up, SWAP, IEEE)
         # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
@@ -358,9 +362,9 @@ if triton is not None:
             k_ok = offs_k < I
             a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
-                        stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, act_ptr.dtype.element_ty,
-                        INTERPRET)
+            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, I, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
+                        stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K,
+                        act_ptr.dtype.element_ty, INTERPRET)
             acc = _dot_w(a, w, acc, SWAP, IEEE)
         route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
         out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * _by_row(route, SWAP)

@@ -141,13 +141,14 @@ def _moe_stack(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, group: int 
 def grouped_experts():
     """Dense, FP8 and INT4 stacks in each dtype, top-8, the quantized ones with their scales loaded once a
     tile; then per weight (FP8: an expert width off the tiles; INT4: groups of 32, narrower than a tile);
-    then the codes pair swapped (the weight tile as the MMA's A operand) for every format in bf16."""
+    then the codes pair swapped (the weight tile as the MMA's A operand) for every format in bf16, at K
+    tiles of 64 and 128."""
     tokens, topk, e, h = 4, 8, 16, 256
 
-    def launch(fmt, dtype, i, group=128, swap=None):
+    def launch(fmt, dtype, i, group=128, **kw):
         moe_grouped.grouped_experts(_z(tokens, h, dtype=dtype), _z(tokens, topk, dtype=torch.long),
                                     _z(tokens, topk), _moe_stack(fmt, e, 2 * i, h, dtype, group),
-                                    _moe_stack(fmt, e, h, i, dtype, group), swap=swap)
+                                    _moe_stack(fmt, e, h, i, dtype, group), **kw)
 
     for dtype in moe_grouped.DTYPES:
         for fmt in ("dense", "fp8", "int4"):
@@ -156,6 +157,7 @@ def grouped_experts():
     launch("int4", BF16, 128, group=32)
     for fmt in ("dense", "fp8", "int4"):
         launch(fmt, BF16, 128, swap=True)
+        launch(fmt, BF16, 128, swap=True, block_k=128)
 
 
 def dequantize_one_pass():
