@@ -69,6 +69,9 @@ enabled = True
 # (docs/benchmarks.md, tenth session). Until they beat the expert loop, those engines decode their MoE
 # layers through it, without CUDA graphs. MILES_QUANT_EXPERTS_CUDA=1 turns them on (the benchmarks).
 CODES_ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
+# The codes pair's orientation where `grouped_experts` is not told (`swap=None`, the MoE layers' call) and a
+# stack is quantized: the weight tile as the MMA's A operand (True) or its B operand.
+SWAP_CODES = False
 
 
 def available() -> bool:
@@ -417,8 +420,9 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
     [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
     the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only.
-    swap: None takes the dense pair for two dense stacks and the codes pair, unswapped, otherwise; True /
-    False take the codes pair for any stacks, with the weight tile as the MMA's A operand or its B."""
+    swap: None takes the dense pair for two dense stacks and the codes pair oriented by `SWAP_CODES`
+    otherwise; True / False take the codes pair for any stacks, with the weight tile as the MMA's A
+    operand or its B."""
     n, hidden = x.shape
     k = experts.shape[1]
     gate_up, gate_up_scale, gate_up_quant = _operand(gate_up_proj)
@@ -440,15 +444,15 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
             act, down, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
             y.stride(0), **common)
     else:
+        swap = SWAP_CODES if swap is None else swap
         _gate_up_codes_kernel[(blocks, triton.cdiv(inter, block_n))](
             x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
             gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
-            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), SWAP=bool(swap), **gate_up_quant,
-            **common)
+            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), SWAP=swap, **gate_up_quant, **common)
         _down_codes_kernel[(blocks, triton.cdiv(hidden, block_n))](
             act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
             down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0),
-            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), SWAP=bool(swap), **down_quant, **common)
+            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), SWAP=swap, **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256

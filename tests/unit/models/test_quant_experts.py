@@ -208,10 +208,13 @@ def test_a_sync_lands_in_place_under_the_trainers_checksums(ckpt, quant):
 
 
 @needs_kernel
+@pytest.mark.parametrize("swap", [False, True], ids=["unswapped", "swapped"])
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
-def test_slot_decode_reads_the_codes_through_the_grouped_kernels(ckpt, quant, monkeypatch):
+def test_slot_decode_reads_the_codes_through_the_grouped_kernels(ckpt, quant, swap, monkeypatch):
     """Slot decode with MoE.forward dispatching to the grouped kernels on the held codes (forced in the
-    interpreter: `applies` wants CUDA): the padded engine's expert loop's tokens and log-probs."""
+    interpreter: `applies` wants CUDA), either orientation of the codes pair (`SWAP_CODES`): the padded
+    engine's expert loop's tokens and log-probs."""
+    monkeypatch.setattr(mg, "SWAP_CODES", swap)
     calls = []
     grouped = mg.grouped_experts
     monkeypatch.setattr(mg, "applies", lambda experts, x, ctx: getattr(ctx, "slot_decode", False))
