@@ -222,7 +222,7 @@ case $PART in
 20) # the GRPO step per recipe: 4 of Qwen3-30B-A3B's layers (the FP8 engine holds the experts quantized
     # since 2026-12-06: decode reads half their bytes), then the 4B shape with the fp8 engine's one-pass
     # dequantization + cuBLAS above 256 rows (the default since 2026-12-06; part 18: fp8_w8a16 0.63x at 512 rows)
-    MILES_QUANT_EXPERTS_CUDA=1 step grpo_moe 330 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
+    step grpo_moe 330 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
         --recipes bf16,model.num_layers=4,trainer.recompute=true fp8,model.num_layers=4,trainer.recompute=true
     step grpo_fp8 240 python3 benchmarks/grpo_step.py --model qwen3_4b --steps 2 --recipes bf16 \
         fp8,trainer.recompute=true
@@ -238,7 +238,7 @@ case $PART in
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
         tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"
     step moe_grouped_speed 60 python3 benchmarks/moe_grouped_speed.py
-    (cd benchmarks && MILES_QUANT_EXPERTS_CUDA=1 step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_4l --rows 64 \
+    (cd benchmarks && step moe_decode 220 python3 precision_decode.py --model qwen3_30b_a3b_4l --rows 64 \
         --recipes bf16 fp8_w8a16 int4 --repeats 2 --new-tokens 64)
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     ;;

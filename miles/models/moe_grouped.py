@@ -10,16 +10,16 @@ in a CUDA graph. Here every shape and launch grid depends only on (N, k, E):
    expert's run padded to a multiple of BLOCK_M, and the expert of every BLOCK_M block. The number of
    blocks is the worst case, ceil((N k + min(E, N k) (BLOCK_M - 1)) / BLOCK_M); blocks past the real
    total have expert -1 and their programs exit at once.
-2. `_gate_up_kernel`: per (block, I tile), x's rows of the block's pairs times the expert's gate and
-   up rows, SiLU(gate) * up in the epilogue -> act [blocks * BLOCK_M, I] in x.dtype.
-3. `_down_kernel`: per (block, H tile), act times the expert's down_proj, times the routing weight
-   in fp32 -> y [N k, H] fp32, at each pair's own row (no two programs write one row).
+2. `_gate_up_kernel`: per (block, I tile), the expert's gate and up rows times x's rows of the block's
+   pairs (W x^T: the weight tile is the MMA's A operand), SiLU(gate) * up in the epilogue -> act
+   [blocks * BLOCK_M, I] in x.dtype.
+3. `_down_kernel`: per (block, H tile), the expert's down_proj times act, times the routing weight in
+   fp32 -> y [N k, H] fp32, at each pair's own row (no two programs write one row).
 4. `_combine_kernel`: per token, 0 + its k rows of y in ascending expert order (the order of
    Experts.forward's sum on the CPU), rounded to x.dtype once. Fixed order, no atomics: deterministic.
 
-`_gate_up_codes_kernel` / `_down_codes_kernel` are 2. and 3. for FP8 / INT4 stacks (`Stack`): each
-weight dequantized as it is loaded (`_load_w`). They ran on an H100 but slower than the dense pair and
-not yet bit-equal in every case (`CODES_ON_CUDA`), so dense stacks keep the two kernels above.
+The weight operands are dense stacks or FP8 / INT4 ones (`Stack`), each weight dequantized as it is
+loaded (`_load_w`, a constexpr branch per format).
 
 Numerics match the eager loop's roundings: gate and up rounded to x.dtype (F.linear's output),
 SiLU in fp32 rounded, times up rounded, the down product rounded before the fp32 routing weight. The
@@ -43,7 +43,6 @@ decode graphs.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -64,15 +63,11 @@ BLOCK_M = 16  # pairs per block: the smallest MMA height, as decode gives each e
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # On/off for the whole process (off: the expert loop, and no decode graphs for MoE models), to compare.
 enabled = True
-# Whether FP8 / INT4 stacks (the engines' quantized holders) take the *_codes_kernel pair. Off: on an H100
-# (2026-12-07) they ran at 0.05-0.38x the dense kernels' speed, and one FP8 case was not bit-equal
-# (docs/benchmarks.md, tenth session). Until they beat the expert loop, those engines decode their MoE
-# layers through it, without CUDA graphs. MILES_QUANT_EXPERTS_CUDA=1 turns them on (the benchmarks).
-CODES_ON_CUDA = os.environ.get("MILES_QUANT_EXPERTS_CUDA") == "1"
-# The codes pair's orientation where `grouped_experts` is not told (`swap=None`, the MoE layers' call) and a
-# stack is quantized: the weight tile as the MMA's A operand (True) or its B operand.
-SWAP_CODES = False
-
+# Whether FP8 / INT4 stacks (the engines' quantized holders) take the kernels (on: an H200 ran them at
+# 0.95-1.20x (FP8) and 0.55-0.81x (INT4) the bf16 stacks' speed, bit for bit the dequantized stacks';
+# docs/benchmarks.md, eleventh session). Off: those engines decode their MoE layers through the expert loop,
+# without CUDA graphs (to compare).
+CODES_ON_CUDA = True
 
 def available() -> bool:
     """The kernels can run in this process (Triton present, switched on, no batch-invariant kernels)."""
@@ -155,76 +150,6 @@ if triton is not None:
         else:
             return tl.dot(a, b, acc)
 
-    # The dense kernels as they ran on GPUs (tests/gpu/test_moe_graph_decode_cuda.py); the *_codes_kernel
-    # pair below also reads FP8 / INT4 stacks and, once it has run on a GPU (scripts/gpu_session.sh 21),
-    # replaces these two for dense stacks too.
-    @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we, stride_wn,
-                        stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
-        # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
-        pid_m = tl.program_id(0)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + offs_m)
-        row_ok = pair >= 0
-        token = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
-        w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < H
-            x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w_ok = k_ok[:, None] & n_ok[None, :]
-            w_gate = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
-            w_up = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
-            acc_gate = _dot(x, w_gate, acc_gate, IEEE)
-            acc_up = _dot(x, w_up, acc_up, IEEE)
-        dtype = act_ptr.dtype.element_ty
-        # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
-        gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
-        up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
-        silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRET).to(tl.float32)
-        act = _round(silu * up, dtype, INTERPRET)
-        tl.store(act_ptr + offs_m[:, None] * stride_am + offs_n[None, :], act, mask=row_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am, stride_we,
-                     stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
-        # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
-        pid_m = tl.program_id(0)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + offs_m)
-        row_ok = pair >= 0
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < I
-            a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                        other=0.0)
-            acc = _dot(a, w, acc, IEEE)
-        route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
-        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[:, None]
-        rows = tl.where(row_ok, pair, 0).to(tl.int64)
-        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
-
     @triton.jit
     def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, K, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
                 ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
@@ -264,37 +189,11 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _dot_w(x, w, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
-        # acc += x W^T ([BLOCK_M, BLOCK_N]) or, SWAP, W x^T ([BLOCK_N, BLOCK_M]): the weight tile as the MMA's
-        # A operand, which Hopper's wgmma takes from registers (where the codes were dequantized) and which
-        # is 64 rows high where the block's 16 tokens are too few for it.
-        if SWAP:
-            return _dot(w, tl.trans(x), acc, IEEE)
-        else:
-            return _dot(x, tl.trans(w), acc, IEEE)
-
-    @triton.jit
-    def _by_row(v, SWAP: tl.constexpr):
-        # A per-token vector broadcast over the accumulator's token axis (its rows, or its columns if SWAP).
-        if SWAP:
-            return v[None, :]
-        else:
-            return v[:, None]
-
-    @triton.jit
-    def _store_rows(ptr, rows, offs_n, stride, value, row_ok, n_ok, SWAP: tl.constexpr):
-        # value (the accumulator's layout) into ptr[rows, offs_n].
-        if SWAP:
-            tl.store(ptr + rows[None, :] * stride + offs_n[:, None], value, mask=row_ok[None, :] & n_ok[:, None])
-        else:
-            tl.store(ptr + rows[:, None] * stride + offs_n[None, :], value, mask=row_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _gate_up_codes_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, act_ptr, H, I, stride_xm, stride_we,
                         stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                         ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
-                        SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                        IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, I tile): act rows of the block = SiLU(x W_gate^T) * (x W_up^T) on columns
         # [n0, n0 + BLOCK_N) of I, W = gate_up_proj[expert] (gate rows [0, I), up rows [I, 2I)).
         pid_m = tl.program_id(0)
@@ -311,12 +210,11 @@ if triton is not None:
         w_base = w_ptr + expert.to(tl.int64) * stride_we  # 64-bit: a DeepSeek-V3 stack passes 2^31 elements
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         dtype = act_ptr.dtype.element_ty
-        if SWAP:
-            acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Accumulators [BLOCK_N, BLOCK_M] = W x^T: the weight tile is the MMA's A operand, which Hopper's
+        # wgmma takes from registers (where the codes are dequantized) and which is 64 rows high where the
+        # block's 16 tokens are too few for it (H200: 1.0-1.2x x W^T with mma.sync, tenth session).
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < H
@@ -327,21 +225,21 @@ if triton is not None:
                              ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
             w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, H, n_ok, w_ok, stride_wn, stride_sn,
                            QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
-            acc_gate = _dot_w(x, w_gate, acc_gate, SWAP, IEEE)
-            acc_up = _dot_w(x, w_up, acc_up, SWAP, IEEE)
+            acc_gate = _dot(w_gate, tl.trans(x), acc_gate, IEEE)
+            acc_up = _dot(w_up, tl.trans(x), acc_up, IEEE)
         # The eager loop's roundings: gate_up in x.dtype, SiLU(gate) in x.dtype, the product in x.dtype.
         gate = _round(acc_gate, dtype, INTERPRET).to(tl.float32)
         up = _round(acc_up, dtype, INTERPRET).to(tl.float32)
         silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRET).to(tl.float32)
         act = _round(silu * up, dtype, INTERPRET)
-        _store_rows(act_ptr, offs_m, offs_n, stride_am, act, row_ok, n_ok, SWAP)
+        tl.store(act_ptr + offs_m[None, :] * stride_am + offs_n[:, None], act, mask=row_ok[None, :] & n_ok[:, None])
 
     @triton.jit
-    def _down_codes_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
+    def _down_kernel(act_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, route_ptr, y_ptr, H, I, stride_am,
                      stride_we, stride_wn, stride_se, stride_sn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                      ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
-                     SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+                     IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         # Program (block, H tile): y[pair] = routing weight * round(act W_down^T) on columns
         # [n0, n0 + BLOCK_N) of H, W = down_proj[expert] [H, I]; in fp32, at the pair's own row.
         pid_m = tl.program_id(0)
@@ -356,10 +254,7 @@ if triton is not None:
         n_ok = offs_n < H
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         s_base = s_ptr + expert.to(tl.int64) * stride_se
-        if SWAP:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # W a^T, as in the gate-up kernel
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < I
@@ -368,10 +263,11 @@ if triton is not None:
             w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, I, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
                         stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K,
                         act_ptr.dtype.element_ty, INTERPRET)
-            acc = _dot_w(a, w, acc, SWAP, IEEE)
+            acc = _dot(w, tl.trans(a), acc, IEEE)
         route = tl.load(route_ptr + pair, mask=row_ok, other=0.0)
-        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * _by_row(route, SWAP)
-        _store_rows(y_ptr, tl.where(row_ok, pair, 0).to(tl.int64), offs_n, stride_ym, out, row_ok, n_ok, SWAP)
+        out = _round(acc, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32) * route[None, :]
+        rows = tl.where(row_ok, pair, 0).to(tl.int64)
+        tl.store(y_ptr + rows[None, :] * stride_ym + offs_n[:, None], out, mask=row_ok[None, :] & n_ok[:, None])
 
     @triton.jit
     def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
@@ -413,18 +309,17 @@ def _operand(stack: torch.Tensor | Stack) -> tuple[torch.Tensor, torch.Tensor, d
 
 
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor | Stack,
-                    down_proj: torch.Tensor | Stack, block_n: int = 64, block_k: int = 64,
-                    swap: bool | None = None) -> torch.Tensor:
+                    down_proj: torch.Tensor | Stack, block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
     """sum_j weights[:, j] * expert_{experts[:, j]}(x), SwiGLU experts, as `Experts.forward` computes it.
 
     x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
     [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
     the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only.
-    swap: None takes the dense pair for two dense stacks and the codes pair oriented by `SWAP_CODES`
-    otherwise; True / False take the codes pair for any stacks, with the weight tile as the MMA's A
-    operand or its B."""
+    block_k: K tiles of 128 (fp32: 64, its IEEE dots hold fp32 tiles in shared memory); on an H200 they
+    beat 64 by 1.0-1.2x (FP8) and 1.3-1.6x (INT4) at 1-256 rows (docs/benchmarks.md, eleventh session)."""
     n, hidden = x.shape
     k = experts.shape[1]
+    block_k = block_k or (64 if x.dtype == torch.float32 else 128)
     gate_up, gate_up_scale, gate_up_quant = _operand(gate_up_proj)
     down, down_scale, down_quant = _operand(down_proj)
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -436,23 +331,14 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     act = torch.empty(blocks * BLOCK_M, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n * k, hidden, dtype=torch.float32, device=x.device)
     route = weights.reshape(-1).float().contiguous()
-    if swap is None and not gate_up_quant["QUANT"] and not down_quant["QUANT"]:
-        _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-            x, gate_up, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-            act.stride(0), TOPK=k, **common)
-        _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-            act, down, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
-            y.stride(0), **common)
-    else:
-        swap = SWAP_CODES if swap is None else swap
-        _gate_up_codes_kernel[(blocks, triton.cdiv(inter, block_n))](
-            x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
-            gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
-            TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), SWAP=swap, **gate_up_quant, **common)
-        _down_codes_kernel[(blocks, triton.cdiv(hidden, block_n))](
-            act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
-            down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0),
-            TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), SWAP=swap, **down_quant, **common)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, gate_up_scale, pairs, block_expert, act, hidden, inter, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), *_scale_strides(gate_up_scale, gate_up_quant), act.stride(0), TOPK=k,
+        TILE_SCALE=_tile_scale(gate_up_quant, block_n, block_k, inter), **gate_up_quant, **common)
+    _down_kernel[(blocks, triton.cdiv(hidden, block_n))](
+        act, down, down_scale, pairs, block_expert, route, y, hidden, inter, act.stride(0), down.stride(0),
+        down.stride(1), *_scale_strides(down_scale, down_quant), y.stride(0),
+        TILE_SCALE=_tile_scale(down_quant, block_n, block_k, 0), **down_quant, **common)
     slots = experts.argsort(dim=1, stable=True).contiguous()  # each token's slots, ascending expert
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     block = 256

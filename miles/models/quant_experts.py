@@ -10,8 +10,7 @@ memory planner counts, and multiplies them two ways, with the same bits:
 
 - slot decode on CUDA: the grouped Triton kernels (miles.models.moe_grouped) read the codes and scales
   and dequantize each weight as they load it; decode is bound by the bytes of the experts it reads
-  (off on CUDA for now, `moe_grouped.CODES_ON_CUDA`: on an H100 they ran slower than the bf16
-  kernels, and one FP8 case was not bit-equal);
+  (`moe_grouped.CODES_ON_CUDA` turns this off, to compare);
 - everything else (prefill, the CPU, true on-policy's batch-invariant kernels): the expert loop of the
   dense class, which asks `expert_weight(name, e)` for one expert's slice, dequantized on use.
 

@@ -44,12 +44,6 @@ MODEL = ModelCfg(name="m", family="qwen3_moe", hidden_size=H, intermediate_size=
                  moe=MoEConfig(num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I))
 
 
-@pytest.fixture(autouse=True)
-def codes_kernels(monkeypatch):
-    """The grouped kernels on codes for the engines' holders, off by default until these tests pass on a GPU."""
-    monkeypatch.setattr(mg, "CODES_ON_CUDA", True)
-
-
 def recipe(quant: str) -> PrecisionCfg:
     """fp8 / int4_qat as conf/precision ships them (bf16 on both sides)."""
     return PrecisionCfg(name={"fp8": "fp8", "int4": "int4_qat"}[quant], train_dtype=DType.bf16,
@@ -90,39 +84,22 @@ CASES = [(5, 2, 4, 160, 136, 128), (9, 3, 6, 48, 41, 32), (64, 8, 16, 64, 24, 32
 
 
 @needs_kernel
-@pytest.mark.parametrize("swap", [None, True], ids=["codes_vs_dense_pair", "swapped_both"])
+@pytest.mark.parametrize("block_k", [64, 128])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("n,k,e,h,i,group,dtype", [(*case, torch.bfloat16) for case in CASES]
                          + [(*CASES[0], torch.float32)])  # fp32: the IEEE dots (the interpreter's time is the cost)
-def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, group, dtype, fmt, swap):
-    """swap None: the codes pair against the dense pair on the dequantized stacks (two kernels); True: the
-    swapped codes pair on both (one kernel, so only the dequantization in registers can differ)."""
+def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, group, dtype, fmt, block_k):
+    """The same kernels on the codes and on the dequantized stacks: only the dequantization in registers
+    can differ. K tiles of 64 and 128 (an INT4 group of 32 spans several groups a tile: scales per weight)."""
     quant, dense = _stacks(e, h, i, fmt, group, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, h, generator=g).to(dtype=dtype, device=DEV)
     experts = torch.rand(n, e, generator=g).topk(k, dim=-1).indices.to(DEV)
     weights = torch.rand(n, k, generator=g).to(DEV)
     with torch.no_grad():
-        out = mg.grouped_experts(x, experts, weights, *quant, swap=swap)
-        ref = mg.grouped_experts(x, experts, weights, *dense, swap=swap)
+        out = mg.grouped_experts(x, experts, weights, *quant, block_k=block_k)
+        ref = mg.grouped_experts(x, experts, weights, *dense, block_k=block_k)
     assert out.dtype == dtype and torch.equal(out, ref)
-
-
-@needs_kernel
-@pytest.mark.parametrize("dense_side", [0, 1], ids=["gate_up_dense", "down_dense"])
-def test_the_codes_kernels_on_a_dense_stack_give_the_dense_kernels_bits(dense_side):
-    """One dense operand and one FP8 one take the *_codes_kernel pair, the dense one through QUANT=0:
-    its bits against the dense pair's show whether the codes pair can replace it for dense stacks."""
-    n, k, e, h, i, group = CASES[0]
-    quant, dense = _stacks(e, h, i, "fp8", group, torch.bfloat16)
-    mixed = [dense[j] if j == dense_side else quant[j] for j in (0, 1)]
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(n, h, generator=g).to(dtype=torch.bfloat16, device=DEV)
-    experts = torch.rand(n, e, generator=g).topk(k, dim=-1).indices.to(DEV)
-    weights = torch.rand(n, k, generator=g).to(DEV)
-    with torch.no_grad():
-        assert torch.equal(mg.grouped_experts(x, experts, weights, *mixed),
-                           mg.grouped_experts(x, experts, weights, *dense))
 
 
 # ------------------------------------------------------------------------------- the engine
@@ -167,13 +144,13 @@ def test_the_engine_holds_the_payloads_codes_and_decodes_as_the_dequantized_stac
 
 
 @parent_only
-def test_until_the_codes_kernels_pass_on_a_gpu_the_holders_keep_the_expert_loop(ckpt, monkeypatch):
+def test_with_the_codes_kernels_off_the_holders_keep_the_expert_loop(ckpt, monkeypatch):
     from miles.models.moe import graph_capturable
 
     engine = _engine(ckpt, "fp8")
     held = engine.model.layers[0].mlp.experts
     assert mg.grouped_stacks(held) is not None and graph_capturable(engine.model) == (mg.triton is not None)
-    monkeypatch.setattr(mg, "CODES_ON_CUDA", False)  # the default
+    monkeypatch.setattr(mg, "CODES_ON_CUDA", False)
     assert mg.grouped_stacks(held) is None and not graph_capturable(engine.model)
 
 
@@ -208,13 +185,10 @@ def test_a_sync_lands_in_place_under_the_trainers_checksums(ckpt, quant):
 
 
 @needs_kernel
-@pytest.mark.parametrize("swap", [False, True], ids=["unswapped", "swapped"])
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
-def test_slot_decode_reads_the_codes_through_the_grouped_kernels(ckpt, quant, swap, monkeypatch):
+def test_slot_decode_reads_the_codes_through_the_grouped_kernels(ckpt, quant, monkeypatch):
     """Slot decode with MoE.forward dispatching to the grouped kernels on the held codes (forced in the
-    interpreter: `applies` wants CUDA), either orientation of the codes pair (`SWAP_CODES`): the padded
-    engine's expert loop's tokens and log-probs."""
-    monkeypatch.setattr(mg, "SWAP_CODES", swap)
+    interpreter: `applies` wants CUDA): the padded engine's expert loop's tokens and log-probs."""
     calls = []
     grouped = mg.grouped_experts
     monkeypatch.setattr(mg, "applies", lambda experts, x, ctx: getattr(ctx, "slot_decode", False))
