@@ -11,9 +11,9 @@ replaced by a recorder, so nothing executes and every launch gives its kernel, i
 tensor's dtype as Triton's pointer type, ints i32 / i64, floats fp32), its constexprs and its
 num_warps / num_stages. This process does not interpret (TRITON_INTERPRET unset), so the constexprs are
 the GPU's (INTERPRET=False, IEEE only for fp32), not the interpreter's. Empty buffers do: no launcher
-reads a kernel's output on the host (they make no host syncs). Ints are not specialized as a GPU launch
-would (== 1, multiples of 16): that folds constants and adds alignment hints, not which constexpr
-branches are built or how they are typed.
+reads a kernel's output on the host (they make no host syncs). Tensors and ints that are multiples of 16
+get the divisibility hint a GPU launch gives them (which lets loads vectorize); ints == 1 are not folded
+into constants as a GPU launch would: that changes no constexpr branch or type.
 
 Each distinct launch is one test: it compiles, dots became tensor-core instructions (IEEE fp32 dots must
 not: TF32 would round their operands), and the shared memory fits an H100's block (else the launch
@@ -63,9 +63,14 @@ class Launch:
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
     options: tuple[tuple[str, object], ...]
+    aligned: tuple[int, ...]  # argument positions a GPU launch marks divisible by 16
 
     def __hash__(self):  # by name: JITFunction hashes its source's dependencies, slowly
-        return hash((_name(self.kernel), self.signature, self.constexprs, self.options))
+        return hash((_name(self.kernel), self.signature, self.constexprs, self.options, self.aligned))
+
+    def source(self) -> ASTSource:
+        return ASTSource(fn=self.kernel, signature=dict(self.signature), constexprs=dict(self.constexprs),
+                         attrs={(i,): [["tt.divisibility", 16]] for i in self.aligned})
 
     @property
     def id(self) -> str:
@@ -80,15 +85,18 @@ def _launch(kernel: JITFunction, args: tuple, kwargs: dict) -> Launch:
     params = {p.name: p for p in kernel.params}
     bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
-    signature, constexprs = [], []
-    for name, value in bound.arguments.items():
+    signature, constexprs, aligned = [], [], []
+    for i, (name, value) in enumerate(bound.arguments.items()):
         if params[name].is_constexpr:
             signature.append((name, "constexpr"))
             constexprs.append((name, value))
         else:
             signature.append((name, mangle_type(value)))  # Triton's own type of the value, unspecialized
+            if (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or \
+                    (type(value) is int and value % 16 == 0):
+                aligned.append(i)
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
-    return Launch(kernel, tuple(signature), tuple(constexprs), options)
+    return Launch(kernel, tuple(signature), tuple(constexprs), options, tuple(aligned))
 
 
 @contextlib.contextmanager
@@ -292,9 +300,7 @@ def test_every_kernel_in_miles_is_compiled_here():
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.id for launch in LAUNCHES])
 def test_kernel_compiles_for_hopper(launch):
-    kernel = triton.compile(ASTSource(fn=launch.kernel, signature=dict(launch.signature),
-                                      constexprs=dict(launch.constexprs)),
-                            target=HOPPER, options=dict(launch.options))
+    kernel = triton.compile(launch.source(), target=HOPPER, options=dict(launch.options))
     ptx = kernel.asm["ptx"]
     assert ".entry" in ptx
     if _has_dot(launch.kernel):
