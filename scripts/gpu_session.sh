@@ -232,7 +232,8 @@ case $PART in
     # one-pass dequantization's tests; the grouped kernels per format against the roofline; the decode of
     # 4 Qwen3-30B-A3B layers per recipe; last, the one-pass dequantization's GEMMs. An H200 (2026-12-07,
     # ab51add): W x^T at K tiles of 128 FP8 1.01-1.20x bf16, INT4 0.55-0.81x, bit-exact. Next, for the
-    # one pair since (db20eec): STEPS="moe_quant_tests moe_decode"
+    # one pair since (db20eec): STEPS="moe_quant_tests moe_decode"; then the branch int4-magic (INT4
+    # without I2F, pipelined byte loads): STEPS="moe_grouped_speed moe_quant_tests" on its checkout
     step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
