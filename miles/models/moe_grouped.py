@@ -64,10 +64,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # On/off for the whole process (off: the expert loop, and no decode graphs for MoE models), to compare.
 enabled = True
 # Whether FP8 / INT4 stacks (the engines' quantized holders) take the kernels (on: an H200 ran them at
-# 0.95-1.20x (FP8) and 0.55-0.81x (INT4) the bf16 stacks' speed, bit for bit the dequantized stacks';
+# 1.01-1.20x (FP8) and 0.55-0.81x (INT4) the bf16 stacks' speed, bit for bit the dequantized stacks';
 # docs/benchmarks.md, eleventh session). Off: those engines decode their MoE layers through the expert loop,
 # without CUDA graphs (to compare).
 CODES_ON_CUDA = True
+
 
 def available() -> bool:
     """The kernels can run in this process (Triton present, switched on, no batch-invariant kernels)."""
@@ -212,7 +213,7 @@ if triton is not None:
         dtype = act_ptr.dtype.element_ty
         # Accumulators [BLOCK_N, BLOCK_M] = W x^T: the weight tile is the MMA's A operand, which Hopper's
         # wgmma takes from registers (where the codes are dequantized) and which is 64 rows high where the
-        # block's 16 tokens are too few for it (H200: 1.0-1.2x x W^T with mma.sync, tenth session).
+        # block's 16 tokens are too few for it (an H200: 1.00-1.11x x W^T on mma.sync at K tiles of 64).
         acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -316,7 +317,8 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
     the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only.
     block_k: K tiles of 128 (fp32: 64, its IEEE dots hold fp32 tiles in shared memory); on an H200 they
-    beat 64 by 1.0-1.2x (FP8) and 1.3-1.6x (INT4) at 1-256 rows (docs/benchmarks.md, eleventh session)."""
+    ran 0.96-1.13x (FP8) and 1.25-1.57x (INT4) as fast as 64 at 1-256 rows (docs/benchmarks.md, eleventh
+    session)."""
     n, hidden = x.shape
     k = experts.shape[1]
     block_k = block_k or (64 if x.dtype == torch.float32 else 128)
