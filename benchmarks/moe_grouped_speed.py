@@ -7,9 +7,9 @@ One MoE layer of Qwen3-30B-A3B's width by default (128 experts, 8 a token, hidde
 INT4 engines, miles/models/quant_experts.py). Per row count, each format's `grouped_experts` call is
 graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead) at K tiles of 128 (the default) and
 64, its output checked against the same kernels on the dequantized stacks (bits equal: "exact"), and
-set against the roofline of the bytes it must read: every expert some token chose, once, in the format held (bf16 2 bytes a weight;
-FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale per group of 128), over the
-measured device-to-device copy bandwidth. Last, the compiled kernels per format (registers, spills,
+set against the roofline of the bytes it must read: every expert some token chose, once, in the
+format held (bf16 2 bytes a weight; FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale
+per group of 128), over the measured device-to-device copy bandwidth. Last, the compiled kernels per format (registers, spills,
 shared memory, mma.sync or wgmma), which say why a format runs as it does. Needs CUDA.
 """
 
@@ -94,7 +94,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     ops = stacks(e, h, i)
     print(f"{e} experts, top-{k}, hidden {h}, width {i}; copy bandwidth {bandwidth / 1e12:.2f} TB/s\n")
-    print("| rows | experts read | format | K tile | us | vs bf16 | % of roofline | bits vs dense |")
+    print("| rows | experts read | format | K tile | us | vs bf16 | % of roofline | bits vs dequantized |")
     print("|---:|---:|---|---|---:|---:|---:|---|")
     g = torch.Generator(device="cuda").manual_seed(1)
     for rows in args.rows:
