@@ -164,7 +164,9 @@ if triton is not None:
                             mask=n_ok[:, None] & (offs_b[None, :] < KP), other=0x88)
                 # Even element in the low nibble: join puts (lo, hi) side by side, reshape interleaves.
                 codes = tl.reshape(tl.join(p & 0x0F, p >> 4), (BLOCK_N, BLOCK_K))
-                q = (codes.to(tl.int32) - 8).to(tl.float32)
+                # code - 8 without an int-to-float conversion (quarter rate on Hopper): 0x4B000000 | code
+                # is the fp32 2^23 + code, exactly.
+                q = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
                 offs_g = k0 // GROUP + tl.arange(0, NG)
                 s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
                             mask=n_ok[:, None] & (offs_g[None, :] < KG), other=0.0)
