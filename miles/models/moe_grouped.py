@@ -152,7 +152,7 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, K, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
+    def _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, mask, stride_wn, stride_sn, QUANT: tl.constexpr,
                 ROWS_PER_SCALE: tl.constexpr, COLS_PER_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         # The [BLOCK_N, BLOCK_K] tile W[n, k] (rows n0 + .., columns k0 + ..) of one expert in `dtype`.
@@ -170,10 +170,12 @@ if triton is not None:
                 value = value.to(tl.float32)
             else:  # two INT4 codes a byte, the even k in the low nibble; value = code - 8
                 # Each byte loaded once (vector loads along the row), its nibbles interleaved by join +
-                # reshape (int4_triton's unpack 0). Bytes past the row read 0x88, two zero codes.
+                # reshape (int4_triton's unpack 0). Bytes past the row read 0x88, two zero codes. The row
+                # ends at stride_wn bytes (a contiguous stack): a bound divisible by 16 where the row's
+                # bytes are, which the asynchronous, pipelined copies need ((K + 1) // 2 proves nothing).
                 offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 byte = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
-                               mask=n_ok[:, None] & (offs_b < (K + 1) // 2)[None, :], other=0x88)
+                               mask=n_ok[:, None] & (offs_b < stride_wn)[None, :], other=0x88)
                 code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K))
                 # code - 8 without an int-to-float conversion (a quarter-rate instruction on Hopper, the
                 # INT4 kernels' most common one): 0x4B000000 | code is the fp32 2^23 + code, exactly.
@@ -224,9 +226,9 @@ if triton is not None:
             x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w_ok = n_ok[:, None] & k_ok[None, :]
-            w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, H, n_ok, w_ok, stride_wn, stride_sn, QUANT,
+            w_gate = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, w_ok, stride_wn, stride_sn, QUANT,
                              ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
-            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, H, n_ok, w_ok, stride_wn, stride_sn,
+            w_up = _load_w(w_base, s_base, I + offs_n, offs_k, I + n0, k0, n_ok, w_ok, stride_wn, stride_sn,
                            QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K, dtype, INTERPRET)
             acc_gate = _dot(w_gate, tl.trans(x), acc_gate, IEEE)
             acc_up = _dot(w_up, tl.trans(x), acc_up, IEEE)
@@ -263,7 +265,7 @@ if triton is not None:
             k_ok = offs_k < I
             a = tl.load(act_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, I, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
+            w = _load_w(w_base, s_base, offs_n, offs_k, n0, k0, n_ok, n_ok[:, None] & k_ok[None, :], stride_wn,
                         stride_sn, QUANT, ROWS_PER_SCALE, COLS_PER_SCALE, TILE_SCALE, BLOCK_N, BLOCK_K,
                         act_ptr.dtype.element_ty, INTERPRET)
             acc = _dot(w, tl.trans(a), acc, IEEE)
