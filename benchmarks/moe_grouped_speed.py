@@ -1,6 +1,7 @@
 """The grouped MoE expert kernels (miles/models/moe_grouped.py) per stack format, against the memory roofline.
 
     python3 benchmarks/moe_grouped_speed.py [--rows 1 8 64 256] [--experts 128 --topk 8 --hidden 2048 --width 768]
+    python3 benchmarks/moe_grouped_speed.py --alt candidate/moe_grouped.py   # a candidate file, side by side
 
 One MoE layer of Qwen3-30B-A3B's width by default (128 experts, 8 a token, hidden 2048, expert width
 768): random bf16 experts, and the FP8 / INT4 payloads weight sync makes of them (held so by the FP8 /
@@ -10,12 +11,15 @@ graph-timed (kernel_sweep.py's `_time_graph`: no launch overhead) at K tiles of 
 set against the roofline of the bytes it must read: every expert some token chose, once, in the
 format held (bf16 2 bytes a weight; FP8 1 + a fp32 scale per 128 x 128 block; INT4 1/2 + a fp32 scale
 per group of 128), over the measured device-to-device copy bandwidth. Last, the compiled kernels per format (registers, spills,
-shared memory, mma.sync or wgmma), which say why a format runs as it does. Needs CUDA.
+shared memory, mma.sync or wgmma), which say why a format runs as it does. `--alt FILE` loads a
+second copy of the kernels module from FILE (another branch's moe_grouped.py, say) and times its
+variants in the same run, on the same inputs, under the label "alt". Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +82,14 @@ def kernel_facts(kernel) -> str:
             f"| {kernel.metadata.num_warps} | {kernel.metadata.num_stages}")
 
 
+def load_alt(path: str):
+    """A second copy of the kernels module from `path` (its own Triton kernels, compiled beside ours)."""
+    spec = importlib.util.spec_from_file_location("moe_grouped_alt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def bytes_per_weight(fmt: str) -> float:
     return {"bf16": 2.0, "fp8": 1 + 4 / 128**2, "int4": 0.5 + 4 / 128}[fmt]
 
@@ -89,7 +101,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--alt", help="another moe_grouped.py to time beside this checkout's")
     args = parser.parse_args()
+    modules = {"": mg} | ({"alt ": load_alt(args.alt)} if args.alt else {})
     e, k, h, i = args.experts, args.topk, args.hidden, args.width
     bandwidth = copy_bandwidth()
     ops = stacks(e, h, i)
@@ -104,26 +118,29 @@ def main() -> None:
         active = chosen.unique().numel()
         base = None
         for fmt in FORMATS:
-            for variant, kw in VARIANTS.items():
+            for (label, m), (variant, kw) in ((mod, var) for mod in modules.items() for var in VARIANTS.items()):
                 operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
-                ms = _time_graph(lambda: mg.grouped_experts(x, chosen, route, *operands, **kw))
-                out = mg.grouped_experts(x, chosen, route, *operands, **kw)
+                operands = tuple(m.Stack(*o) if isinstance(o, mg.Stack) else o for o in operands)
+                ms = _time_graph(lambda: m.grouped_experts(x, chosen, route, *operands, **kw))
+                out = m.grouped_experts(x, chosen, route, *operands, **kw)
                 bits = "-"
                 if fmt != "bf16":  # the same kernels on the dequantized stacks
-                    ref = mg.grouped_experts(x, chosen, route, *ops[fmt][1], **kw)
+                    ref = m.grouped_experts(x, chosen, route, *ops[fmt][1], **kw)
                     bits = "exact" if torch.equal(out, ref) else f"{(out != ref).sum().item()} off"
                 base = base or ms
                 roofline_ms = active * 3 * h * i * bytes_per_weight(fmt) / bandwidth * 1e3
-                print(f"| {rows} | {active} | {fmt} | {variant} | {ms * 1e3:,.1f} | {base / ms:.2f}x "
+                print(f"| {rows} | {active} | {fmt} | {label}{variant} | {ms * 1e3:,.1f} | {base / ms:.2f}x "
                       f"| {100 * roofline_ms / ms:.1f}% | {bits} |", flush=True)
     print("\n| format | K tile | kernel | registers | spills | shared KB | MMA | warps | stages |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     for fmt in FORMATS:
-        for variant, kw in VARIANTS.items():
+        for (label, m), (variant, kw) in ((mod, var) for mod in modules.items() for var in VARIANTS.items()):
+            operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
+            operands = tuple(m.Stack(*o) if isinstance(o, mg.Stack) else o for o in operands)
             with compiled_kernels() as seen:
-                mg.grouped_experts(x, chosen, route, *(ops[fmt] if fmt == "bf16" else ops[fmt][0]), **kw)
+                m.grouped_experts(x, chosen, route, *operands, **kw)
             for name, kernel in seen.items():
-                print(f"| {fmt} | {variant} | {name} | {kernel_facts(kernel)} |", flush=True)
+                print(f"| {fmt} | {label}{variant} | {name} | {kernel_facts(kernel)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ case $PART in
     # ab51add): W x^T at K tiles of 128 FP8 1.01-1.20x bf16, INT4 0.55-0.81x, bit-exact. Next, for the
     # one pair since (db20eec): STEPS="moe_quant_tests moe_decode"; then the branch int4-magic (INT4
     # without I2F, pipelined byte loads): STEPS="moe_grouped_speed moe_quant_tests" on its checkout
-    step moe_quant_tests 150 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
+    step moe_quant_tests 260 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
         tests/gpu/test_fp8_w8a16_cuda.py -k "not mismatch"

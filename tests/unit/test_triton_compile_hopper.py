@@ -148,7 +148,8 @@ def _moe_stack(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, group: int 
 
 def grouped_experts():
     """Dense, FP8 and INT4 stacks in each dtype, top-8, the quantized ones with their scales loaded once a
-    tile; then per weight (FP8: an expert width off the tiles; INT4: groups of 32, narrower than a tile);
+    tile; then per weight (FP8: an expert width off the tiles, each dtype; INT4: groups of 32, narrower
+    than a tile);
     then K tiles of 64 (the default is 128 but in fp32)."""
     tokens, topk, e, h = 4, 8, 16, 256
 
@@ -160,7 +161,8 @@ def grouped_experts():
     for dtype in moe_grouped.DTYPES:
         for fmt in ("dense", "fp8", "int4"):
             launch(fmt, dtype, 128)
-    launch("fp8", BF16, 136)
+    for dtype in moe_grouped.DTYPES:  # fp32: K tiles of 64 hold the fp32 scale tiles in shared memory
+        launch("fp8", dtype, 136)
     launch("int4", BF16, 128, group=32)
     for fmt in ("fp8", "int4"):
         launch(fmt, BF16, 128, block_k=64)
