@@ -17,6 +17,7 @@ plain weights (recipes without a quantized rollout format).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 ROW = 4096  # the buffer is a [rows, ROW] matrix of 32-bit words for the checksum
+BLOCK_BYTES = 64 << 20  # the checksum reduces 64 MiB of words at a time (128 MiB of int64 temporaries)
 
 
 @dataclass(frozen=True)
@@ -117,26 +119,53 @@ class FlatWeights:
         row sums weighted by row index, the column sums weighted by column index. Any single
         changed bit changes the total; moved blocks change a weighted sum. An integrity check of
         a copy, not a cryptographic hash."""
-        return "flat:" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in _word_sums(self.buffer.view(torch.int32)))
+        blocks = self.buffer.view(torch.int32).view(-1, ROW).split(BLOCK_BYTES // (ROW * 4))
+        return "flat:" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in _word_sums(blocks))
 
 
-def _word_sums(words: torch.Tensor) -> list[int]:
-    """The checksums' three int64 reductions of contiguous int32 `words` seen as [rows, ROW]: the
-    total, the row sums weighted by row index, the column sums weighted by column index (wrapping
-    mod 2^64, so any summation order gives the same digest). On the CPU numpy's reductions cast to
-    int64 in small buffers; torch's `sum(dtype=int64)` casts the whole matrix first, per reduction
-    (the sync's time with each: docs/benchmarks.md, "One actor for the engine and the trainer")."""
-    words = words.view(-1, ROW)
-    if words.device.type == "cpu":
-        w = words.numpy()
-        rows, cols = np.add.reduce(w, axis=1, dtype=np.int64), np.add.reduce(w, axis=0, dtype=np.int64)
-        row_index, col_index = np.arange(1, rows.size + 1, dtype=np.int64), np.arange(1, ROW + 1, dtype=np.int64)
-        return [int(rows.sum()), int((rows * row_index).sum()), int((cols * col_index).sum())]
-    rows = words.sum(dim=1, dtype=torch.int64)
-    cols = words.sum(dim=0, dtype=torch.int64)
-    row_index = torch.arange(1, rows.numel() + 1, device=words.device)
-    col_index = torch.arange(1, ROW + 1, device=words.device)
-    return torch.stack([rows.sum(), (rows * row_index).sum(), (cols * col_index).sum()]).tolist()
+def _word_sums(blocks: Iterable[torch.Tensor]) -> list[int]:
+    """The checksums' three int64 reductions of int32 words seen as [rows, ROW], given as consecutive
+    [r, ROW] row blocks: the total, the row sums weighted by row index, the column sums weighted by
+    column index (wrapping mod 2^64, so any summation order and any blocking give the same digest).
+    In blocks because `sum(dtype=int64)` casts its whole input first: over a whole sync payload that
+    was twice its size in temporaries (7 GB for 4 of Qwen3-30B-A3B's layers in FP8: out of memory on
+    an H100). On the CPU numpy's reductions cast in small buffers (faster: docs/benchmarks.md, "One
+    actor for the engine and the trainer")."""
+    sums, cols, start = None, None, 0
+    for block in blocks:
+        if block.device.type == "cpu":
+            w = block.numpy()
+            rows = torch.from_numpy(np.add.reduce(w, axis=1, dtype=np.int64))
+            col = torch.from_numpy(np.add.reduce(w, axis=0, dtype=np.int64))
+        else:
+            rows, col = block.sum(dim=1, dtype=torch.int64), block.sum(dim=0, dtype=torch.int64)
+        index = torch.arange(start + 1, start + rows.numel() + 1, device=rows.device)
+        part = torch.stack([rows.sum(), (rows * index).sum()])
+        sums, cols = (part, col) if sums is None else (sums + part, cols + col)
+        start += rows.numel()
+    if sums is None:
+        return [0, 0, 0]
+    weighted_cols = (cols * torch.arange(1, ROW + 1, device=cols.device)).sum()
+    return torch.cat([sums, weighted_cols.view(1)]).tolist()
+
+
+def _row_blocks(chunks: Iterable[torch.Tensor], block_bytes: int = BLOCK_BYTES) -> Iterator[torch.Tensor]:
+    """The concatenation of 1-D uint8 `chunks`, zero-padded to whole rows, as consecutive [r, ROW] int32
+    blocks of at most `block_bytes` (a multiple of a row's bytes): one block's copy at a time, never
+    the whole concatenation."""
+    pending, size = [], 0
+    for chunk in chunks:
+        pos = 0
+        while pos < chunk.numel():
+            take = min(chunk.numel() - pos, block_bytes - size)
+            pending.append(chunk[pos: pos + take])
+            size, pos = size + take, pos + take
+            if size == block_bytes:
+                yield torch.cat(pending).view(torch.int32).view(-1, ROW)
+                pending, size = [], 0
+    if size:
+        data = torch.nn.functional.pad(torch.cat(pending), (0, -size % (ROW * 4)))
+        yield data.view(torch.int32).view(-1, ROW)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -155,9 +184,6 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     names, dtypes and shapes hashed on the host, the bytes (in name order) reduced on the device."""
     names = sorted(tensors)
     meta = hashlib.sha256("|".join(f"{n}:{tensors[n].dtype}:{tuple(tensors[n].shape)}" for n in names).encode())
-    chunks = [tensors[n].detach().reshape(-1).view(torch.uint8) for n in names if tensors[n].numel()]
-    data = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
-    if data.numel() % (ROW * 4):  # whole [ROW]-word rows; zero bytes at the end
-        data = torch.nn.functional.pad(data, (0, -data.numel() % (ROW * 4)))
-    digest = _word_sums(data.view(torch.int32))
+    chunks = (tensors[n].detach().reshape(-1).view(torch.uint8) for n in names if tensors[n].numel())
+    digest = _word_sums(_row_blocks(chunks))  # whole [ROW]-word rows, zero bytes at the end
     return DEVICE_DIGEST + meta.hexdigest()[:16] + "-" + "-".join(f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in digest)
