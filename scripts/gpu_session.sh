@@ -4,8 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 21 (MoE experts held quantized: tests, decode),
-# 20 (the GRPO step on a MoE and the 4B shape), 7 (LoRA at the 4B shape, out of memory three times on
+# does not cost the rest of a call. Parts (most urgent: 20 (the GRPO step on a MoE), 4's grpo_4b (fp8's
+# 4B step with its summary), 7 (LoRA at the 4B shape, out of memory three times on
 # an H100, now one engine at a time), 10's windows test):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
@@ -45,8 +45,8 @@
 #      with their bits, their CUDA tests; the CUDA-graph tests that moved to gpu_runs.captured; Megatron
 #      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; a 512-row decode through the
 #      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
-#  20  the GRPO step per recipe on 4 Qwen3-30B-A3B layers (experts held quantized) and on the 4B shape
-#      (the fp8 engine's one-pass dequantization + cuBLAS above 256 rows)
+#  20  the GRPO step, bf16 and fp8, on 4 Qwen3-30B-A3B layers (experts held quantized; fp8 ran out of
+#      memory in its sync's checksum on an H100, 2026-12-07, since fixed)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
@@ -94,9 +94,9 @@ case $PART in
     ;;
 4)  # an 80 GB card needs recompute at this shape (the plan refuses it without; the optimizer state
     # goes to host memory); int4_qat has never run end to end on a GPU. Two recipes took ~300 s on an
-    # H100 (2026-12-06; 290 s cut the summary line), so each pair is a step of its own, one per call:
-    # STEPS=grpo_4b, then STEPS=grpo_4b_more
-    (cd benchmarks && step grpo_4b 330 python3 grpo_step.py --model qwen3_4b --steps 2 \
+    # H100 (2026-12-06; 290 s and, 2026-12-07, 330 s cut fp8's summary line), so each pair is a step of
+    # its own, one per call: STEPS=grpo_4b, then STEPS=grpo_4b_more
+    (cd benchmarks && step grpo_4b 420 python3 grpo_step.py --model qwen3_4b --steps 2 \
         --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true)
     (cd benchmarks && step grpo_4b_more 330 python3 grpo_step.py --model qwen3_4b --steps 2 \
         --recipes bf16,trainer.recompute=true int4_qat,trainer.recompute=true)
@@ -219,21 +219,21 @@ case $PART in
         tests/gpu/test_fp8_w8a16_cuda.py tests/gpu/test_int4_triton_cuda.py tests/gpu/test_moe_graph_decode_cuda.py \
         -k "captured or capture"
     ;;
-20) # the GRPO step per recipe: 4 of Qwen3-30B-A3B's layers (the FP8 engine holds the experts quantized
-    # since 2026-12-06: decode reads half their bytes), then the 4B shape with the fp8 engine's one-pass
-    # dequantization + cuBLAS above 256 rows (the default since 2026-12-06; part 18: fp8_w8a16 0.63x at 512 rows)
-    step grpo_moe 330 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
+20) # bf16 and fp8 GRPO steps on 4 of Qwen3-30B-A3B's layers (the FP8 engine holds the experts
+    # quantized, decoded by the grouped kernels on codes). An H100 (2026-12-07, twelfth session): bf16
+    # ~150 s, step 35.7 s; fp8 ran out of memory in step 2's device checksum, since reduced in blocks.
+    # (The 4B shape's fp8 step is part 4's grpo_4b.) Through this script only: it clears /tmp/tmp*
+    # first, and a warm machine's leftover 4B checkpoints filled the disk once (bf16's final save).
+    step grpo_moe 400 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
         --recipes bf16,model.num_layers=4,trainer.recompute=true fp8,model.num_layers=4,trainer.recompute=true
-    step grpo_fp8 240 python3 benchmarks/grpo_step.py --model qwen3_4b --steps 2 --recipes bf16 \
-        fp8,trainer.recompute=true
     ;;
 21) # the FP8 / INT4 engines' MoE experts held quantized (quant_experts.py): the grouped kernels reading
     # codes and scales, their bits against the dequantized stacks, the captured MoE decode tests; the
     # one-pass dequantization's tests; the grouped kernels per format against the roofline; the decode of
-    # 4 Qwen3-30B-A3B layers per recipe; last, the one-pass dequantization's GEMMs. An H200 (2026-12-07,
-    # ab51add): W x^T at K tiles of 128 FP8 1.01-1.20x bf16, INT4 0.55-0.81x, bit-exact. Next, for the
-    # one pair since (db20eec): STEPS="moe_quant_tests moe_decode"; then the branch int4-magic (INT4
-    # without I2F, pipelined byte loads): STEPS="moe_grouped_speed moe_quant_tests" on its checkout
+    # 4 Qwen3-30B-A3B layers per recipe; last, the one-pass dequantization's GEMMs. An H100 (2026-12-07,
+    # twelfth session, INT4 without int-to-float conversions and with pipelined byte loads): the experts
+    # FP8 1.03-1.45x bf16, INT4 1.12-1.41x, bit-exact; the 4-layer decode fp8 0.85x, int4 0.77x. A
+    # candidate kernels file runs beside these with `moe_grouped_speed.py --alt FILE`.
     step moe_quant_tests 260 python3 -m pytest -q -rf tests/unit/models/test_quant_experts.py \
         tests/unit/models/test_moe_grouped.py tests/gpu/test_moe_graph_decode_cuda.py
     step dequant_one_pass 45 python3 -m pytest -q -rf tests/unit/precision/test_dequant_triton.py \
