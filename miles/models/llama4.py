@@ -35,7 +35,7 @@ from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import SwiGLUMLP
-from miles.models.moe import sum_in_expert_order
+from miles.models.moe import expert_slices, sum_in_expert_order
 from miles.models.rope import rope_cos_sin
 
 
@@ -148,18 +148,19 @@ class Llama4Experts(nn.Module):
         tokens = order // k  # token of each sorted (token, slot) pair
         xs = x[tokens] * weights.reshape(-1)[order, None].to(x.dtype)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
         outs, start = [], 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             h = xs[start:start + c]
-            gate_up = h @ self.expert_weight("gate_up_proj", e)
+            gate_up = h @ gate_up_w(e)
             rows = tokens[start:start + c] if self.lora_hooks else None
             if "gate_up_proj" in self.lora_hooks:  # on the scaled input, as W_e + B_e A_e would see it
                 gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            out = act @ self.expert_weight("down_proj", e)
+            out = act @ down_w(e)
             if "down_proj" in self.lora_hooks:
                 out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)

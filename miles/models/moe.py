@@ -30,8 +30,9 @@ module is named `shared_expert`, otherwise `shared_experts` (DeepSeek-V3 / GLM),
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -138,19 +139,20 @@ class Experts(nn.Module):
         tokens = order // k  # token of each sorted (token, slot) pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[tokens]
+        gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
         outs = []
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             h = xs[start:start + c]
-            gate_up = F.linear(h, self.expert_weight("gate_up_proj", e))
+            gate_up = F.linear(h, gate_up_w(e))
             rows = tokens[start:start + c] if self.lora_hooks else None
             if "gate_up_proj" in self.lora_hooks:
                 gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            out = F.linear(act, self.expert_weight("down_proj", e))
+            out = F.linear(act, down_w(e))
             if "down_proj" in self.lora_hooks:
                 out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)
@@ -165,6 +167,19 @@ class Experts(nn.Module):
             return sum_in_expert_order(y, order, experts).to(x.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
         return out.index_add_(0, tokens, y).to(x.dtype)
+
+
+def expert_slices(experts: nn.Module, name: str) -> Callable[[int], torch.Tensor]:
+    """e -> expert e's slice of the stacked tensor `name`, for an expert loop. A stack that takes
+    gradients (the trainer's parameter, or its cast / fake-quantized copy) is unbound once, so autograd
+    stacks the experts' gradients into one tensor. Sliced per expert, each expert's gradient would be
+    a zero-filled tensor of the whole stack, summed with the others': 128 of them a Qwen3-30B-A3B layer
+    a micro-batch, most of its training step. Otherwise the holder's `expert_weight` (QLoRA's frozen
+    and the engines' quantized holders dequantize the chosen slice there)."""
+    stack = getattr(experts, name, None)
+    if torch.is_grad_enabled() and isinstance(stack, torch.Tensor) and stack.requires_grad:
+        return stack.unbind(0).__getitem__
+    return functools.partial(experts.expert_weight, name)
 
 
 def sum_in_expert_order(y: torch.Tensor, order: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
