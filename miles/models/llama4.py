@@ -120,8 +120,9 @@ class Llama4Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        # As miles.models.moe.Experts.lora_hooks: "gate_up_proj" / "down_proj" -> fn(expert, x, y,
-        # rows, total) returning y plus that expert's adapter output. A plain dict, not state.
+        # As miles.models.moe.Experts.lora_hooks: "gate_up_proj" / "down_proj" -> a factory called once
+        # a forward, giving fn(expert, x, y, rows, total) that returns y plus that expert's adapter
+        # output. A plain dict, not state.
         self.lora_hooks: dict = {}
 
     def stacked_shape(self, name: str) -> torch.Size:
@@ -149,20 +150,21 @@ class Llama4Experts(nn.Module):
         xs = x[tokens] * weights.reshape(-1)[order, None].to(x.dtype)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
+        hooks = {name: bind() for name, bind in self.lora_hooks.items()}
         outs, start = [], 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             h = xs[start:start + c]
             gate_up = h @ gate_up_w(e)
-            rows = tokens[start:start + c] if self.lora_hooks else None
-            if "gate_up_proj" in self.lora_hooks:  # on the scaled input, as W_e + B_e A_e would see it
-                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
+            rows = tokens[start:start + c] if hooks else None
+            if "gate_up_proj" in hooks:  # on the scaled input, as W_e + B_e A_e would see it
+                gate_up = hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             out = act @ down_w(e)
-            if "down_proj" in self.lora_hooks:
-                out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
+            if "down_proj" in hooks:
+                out = hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)
             start += c
         if not outs:

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.llama4 import Llama4Experts
-from miles.models.moe import Experts
+from miles.models.moe import Experts, stack_slices
 from miles.precision.recipe import QuantLinear
 
 # Every projection of a dense Qwen / Llama-style decoder layer (attention and MLP).
@@ -232,24 +232,30 @@ class LoRA(nn.Module):
             """One expert's adapter output: B_e A_e x, or x @ B_e @ A_e on a transposed stack."""
             return (x @ b) @ a if transposed else F.linear(F.linear(x, a), b)
 
-        def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
-            if not self.enabled:
-                return out
-            a, b = self._pair(0, i)
-            if not torch.is_autocast_enabled(x.device.type):
-                x = x.to(a.dtype)
-            x = self.dropout(x)
-            if self.num_adapters == 1:
-                delta = product(x, a[expert], b[expert])
-            else:  # each token's adapter: the route laid out over the flat input, then this expert's rows
-                ids = self._ids_for(x.new_empty(total, 0))[rows]
-                delta = None
-                for k in range(self.num_adapters):
-                    a, b = self._pair(k, i)
-                    mine = torch.where(ids == k, product(x, a[expert], b[expert]), 0.0)
-                    delta = mine if delta is None else delta + mine
-            return out + (delta * self.scaling).to(out.dtype)
-        return add_delta
+        def bind():
+            """One expert loop's hook: each adapter's stacks unbound once for all its experts."""
+            pairs = [tuple(stack_slices(t) for t in self._pair(k, i)) for k in range(self.num_adapters)]
+            dtype = self._pair(0, i)[0].dtype
+
+            def add_delta(expert: int, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                          total: int) -> torch.Tensor:
+                if not self.enabled:
+                    return out
+                if not torch.is_autocast_enabled(x.device.type):
+                    x = x.to(dtype)
+                x = self.dropout(x)
+                if self.num_adapters == 1:
+                    a, b = pairs[0]
+                    delta = product(x, a(expert), b(expert))
+                else:  # each token's adapter: the route laid out over the flat input, then this expert's rows
+                    ids = self._ids_for(x.new_empty(total, 0))[rows]
+                    delta = None
+                    for k, (a, b) in enumerate(pairs):
+                        mine = torch.where(ids == k, product(x, a(expert), b(expert)), 0.0)
+                        delta = mine if delta is None else delta + mine
+                return out + (delta * self.scaling).to(out.dtype)
+            return add_delta
+        return bind
 
     def _weight(self, i: int) -> torch.Tensor:
         """The base weight target i adapts (a projection's weight, or a stacked expert tensor)."""

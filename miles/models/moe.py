@@ -108,10 +108,11 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        # LoRA on the stacked tensors (miles/models/lora.py): "gate_up_proj" / "down_proj" ->
-        # fn(expert, x, y, rows, total) returning y plus that expert's adapter output; rows: the
-        # indices of x's tokens among the `total` of the flat input (routing several adapters).
-        # A plain dict, not state.
+        # LoRA on the stacked tensors (miles/models/lora.py): "gate_up_proj" / "down_proj" -> a
+        # factory called once a forward, giving fn(expert, x, y, rows, total) that returns y plus that
+        # expert's adapter output; rows: the indices of x's tokens among the `total` of the flat input
+        # (routing several adapters). Once a forward, so the adapters' stacks are unbound once
+        # (`stack_slices`). A plain dict, not state.
         self.lora_hooks: dict = {}
 
     @torch.no_grad()
@@ -140,6 +141,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[tokens]
         gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
+        hooks = {name: bind() for name, bind in self.lora_hooks.items()}
         outs = []
         start = 0
         for e, c in enumerate(counts):
@@ -147,14 +149,14 @@ class Experts(nn.Module):
                 continue
             h = xs[start:start + c]
             gate_up = F.linear(h, gate_up_w(e))
-            rows = tokens[start:start + c] if self.lora_hooks else None
-            if "gate_up_proj" in self.lora_hooks:
-                gate_up = self.lora_hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
+            rows = tokens[start:start + c] if hooks else None
+            if "gate_up_proj" in hooks:
+                gate_up = hooks["gate_up_proj"](e, h, gate_up, rows, x.shape[0])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             out = F.linear(act, down_w(e))
-            if "down_proj" in self.lora_hooks:
-                out = self.lora_hooks["down_proj"](e, act, out, rows, x.shape[0])
+            if "down_proj" in hooks:
+                out = hooks["down_proj"](e, act, out, rows, x.shape[0])
             outs.append(out)
             start += c
         if not outs:
@@ -169,16 +171,24 @@ class Experts(nn.Module):
         return out.index_add_(0, tokens, y).to(x.dtype)
 
 
+def stack_slices(stack: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """e -> stack[e], for an expert loop. A stack that takes gradients (a trainer's parameter, its cast
+    or fake-quantized copy, an adapter) is unbound once, so autograd stacks the experts' gradients
+    into one tensor. Sliced per expert, each expert's gradient would be a zero-filled tensor of the
+    whole stack, summed with the others': 128 of them a Qwen3-30B-A3B layer a micro-batch, most of its
+    training step."""
+    if torch.is_grad_enabled() and stack.requires_grad:
+        return stack.unbind(0).__getitem__
+    return stack.__getitem__
+
+
 def expert_slices(experts: nn.Module, name: str) -> Callable[[int], torch.Tensor]:
-    """e -> expert e's slice of the stacked tensor `name`, for an expert loop. A stack that takes
-    gradients (the trainer's parameter, or its cast / fake-quantized copy) is unbound once, so autograd
-    stacks the experts' gradients into one tensor. Sliced per expert, each expert's gradient would be
-    a zero-filled tensor of the whole stack, summed with the others': 128 of them a Qwen3-30B-A3B layer
-    a micro-batch, most of its training step. Otherwise the holder's `expert_weight` (QLoRA's frozen
-    and the engines' quantized holders dequantize the chosen slice there)."""
+    """e -> expert e's slice of the stacked tensor `name`: `stack_slices` where the stack takes
+    gradients, else the holder's `expert_weight` (QLoRA's frozen and the engines' quantized holders
+    dequantize the chosen slice there)."""
     stack = getattr(experts, name, None)
     if torch.is_grad_enabled() and isinstance(stack, torch.Tensor) and stack.requires_grad:
-        return stack.unbind(0).__getitem__
+        return stack_slices(stack)
     return functools.partial(experts.expert_weight, name)
 
 

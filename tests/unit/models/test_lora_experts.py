@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from zoo_checks import random_ids, tiny_hf_model
+from zoo_checks import backward_nodes, random_ids, tiny_hf_model
 
 from miles.models import from_pretrained
 from miles.models.lora import ALL_PROJECTIONS, LoRA, find_expert_targets
@@ -105,9 +105,13 @@ def test_merged_weights_and_gradients(hf_dir):
         with lora.merged():
             assert (model(ids) - hooked).abs().max().item() <= 1e-5
         assert torch.equal(model.layers[0].mlp.experts.gate_up_proj.data, original)
-    # Gradients: the experts some token chose get them, the others none.
+    # Gradients: the experts some token chose get them, the others none; each adapter stack's from one
+    # unbind a forward (moe.stack_slices), not a zero-filled whole-stack gradient per expert.
     routing = {}
-    model(ids, routing_record=routing).float().pow(2).mean().backward()
+    logits = model(ids, routing_record=routing)
+    nodes = backward_nodes(logits)
+    assert nodes.count("UnbindBackward0") == 4 * 2 and "SelectBackward0" not in nodes  # A, B; 2 stacks; 2 layers
+    logits.float().pow(2).mean().backward()
     grad = lora.tensors()["layers.0.mlp.experts.gate_up_proj.lora_B.weight"].grad
     used = set(routing[0].unique().tolist())
     assert used and all((grad[e].abs().sum() > 0) == (e in used) for e in range(EXPERTS))

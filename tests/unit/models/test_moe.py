@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from zoo_checks import backward_nodes
 
 from miles.models import CausalLM, param_count
 from miles.models.config import ArchConfig, MoEConfig
@@ -88,18 +89,6 @@ def test_experts_match_a_per_token_loop():
     assert torch.equal(ctx.routing_record[0], experts.view(2, 5, 2))
 
 
-def _backward_nodes(t: torch.Tensor) -> list[str]:
-    seen, todo, names = set(), [t.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return names
-
-
 def test_expert_stacks_get_their_gradients_from_one_unbind():
     """The expert loop takes the stacks' slices from one unbind each: one node stacks every expert's
     gradient. A slice per expert made each expert's gradient a zero-filled tensor of the whole stack
@@ -110,7 +99,7 @@ def test_expert_stacks_get_their_gradients_from_one_unbind():
     with torch.no_grad():
         experts, weights = layer.gate(x)
     out = layer.experts(x, experts, weights)
-    nodes = _backward_nodes(out)
+    nodes = backward_nodes(out)
     assert nodes.count("UnbindBackward0") == 2 and "SelectBackward0" not in nodes
     out.square().sum().backward()
     stacks = [layer.experts.gate_up_proj, layer.experts.down_proj]

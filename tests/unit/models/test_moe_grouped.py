@@ -123,7 +123,7 @@ def test_the_grouped_path_is_chosen_only_for_plain_experts_in_slot_decode_on_cud
     assert not mg.applies(ex, SimpleNamespace(**{**vars(cuda_x), "dtype": torch.float32}), slot)  # another dtype
     with invariant.kernels():  # true on-policy: the trainer's expert loop
         assert not mg.applies(ex, cuda_x, slot)
-    ex.lora_hooks["down_proj"] = lambda e, a, y, rows, total: y
+    ex.lora_hooks["down_proj"] = lambda: lambda e, a, y, rows, total: y
     assert not mg.applies(ex, cuda_x, slot)  # hooks run per expert on its own tokens
     ex.lora_hooks.clear()
     ex.held_quantized = True  # QLoRA's holder: no stacked dense tensors to multiply

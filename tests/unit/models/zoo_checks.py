@@ -40,6 +40,19 @@ def random_ids(vocab: int, batch: int = 2, length: int = 9, seed: int = 1) -> to
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def backward_nodes(t: torch.Tensor) -> list[str]:
+    """The class names of every autograd node behind t (each node once)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
