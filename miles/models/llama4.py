@@ -35,7 +35,7 @@ from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import SwiGLUMLP
-from miles.models.moe import expert_slices, sum_in_expert_order
+from miles.models.moe import expert_slices, pairs_by_expert, sum_in_expert_order
 from miles.models.rope import rope_cos_sin
 
 
@@ -147,15 +147,14 @@ class Llama4Experts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         tokens = order // k  # token of each sorted (token, slot) pair
-        xs = x[tokens] * weights.reshape(-1)[order, None].to(x.dtype)
+        xs = pairs_by_expert(x, order, k) * weights.reshape(-1)[order, None].to(x.dtype)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
         hooks = {name: bind() for name, bind in self.lora_hooks.items()}
         outs, start = [], 0
-        for e, c in enumerate(counts):
+        for e, (c, h) in enumerate(zip(counts, xs.split(counts))):  # one split: moe.Experts.forward
             if c == 0:
                 continue
-            h = xs[start:start + c]
             gate_up = h @ gate_up_w(e)
             rows = tokens[start:start + c] if hooks else None
             if "gate_up_proj" in hooks:  # on the scaled input, as W_e + B_e A_e would see it

@@ -139,15 +139,15 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         tokens = order // k  # token of each sorted (token, slot) pair
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x[tokens]
+        xs = pairs_by_expert(x, order, k)
         gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
         hooks = {name: bind() for name, bind in self.lora_hooks.items()}
         outs = []
         start = 0
-        for e, c in enumerate(counts):
+        # One split, not a slice an expert: a slice's gradient is a zero-filled tensor of all of xs.
+        for e, (c, h) in enumerate(zip(counts, xs.split(counts))):
             if c == 0:
                 continue
-            h = xs[start:start + c]
             gate_up = F.linear(h, gate_up_w(e))
             rows = tokens[start:start + c] if hooks else None
             if "gate_up_proj" in hooks:
@@ -169,6 +169,15 @@ class Experts(nn.Module):
             return sum_in_expert_order(y, order, experts).to(x.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
         return out.index_add_(0, tokens, y).to(x.dtype)
+
+
+def pairs_by_expert(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """x [N, H] -> [N * k, H]: row i is x[order[i] // k], the token of the i-th expert-sorted (token,
+    slot) pair. Gathered as k copies of each row, then permuted: in backward each row's k gradients
+    are summed in a fixed order. `x[order // k]` sums them with index_put's accumulation, whose CPU
+    threads add in any order (x's gradient bits varied from run to run on 2 cores)."""
+    n, hidden = x.shape
+    return x.unsqueeze(1).expand(n, k, hidden).reshape(n * k, hidden)[order]
 
 
 def stack_slices(stack: torch.Tensor) -> Callable[[int], torch.Tensor]:

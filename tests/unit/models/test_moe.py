@@ -11,7 +11,7 @@ from zoo_checks import backward_nodes
 from miles.models import CausalLM, param_count
 from miles.models.config import ArchConfig, MoEConfig
 from miles.models.families.moe_io import fuse_experts, split_experts
-from miles.models.moe import MoE, route, sum_in_expert_order
+from miles.models.moe import Experts, MoE, route, sum_in_expert_order
 
 
 def logit(p):
@@ -95,12 +95,13 @@ def test_expert_stacks_get_their_gradients_from_one_unbind():
     (3.1x the expert layer's forward + backward on the CPU, most of a MoE training step on a GPU).
     The gradients are the per-token loop's."""
     layer = _randomized_moe()
-    x = torch.randn(10, 16)
+    x = torch.randn(10, 16, requires_grad=True)
     with torch.no_grad():
         experts, weights = layer.gate(x)
     out = layer.experts(x, experts, weights)
     nodes = backward_nodes(out)
     assert nodes.count("UnbindBackward0") == 2 and "SelectBackward0" not in nodes
+    assert "SplitWithSizesBackward0" in nodes and "SliceBackward0" not in nodes  # the tokens: one split
     out.square().sum().backward()
     stacks = [layer.experts.gate_up_proj, layer.experts.down_proj]
     got = [p.grad.clone() for p in stacks]
@@ -116,6 +117,29 @@ def test_expert_stacks_get_their_gradients_from_one_unbind():
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4)  # another summation order
     with torch.no_grad():  # no gradients: the holder's expert_weight, slice by slice (no unbind)
         assert layer.experts(x, experts, weights).grad_fn is None
+
+
+def test_the_inputs_gradient_has_the_same_bits_every_run():
+    """Each token's k gradients are summed in a fixed order (moe.pairs_by_expert). Gathered as
+    x[order // k], index_put's accumulation added them in thread order: on 2 CPU threads x's gradient
+    differed between two identical backward passes."""
+    torch.manual_seed(0)
+    layer = Experts(16, 128, 64)
+    layer.init_weights(torch.Generator().manual_seed(0))
+    x0 = torch.randn(1024, 128)
+    experts = torch.rand(1024, 16).topk(8, dim=-1).indices
+    weights = torch.rand(1024, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for _ in range(5):
+            x = x0.clone().requires_grad_()
+            layer(x, experts, weights).square().sum().backward()
+            grads.append(x.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])
 
 
 def test_fixed_order_sum_is_cpu_index_adds_bits():
