@@ -63,9 +63,9 @@ BLOCK_M = 16  # pairs per block: the smallest MMA height, as decode gives each e
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # On/off for the whole process (off: the expert loop, and no decode graphs for MoE models), to compare.
 enabled = True
-# Whether FP8 / INT4 stacks (the engines' quantized holders) take the kernels (on: an H200 ran them at
-# 1.01-1.20x (FP8) and 0.55-0.81x (INT4) the bf16 stacks' speed, bit for bit the dequantized stacks';
-# docs/benchmarks.md, eleventh session). Off: those engines decode their MoE layers through the expert loop,
+# Whether FP8 / INT4 stacks (the engines' quantized holders) take the kernels (on: an H100 ran them at
+# 1.03-1.45x (FP8) and 1.12-1.41x (INT4) the bf16 stacks' speed, bit for bit the dequantized stacks';
+# docs/benchmarks.md, twelfth session). Off: those engines decode their MoE layers through the expert loop,
 # without CUDA graphs (to compare).
 CODES_ON_CUDA = True
 
@@ -177,8 +177,8 @@ if triton is not None:
                 byte = tl.load(w_base + offs_n[:, None] * stride_wn + offs_b[None, :],
                                mask=n_ok[:, None] & (offs_b < stride_wn)[None, :], other=0x88)
                 code = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K))
-                # code - 8 without an int-to-float conversion (a quarter-rate instruction on Hopper, the
-                # INT4 kernels' most common one): 0x4B000000 | code is the fp32 2^23 + code, exactly.
+                # code - 8 without an int-to-float conversion (quarter rate on Hopper; 128 a K tile in
+                # this kernel before): 0x4B000000 | code is the fp32 2^23 + code, exactly.
                 value = (code.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
             if TILE_SCALE:
                 if ROWS_PER_SCALE == 1:
