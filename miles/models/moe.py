@@ -175,7 +175,10 @@ def pairs_by_expert(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tenso
     """x [N, H] -> [N * k, H]: row i is x[order[i] // k], the token of the i-th expert-sorted (token,
     slot) pair. Gathered as k copies of each row, then permuted: in backward each row's k gradients
     are summed in a fixed order. `x[order // k]` sums them with index_put's accumulation, whose CPU
-    threads add in any order (x's gradient bits varied from run to run on 2 cores)."""
+    threads add in any order (x's gradient bits varied from run to run on 2 cores). Without a gradient
+    (the engine), the direct gather: the same rows, one copy fewer."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x[order // k]
     n, hidden = x.shape
     return x.unsqueeze(1).expand(n, k, hidden).reshape(n * k, hidden)[order]
 
