@@ -221,7 +221,8 @@ case $PART in
     ;;
 20) # bf16 and fp8 GRPO steps on 4 of Qwen3-30B-A3B's layers (the FP8 engine holds the experts
     # quantized, decoded by the grouped kernels on codes). An H100 (2026-12-07, twelfth session): bf16
-    # ~150 s, step 35.7 s; fp8 ran out of memory in step 2's device checksum, since reduced in blocks.
+    # ~150 s, step 35.7 s (33.6 s training); fp8 ran out of memory in step 2's device checksum, since
+    # reduced in blocks; the trainer's expert loop since unbinds its stacks (11.6x on the CPU).
     # (The 4B shape's fp8 step is part 4's grpo_4b.) Through this script only: it clears /tmp/tmp*
     # first, and a warm machine's leftover 4B checkpoints filled the disk once (bf16's final save).
     step grpo_moe 400 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
