@@ -82,6 +82,12 @@ def kernel_facts(kernel) -> str:
             f"| {kernel.metadata.num_warps} | {kernel.metadata.num_stages}")
 
 
+def held_operands(module, ops: dict, fmt: str) -> tuple:
+    """`fmt`'s (gate_up, down) as `module`'s grouped_experts takes them (its own Stack type)."""
+    operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
+    return tuple(module.Stack(*o) if isinstance(o, mg.Stack) else o for o in operands)
+
+
 def load_alt(path: str):
     """A second copy of the kernels module from `path` (its own Triton kernels, compiled beside ours)."""
     spec = importlib.util.spec_from_file_location("moe_grouped_alt", path)
@@ -119,8 +125,7 @@ def main() -> None:
         base = None
         for fmt in FORMATS:
             for (label, m), (variant, kw) in ((mod, var) for mod in modules.items() for var in VARIANTS.items()):
-                operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
-                operands = tuple(m.Stack(*o) if isinstance(o, mg.Stack) else o for o in operands)
+                operands = held_operands(m, ops, fmt)
                 ms = _time_graph(lambda: m.grouped_experts(x, chosen, route, *operands, **kw))
                 out = m.grouped_experts(x, chosen, route, *operands, **kw)
                 bits = "-"
@@ -135,10 +140,8 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     for fmt in FORMATS:
         for (label, m), (variant, kw) in ((mod, var) for mod in modules.items() for var in VARIANTS.items()):
-            operands = ops[fmt] if fmt == "bf16" else ops[fmt][0]
-            operands = tuple(m.Stack(*o) if isinstance(o, mg.Stack) else o for o in operands)
             with compiled_kernels() as seen:
-                m.grouped_experts(x, chosen, route, *operands, **kw)
+                m.grouped_experts(x, chosen, route, *held_operands(m, ops, fmt), **kw)
             for name, kernel in seen.items():
                 print(f"| {fmt} | {label}{variant} | {name} | {kernel_facts(kernel)} |", flush=True)
 

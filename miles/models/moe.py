@@ -195,11 +195,11 @@ def stack_slices(stack: torch.Tensor) -> Callable[[int], torch.Tensor]:
 
 
 def expert_slices(experts: nn.Module, name: str) -> Callable[[int], torch.Tensor]:
-    """e -> expert e's slice of the stacked tensor `name`: `stack_slices` where the stack takes
+    """e -> expert e's slice of the stacked tensor `name`: `stack_slices` where the stack can take
     gradients, else the holder's `expert_weight` (QLoRA's frozen and the engines' quantized holders
     dequantize the chosen slice there)."""
     stack = getattr(experts, name, None)
-    if torch.is_grad_enabled() and isinstance(stack, torch.Tensor) and stack.requires_grad:
+    if isinstance(stack, torch.Tensor) and stack.requires_grad:
         return stack_slices(stack)
     return functools.partial(experts.expert_weight, name)
 

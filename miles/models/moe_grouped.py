@@ -320,8 +320,8 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     x: [N, H]; experts: [N, k] ids; weights: [N, k] (float32); gate_up_proj: [E, 2I, H]; down_proj:
     [E, H, I], both x.dtype or quantized (`Stack`: each weight dequantized to x.dtype as it is loaded,
     the eager loop's bits) -> [N, H] in x.dtype. No host syncs; launch grids from (N, k, E) only.
-    block_k: K tiles of 128 (fp32: 64, its IEEE dots hold fp32 tiles in shared memory: at 128, FP8's
-    per-weight scales need 240 KB, more than Hopper has); on an H100 they ran 1.04-1.26x (FP8) and
+    block_k: K tiles of 128 (fp32: 64, its IEEE dots hold fp32 tiles in shared memory: at 128, with FP8's
+    per-weight scales, more than Hopper's 227 KB); on an H100 they ran 1.04-1.26x (FP8) and
     1.01-1.04x (INT4) as fast as 64 at 1-256 rows (docs/benchmarks.md, twelfth session)."""
     n, hidden = x.shape
     k = experts.shape[1]

@@ -88,7 +88,7 @@ CASES = [(5, 2, 4, 160, 136, 128), (9, 3, 6, 48, 41, 32), (64, 8, 16, 64, 24, 32
 @pytest.mark.parametrize("n,k,e,h,i,group,dtype,block_k",
                          [(*case, torch.bfloat16, bk) for case in CASES for bk in (64, 128)]
                          # fp32: the IEEE dots (the interpreter's time is the cost), at fp32's K tile: at 128
-                         # FP8's per-weight scales take 240 KB of shared memory (an H100 has 227)
+                         # FP8's per-weight scales take more shared memory than an H100's 227 KB
                          + [(*CASES[0], torch.float32, 64)])
 def test_quantized_stacks_give_the_bits_of_the_dequantized_ones(n, k, e, h, i, group, dtype, block_k, fmt):
     """The same kernels on the codes and on the dequantized stacks: only the dequantization in registers
