@@ -225,6 +225,10 @@ case $PART in
     # reduced in blocks; the trainer's expert loop since unbinds its stacks (11.6x on the CPU).
     # (The 4B shape's fp8 step is part 4's grpo_4b.) Through this script only: it clears /tmp/tmp*
     # first, and a warm machine's leftover 4B checkpoints filled the disk once (bf16's final save).
+    # Since then dense bf16 expert stacks train through two grouped GEMMs (torch._grouped_mm); their
+    # test against the loop runs first, then one layer of them against the loop (forward + backward).
+    step moe_grouped_gemm 80 python3 -m pytest -q -rf tests/gpu/test_moe_grouped_gemm_cuda.py
+    step moe_train_speed 60 python3 benchmarks/moe_train_speed.py
     step grpo_moe 400 python3 benchmarks/grpo_step.py --model qwen3_30b_a3b --steps 2 \
         --recipes bf16,model.num_layers=4,trainer.recompute=true fp8,model.num_layers=4,trainer.recompute=true
     ;;

@@ -20,8 +20,9 @@ the in-memory layout of transformers 5; checkpoints store one tensor per expert 
 which `miles.models.families.moe_io` converts. Each expert runs only on the tokens routed to it.
 Slot decode steps on CUDA take the grouped Triton kernels of `miles.models.moe_grouped` instead of
 the expert loop (no host sync, so the slot decoder captures them in CUDA graphs), the FP8 / INT4
-engines' quantized stacks too (miles/models/quant_experts.py); QLoRA's frozen holder, expert LoRA hooks
-and batch-invariant kernels keep the loop.
+engines' quantized stacks too (miles/models/quant_experts.py). Elsewhere on CUDA (the trainer, prefill)
+dense bf16 stacks run as two grouped GEMMs (`grouped_swiglu`, torch._grouped_mm) with their backward.
+QLoRA's frozen holder, expert LoRA hooks and batch-invariant kernels keep the loop.
 
 Shared experts (always on) are one SwiGLU of width shared_expert_intermediate_size; with
 `shared_expert_gate` (Qwen2-MoE / Qwen3-Next) their output is scaled by sigmoid(x @ g) and the
@@ -138,8 +139,13 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
         tokens = order // k  # token of each sorted (token, slot) pair
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = pairs_by_expert(x, order, k)
+        if grouped_gemm_applies(self, x):
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            y = grouped_swiglu(xs, counts, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2))
+            y = y * weights.reshape(-1)[order, None]
+            return sum_in_expert_order(y, order, experts).to(x.dtype)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         gate_up_w, down_w = expert_slices(self, "gate_up_proj"), expert_slices(self, "down_proj")
         hooks = {name: bind() for name, bind in self.lora_hooks.items()}
         outs = []
@@ -169,6 +175,58 @@ class Experts(nn.Module):
             return sum_in_expert_order(y, order, experts).to(x.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
         return out.index_add_(0, tokens, y).to(x.dtype)
+
+
+# Devices where `Experts` and Llama 4's experts run as two grouped GEMMs (torch._grouped_mm) instead
+# of the loop; tests add "cpu" to compare the two there.
+GROUPED_GEMM_DEVICES = ("cuda",)
+# Rows each expert's group is padded to: in backward the weight gradient contracts over a group's rows,
+# and the CUDA kernel's TMA loads need each group to start 16-byte aligned (8 bf16 rows).
+GROUP_ALIGN = 8
+
+
+def grouped_gemm_applies(experts: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an experts module (`Experts`, Llama 4's) takes `grouped_swiglu`: dense stacks (not QLoRA's or the engines'
+    quantized holders), no expert LoRA hooks, no batch-invariant mode (true on-policy keeps its fixed
+    reduction order), a 16-bit compute dtype on CUDA (the grouped kernel's), widths that keep every
+    operand's rows 16-byte aligned."""
+    if x.device.type not in GROUPED_GEMM_DEVICES or experts.held_quantized or experts.lora_hooks \
+            or invariant.active():
+        return False
+    dtype = grouped_dtype(x)
+    if x.is_cuda and dtype != torch.bfloat16:
+        return False
+    _, rows, cols = experts.stacked_shape("gate_up_proj")
+    hidden, two_i = (rows, cols) if experts.is_transposed else (cols, rows)
+    return all(n * dtype.itemsize % 16 == 0 for n in (hidden, two_i // 2))
+
+
+def grouped_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs compute in: autocast's where it is on (as F.linear's), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows in two grouped GEMMs, with no host sync: xs [P, H] the
+    expert-sorted pairs, counts [E] the pairs per expert (on the device), the stacks as x @ W takes
+    them, gate_up [E, H, 2I] (gate columns first), down [E, I, H] -> [P, H]. The loop's matmuls are ~6 small kernels an expert a layer with their
+    backward; these are 2 forward, 4 backward. Each group starts on a GROUP_ALIGN-row boundary
+    (zero rows between groups: zero outputs, no gradient)."""
+    dtype = grouped_dtype(xs)
+    pairs, num_experts = xs.shape[0], counts.shape[0]
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends = padded.cumsum(0)
+    expert_of_pair = torch.repeat_interleave(torch.arange(num_experts, device=xs.device), counts, output_size=pairs)
+    rank_in_expert = torch.arange(pairs, device=xs.device) - (counts.cumsum(0) - counts)[expert_of_pair]
+    dest = (ends - padded)[expert_of_pair] + rank_in_expert
+    rows = pairs + num_experts * (GROUP_ALIGN - 1)  # a bound on ends[-1] that needs no host sync
+    spread = xs.new_zeros(rows, xs.shape[1], dtype=dtype).index_copy(0, dest, xs.to(dtype))
+    offs = ends.to(torch.int32)
+    h = torch._grouped_mm(spread, gate_up.to(dtype), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, down.to(dtype), offs=offs)
+    return out.index_select(0, dest)
 
 
 def pairs_by_expert(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ import pytest
 import torch
 from zoo_checks import backward_nodes
 
-from miles.models import CausalLM, param_count
+from miles.models import CausalLM, invariant, moe, param_count
 from miles.models.config import ArchConfig, MoEConfig
 from miles.models.families.moe_io import fuse_experts, split_experts
+from miles.models.llama4 import Llama4Experts
 from miles.models.moe import Experts, MoE, route, sum_in_expert_order
 
 
@@ -140,6 +141,62 @@ def test_the_inputs_gradient_has_the_same_bits_every_run():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(g, grads[0]) for g in grads[1:])
+
+
+def _grouped_case(cls=Experts):
+    """Experts whose widths keep the grouped GEMM's rows 16-byte aligned, 37 tokens, and an expert
+    nobody chose (an empty group), so the groups' sizes are not multiples of GROUP_ALIGN."""
+    torch.manual_seed(0)
+    layer = cls(8, 64, 32)
+    layer.init_weights(torch.Generator().manual_seed(0))
+    experts = torch.rand(37, 8).topk(2, dim=-1).indices
+    experts = torch.where(experts == 3, (experts + 2) % 8, experts)  # expert 3: no tokens
+    return layer, torch.randn(37, 64), experts, torch.rand(37, 2)
+
+
+def _forward_backward(layer, x0, experts, weights, grouped, monkeypatch, autocast=False):
+    monkeypatch.setattr(moe, "GROUPED_GEMM_DEVICES", ("cuda", "cpu") if grouped else ("cuda",))
+    layer.zero_grad()
+    x = x0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        assert moe.grouped_gemm_applies(layer, x) == grouped
+        out = layer(x, experts, weights)
+    (out.float() * torch.linspace(-1, 1, 64)).sum().backward()
+    return [out.detach(), x.grad, layer.gate_up_proj.grad, layer.down_proj.grad]
+
+
+@pytest.mark.parametrize("cls", [Experts, Llama4Experts])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_grouped_gemm_experts_equal_the_loop(monkeypatch, autocast, cls):
+    """The two grouped GEMMs (torch._grouped_mm, CUDA's path) give the loop's outputs and gradients, for
+    both stack layouts ([E, out, in] and Llama 4's [E, in, out]): groups padded to GROUP_ALIGN rows, an
+    empty group, autocast's dtype as the loop's matmuls. On the CPU both multiply group by group, so
+    bf16 agrees bit for bit and fp32 to its rounding."""
+    layer, x0, experts, weights = _grouped_case(cls)
+    loop = _forward_backward(layer, x0, experts, weights, False, monkeypatch, autocast)
+    grouped = _forward_backward(layer, x0, experts, weights, True, monkeypatch, autocast)
+    assert loop[2][3].abs().sum() == 0 and all(t.abs().sum() > 0 for t in loop)  # expert 3 idle, the rest not
+    for a, b in zip(grouped, loop):
+        if autocast:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_grouped_gemm_leaves_the_loop_to_what_needs_it(monkeypatch):
+    """Expert LoRA hooks, batch-invariant kernels (true on-policy) and quantized holders keep the loop;
+    so do widths whose rows would not be 16-byte aligned."""
+    monkeypatch.setattr(moe, "GROUPED_GEMM_DEVICES", ("cuda", "cpu"))
+    layer, x, _, _ = _grouped_case()
+    assert moe.grouped_gemm_applies(layer, x)
+    assert not moe.grouped_gemm_applies(Experts(4, 16, 6), torch.randn(3, 16, dtype=torch.bfloat16))  # 6 * 2 bytes
+    layer.lora_hooks["down_proj"] = lambda: None
+    assert not moe.grouped_gemm_applies(layer, x)
+    layer.lora_hooks.clear()
+    with invariant.kernels():
+        assert not moe.grouped_gemm_applies(layer, x)
+    monkeypatch.setattr(layer, "held_quantized", True)
+    assert not moe.grouped_gemm_applies(layer, x)
 
 
 def test_fixed_order_sum_is_cpu_index_adds_bits():
