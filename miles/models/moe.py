@@ -186,10 +186,10 @@ GROUP_ALIGN = 8
 
 
 def grouped_gemm_applies(experts: nn.Module, x: torch.Tensor) -> bool:
-    """Whether an experts module (`Experts`, Llama 4's) takes `grouped_swiglu`: dense stacks (not QLoRA's or the engines'
-    quantized holders), no expert LoRA hooks, no batch-invariant mode (true on-policy keeps its fixed
-    reduction order), a 16-bit compute dtype on CUDA (the grouped kernel's), widths that keep every
-    operand's rows 16-byte aligned."""
+    """Whether an experts module (`Experts`, Llama 4's) takes `grouped_swiglu`: dense stacks (not
+    QLoRA's or the engines' quantized holders), no expert LoRA hooks, no batch-invariant mode (true
+    on-policy keeps its fixed reduction order), bf16 compute on CUDA (the grouped kernel's dtype),
+    widths that keep every operand's rows 16-byte aligned."""
     if x.device.type not in GROUPED_GEMM_DEVICES or experts.held_quantized or experts.lora_hooks \
             or invariant.active():
         return False
@@ -210,9 +210,10 @@ def grouped_dtype(x: torch.Tensor) -> torch.dtype:
 def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Every expert's SwiGLU on its rows in two grouped GEMMs, with no host sync: xs [P, H] the
     expert-sorted pairs, counts [E] the pairs per expert (on the device), the stacks as x @ W takes
-    them, gate_up [E, H, 2I] (gate columns first), down [E, I, H] -> [P, H]. The loop's matmuls are ~6 small kernels an expert a layer with their
-    backward; these are 2 forward, 4 backward. Each group starts on a GROUP_ALIGN-row boundary
-    (zero rows between groups: zero outputs, no gradient)."""
+    them, gate_up [E, H, 2I] (gate columns first), down [E, I, H] -> [P, H]. The loop runs 6 small
+    matmuls an expert (forward and backward) and syncs with the host for the counts; these are 6
+    grouped GEMMs for all experts. Each group starts on a GROUP_ALIGN-row boundary (zero rows
+    between groups: zero outputs, no gradient; rows past the last group are never read)."""
     dtype = grouped_dtype(xs)
     pairs, num_experts = xs.shape[0], counts.shape[0]
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN

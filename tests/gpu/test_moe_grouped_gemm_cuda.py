@@ -1,8 +1,9 @@
-"""The trainer's MoE experts on CUDA: two grouped GEMMs (torch._grouped_mm, miles.models.moe.grouped_swiglu)
-in place of the expert loop, for both stack layouts (Experts, Llama 4's). Outputs and every gradient against the loop at Qwen3-30B-A3B widths, as the
-trainer runs them (fp32 masters under bf16 autocast) and as the bf16 engine does; the same bits on a
-second run (the GRPO invariants need a deterministic forward). The CPU tests (tests/unit/models/test_moe.py)
-check the padding and the empty groups. Skipped without a GPU.
+"""The trainer's MoE experts on CUDA: two grouped GEMMs (torch._grouped_mm,
+miles.models.moe.grouped_swiglu) in place of the expert loop, for both stack layouts (Experts, Llama
+4's). Outputs and every gradient against the loop at Qwen3-30B-A3B widths, as the trainer runs them
+(fp32 masters under bf16 autocast) and as the bf16 engine does; the same bits on a second run (the
+GRPO invariants need a deterministic forward). The CPU tests (tests/unit/models/test_moe.py) check
+the padding and the empty groups. Skipped without a GPU.
 """
 
 import pytest
