@@ -45,8 +45,9 @@
 #      with their bits, their CUDA tests; the CUDA-graph tests that moved to gpu_runs.captured; Megatron
 #      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; a 512-row decode through the
 #      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
-#  20  the GRPO step, bf16 and fp8, on 4 Qwen3-30B-A3B layers (experts held quantized; fp8 ran out of
-#      memory in its sync's checksum on an H100, 2026-12-07, since fixed)
+#  20  the trainer's experts as grouped GEMMs (test, one layer against the loop), the GRPO step, bf16 and
+#      fp8, on 4 Qwen3-30B-A3B layers (experts held quantized; fp8 ran out of memory in its sync's
+#      checksum on an H100, 2026-12-07, since fixed)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
