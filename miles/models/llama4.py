@@ -35,7 +35,8 @@ from miles.models.cache import KVBuffer
 from miles.models.config import ArchConfig
 from miles.models.context import ForwardContext
 from miles.models.layers import SwiGLUMLP
-from miles.models.moe import expert_slices, grouped_gemm_applies, grouped_swiglu, pairs_by_expert, sum_in_expert_order
+from miles.models.moe import (expert_counts, expert_slices, grouped_gemm_applies, grouped_swiglu, pairs_by_expert,
+                              sum_in_expert_order)
 from miles.models.rope import rope_cos_sin
 
 
@@ -149,7 +150,7 @@ class Llama4Experts(nn.Module):
         tokens = order // k  # token of each sorted (token, slot) pair
         xs = pairs_by_expert(x, order, k) * weights.reshape(-1)[order, None].to(x.dtype)
         if grouped_gemm_applies(self, x):
-            counts = torch.bincount(flat, minlength=self.num_experts)
+            counts = expert_counts(flat, self.num_experts)
             y = grouped_swiglu(xs, counts, self.gate_up_proj, self.down_proj)
             return sum_in_expert_order(y, order, experts)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

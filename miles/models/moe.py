@@ -141,7 +141,7 @@ class Experts(nn.Module):
         tokens = order // k  # token of each sorted (token, slot) pair
         xs = pairs_by_expert(x, order, k)
         if grouped_gemm_applies(self, x):
-            counts = torch.bincount(flat, minlength=self.num_experts)
+            counts = expert_counts(flat, self.num_experts)
             y = grouped_swiglu(xs, counts, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2))
             y = y * weights.reshape(-1)[order, None]
             return sum_in_expert_order(y, order, experts).to(x.dtype)
@@ -205,6 +205,11 @@ def grouped_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert GEMMs compute in: autocast's where it is on (as F.linear's), else x's."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] pairs per expert, on the device without a host sync (CUDA's bincount reads the max first)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
