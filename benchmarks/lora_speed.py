@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="default 1 cpu, 2 cuda")
     p.add_argument("--repeats", type=int, default=None, help="default 3 cpu, 5 cuda")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--skip-decode", action="store_true",
+                   help="the trainer side and the sync only (the issue's targets); no decode timing")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     cpu = args.device == "cpu"
@@ -166,34 +168,40 @@ def main() -> None:
         full_trainer.offload((offload.GRADS, offload.OPTIMIZER))
         base = engine_side(ckpt, None, prompts, answers, args, device)
         full["sync_s"], full["sync_bytes"] = sync_seconds(full_trainer, base, device, args)
+        print(f"full fine-tuning: {full}", flush=True)  # progress: a run cut by a time limit keeps it
         del full_trainer
         adapted, trainer = trainer_side(ckpt, lora, batch, args, device)
+        print(f"LoRA trainer: {adapted}", flush=True)
         configs = {"unmerged": lora, "merged": LoRACfg(**{**vars(lora), "merge_in_engine": True})}
         rows = args.prompts * args.n * args.new_tokens
         generate = lambda e: (lambda: e.generate(prompts, answers, n=args.n))  # noqa: E731
         decode = {}
 
-        def record(name, engine, seconds):
+        def record(name, engine, seconds_of):
+            if args.skip_decode:
+                return
+            seconds = seconds_of()
             decode[name] = dict(seconds=seconds, tokens_per_s=rows / seconds,
                                 mismatch=None if name == "base" else mismatch(trainer, engine, prompts, answers, args))
+            print(f"{name} engine: {decode[name]}", flush=True)
 
         if cpu:  # a shared CPU is noisy: every engine held, their decodes timed in turn
             engines = {"base": base, **{name: engine_side(ckpt, c, prompts, answers, args, device)
                                         for name, c in configs.items()}}
             for name in configs:
                 adapted[f"sync_s_{name}"], adapted["sync_bytes"] = sync_seconds(trainer, engines[name], device, args)
-            seconds = interleaved({name: generate(e) for name, e in engines.items()}, device, args.warmup,
-                                  args.repeats)
+            seconds = {} if args.skip_decode else interleaved({name: generate(e) for name, e in engines.items()},
+                                                              device, args.warmup, args.repeats)
             for name, engine in engines.items():
-                record(name, engine, seconds[name])
+                record(name, engine, lambda: seconds[name])
         else:  # 80 GB holds one 4B engine (weights, slot caches) beside the LoRA trainer, not three
-            record("base", base, timed(generate(base), device, args.warmup, args.repeats))
+            record("base", base, lambda: timed(generate(base), device, args.warmup, args.repeats))
             del base
             for name, c in configs.items():
                 torch.cuda.empty_cache()
                 engine = engine_side(ckpt, c, prompts, answers, args, device)
                 adapted[f"sync_s_{name}"], adapted["sync_bytes"] = sync_seconds(trainer, engine, device, args)
-                record(name, engine, timed(generate(engine), device, args.warmup, args.repeats))
+                record(name, engine, lambda: timed(generate(engine), device, args.warmup, args.repeats))
                 del engine
     result = dict(args=vars(args), full=full, lora=adapted, decode=decode)
     if args.out:
