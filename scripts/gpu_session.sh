@@ -4,9 +4,8 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 20 (the GRPO step on a MoE), 4's grpo_4b (fp8's
-# 4B step with its summary), 7 (LoRA at the 4B shape, out of memory three times on
-# an H100, now one engine at a time), 10's windows test):
+# does not cost the rest of a call. Parts (most urgent: 7 (LoRA at the 4B shape: the trainer side, then
+# STEPS=lora_4b_decode), 4's grpo_4b (fp8's 4B step with its summary), 10's windows test):
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -19,7 +18,10 @@
 #   6  the training speed targets: where a native step goes (profile; the fused LM-head softmax and the
 #      bf16 residual stream on and off), Megatron-core against the native trainer, padded and packed
 #      (0.6B shape)
-#   7  LoRA against full fine-tuning (4B)
+#   7  LoRA against full fine-tuning (4B): the trainer side and the sync, then (lora_4b_decode, a call
+#      of its own) the engines' decode too. Out of memory three times on an H100 before the engines
+#      ran one at a time; on 2026-12-07 (thirteenth session) the trainer side printed nothing within
+#      200 s and the whole script nothing within 330 s, so each phase now prints as it ends
 #   8  the optimizer state in host memory (test, the 4B GRPO step per recipe), Megatron's step
 #      profiled, the bf16 / fp8 mismatch over 3 steps (ran 2026-12-06)
 #   9  the Megatron tier on CUDA, first half (its files passed on CUDA 2026-12-06, in pieces)
@@ -46,8 +48,8 @@
 #      QLoRA's held codes on CUDA (ran 2026-12-06, eighth session; a 512-row decode through the
 #      warp-specialized kernel hit its 150 s limit, and the engine no longer calls that kernel)
 #  20  the trainer's experts as grouped GEMMs (test, one layer against the loop), the GRPO step, bf16 and
-#      fp8, on 4 Qwen3-30B-A3B layers (experts held quantized; fp8 ran out of memory in its sync's
-#      checksum on an H100, 2026-12-07, since fixed)
+#      fp8, on 4 Qwen3-30B-A3B layers (ran on an H100, 2026-12-07, thirteenth session: bf16 5.10 s,
+#      fp8 0.93x)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 set -u
@@ -250,8 +252,10 @@ case $PART in
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     ;;
 7)
-    step lora_4b 330 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
-        --warmup 1 --repeats 3 --recompute --micro-batch 8
+    step lora_4b 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
+        --warmup 1 --repeats 3 --recompute --micro-batch 8 --skip-decode
+    step lora_4b_decode 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
+        --warmup 1 --repeats 2 --recompute --micro-batch 8 --prompts 16 --new-tokens 128
     ;;
 *)
     echo "unknown part $PART (1-21)" >&2
