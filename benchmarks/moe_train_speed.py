@@ -6,9 +6,10 @@
 One MoE layer of Qwen3-30B-A3B's width by default (128 experts, 8 a token, hidden 2048, expert width
 768), as the trainer runs it: fp32 master stacks under bf16 autocast, random routing, forward and
 backward of every stack and the input. Per token count, the median of --repeats timed calls after 2
-warm-ups (CUDA events, synchronised), and the achieved TFLOP/s of the expert GEMMs: a token's forward is
-2 * 3 * hidden * width flops per chosen expert (gate, up, down), the backward twice that. The compute
-roofline is the card's dense bf16 peak (--peak-tflops, an H100 / H200 SXM's 989 by default). Needs CUDA.
+warm-ups, every shape and path having run once first (CUDA events, synchronised), and the achieved
+TFLOP/s of the expert GEMMs: a token's forward is 2 * 3 * hidden * width flops per chosen expert
+(gate, up, down), the backward twice that. The compute roofline is the card's dense bf16 peak
+(--peak-tflops, an H100 / H200 SXM's 989 by default). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -66,12 +67,19 @@ def main() -> None:
           f"hidden {args.hidden}, width {args.width}; fp32 masters under bf16 autocast, forward + backward")
     print("| tokens | loop s | grouped s | grouped / loop speed | loop TFLOP/s | grouped TFLOP/s | grouped % of peak |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for tokens in args.tokens:
-        x = torch.randn(tokens, args.hidden, device="cuda")
-        chosen = torch.rand(tokens, args.experts, device="cuda").topk(args.topk, dim=-1).indices
-        weights = torch.rand(tokens, args.topk, device="cuda")
+    inputs = {tokens: (torch.randn(tokens, args.hidden, device="cuda"),
+                       torch.rand(tokens, args.experts, device="cuda").topk(args.topk, dim=-1).indices,
+                       torch.rand(tokens, args.topk, device="cuda")) for tokens in args.tokens}
+    paths = {"loop": (), "grouped": ("cuda",)}
+    # Every shape and path once before any timing: on 2026-12-07 the loop's first shape timed slower
+    # than a 4x larger one after its own 2 warm-ups (first-call costs not yet paid).
+    for devices in paths.values():
+        moe.GROUPED_GEMM_DEVICES = devices
+        for x, chosen, weights in inputs.values():
+            time_step(experts, x, chosen, weights, 1)
+    for tokens, (x, chosen, weights) in inputs.items():
         seconds = {}
-        for name, devices in (("loop", ()), ("grouped", ("cuda",))):
+        for name, devices in paths.items():
             moe.GROUPED_GEMM_DEVICES = devices
             seconds[name] = time_step(experts, x, chosen, weights, args.repeats)
         flops = 3 * 2 * 3 * args.hidden * args.width * tokens * args.topk  # forward + 2x backward
