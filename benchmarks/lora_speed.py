@@ -45,6 +45,16 @@ from miles.trainer.torch_trainer import TorchTrainer  # noqa: E402
 from miles.types import build_train_batch  # noqa: E402
 
 
+_START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """One line per phase, with the seconds since start, flushed: a run cut by a time limit says
+    how far it got and where the time went."""
+    held = f" ({torch.cuda.memory_allocated() / 2**30:.1f} GB allocated)" if torch.cuda.is_available() else ""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {what}{held}", flush=True)
+
+
 def synced(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -89,14 +99,17 @@ def trainer_side(ckpt, lora: LoRACfg, batch, args, device) -> tuple[dict, TorchT
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), cfg, precision, device=str(device), threads=args.threads)
+    progress(f"trainer built ({'LoRA' if lora.rank else 'full fine-tuning'})")
     step_s = timed(lambda: trainer.train_rl(batch), device, args.warmup, args.repeats)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    progress(f"trainer steps timed: {step_s:.3f} s a step")
     return dict(step_s=step_s, peak_gb=peak), trainer
 
 
 def sync_seconds(trainer: TorchTrainer, engine: NativeEngine, device, args) -> tuple[float, int]:
     """get_weights + update_weights with the checksum check, as the loop's checked sync does."""
     weights, digest = trainer.get_weights()
+    progress(f"first get_weights: {payload_bytes(weights):,} bytes")
 
     def one():
         w, d = trainer.get_weights()
@@ -160,13 +173,16 @@ def main() -> None:
     answers = [str(2 * i + 1) for i in range(args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(random_checkpoint(model_cfg(args.model), DEFAULT_ALPHABET, seed=0, out=Path(tmp) / args.model))
+        progress("random checkpoint written")
         vocab = json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"]
         batch = synthetic_batch(Case("lora", args.samples, args.prompt_len, args.response_len, 0), vocab)
         full, full_trainer = trainer_side(ckpt, LoRACfg(), batch, args, device)
         # As a colocated run does before the engine's turn: the full fine-tuning's optimizer state and
         # gradients (~48 GB at the 4B shape) leave the device, or the engine does not fit on 80 GB.
         full_trainer.offload((offload.GRADS, offload.OPTIMIZER))
+        progress("full fine-tuning's gradients and optimizer state offloaded")
         base = engine_side(ckpt, None, prompts, answers, args, device)
+        progress("engine built")
         full["sync_s"], full["sync_bytes"] = sync_seconds(full_trainer, base, device, args)
         print(f"full fine-tuning: {full}", flush=True)  # progress: a run cut by a time limit keeps it
         del full_trainer

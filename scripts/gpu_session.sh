@@ -252,7 +252,7 @@ case $PART in
     step one_pass_gemms 90 python3 benchmarks/weight_only_ws.py --no-ws
     ;;
 7)
-    step lora_4b 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
+    step lora_4b 540 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
         --warmup 1 --repeats 3 --recompute --micro-batch 8 --skip-decode
     step lora_4b_decode 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
         --warmup 1 --repeats 2 --recompute --micro-batch 8 --prompts 16 --new-tokens 128
