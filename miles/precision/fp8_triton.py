@@ -35,14 +35,14 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_xm, mp, kp,
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_xm, stride_xk, mp, kp,
                           FP8_MAX: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * ROWS + tl.arange(0, ROWS)
         cols = pid_k * TILE + tl.arange(0, TILE)
         inside = (rows[:, None] < m) & (cols[None, :] < k)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=inside, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.math.div_rn(amax, tl.full([ROWS], FP8_MAX, tl.float32))
         scale = tl.where(scale > 0, scale, 1.0)
@@ -55,16 +55,15 @@ if triton is not None:
 
 def quantize_act_fused(x2: torch.Tensor, kp: int, m_align: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] bf16 / fp16 / fp32 on CUDA -> (q [Mp, kp] float8_e4m3fn, scale [Mp, kp/128] fp32 with
-    strides (1, Mp)); Mp = M rounded up to `m_align` (a multiple of 16), kp a multiple of 128 >= K."""
+    strides (1, Mp)); Mp = M rounded up to `m_align` (a multiple of 16), kp a multiple of 128 >= K.
+    Any strides: a transposed view (the FP8 backward's tiles along the tokens) is read in place."""
     m, k = x2.shape
     if kp % TILE or kp < k or m_align % ROWS:
         raise ValueError(f"quantize_act_fused: kp={kp} must be a multiple of {TILE} >= K={k}, "
                          f"m_align={m_align} a multiple of {ROWS}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     mp = -(-m // m_align) * m_align if m else m_align
     q = torch.empty(mp, kp, dtype=torch.float8_e4m3fn, device=x2.device)
     s = torch.empty(kp // TILE, mp, dtype=torch.float32, device=x2.device)
-    _act_quant_kernel[(mp // ROWS, kp // TILE)](x2, q, s, m, k, x2.stride(0), mp, kp,
+    _act_quant_kernel[(mp // ROWS, kp // TILE)](x2, q, s, m, k, x2.stride(0), x2.stride(1), mp, kp,
                                                 FP8_MAX=448.0, ROWS=ROWS, TILE=TILE)
     return q, s.t()

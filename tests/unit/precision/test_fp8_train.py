@@ -60,12 +60,12 @@ def test_cache_quantizes_once_per_weight_version():
     cache = FP8WeightCache()
     x = torch.randn(4, 256, generator=g)
     first = fp8_train_linear(x, lin.weight, lin.bias, cache)
-    operand = cache.get(lin.weight, torch.float32)[0]
-    assert cache.get(lin.weight, torch.float32)[0] is operand  # no new quantization for the same weight
+    operand = cache.operand(lin.weight)
+    assert cache.operand(lin.weight) is operand  # no new quantization for the same weight
     first.square().sum().backward()
     opt.step()  # an in-place update: the next forward must see the new weight
     after = fp8_train_linear(x, lin.weight, lin.bias, cache)
-    assert cache.get(lin.weight, torch.float32)[0] is not operand
+    assert cache.operand(lin.weight) is not operand
     assert torch.equal(after, fp8_train_linear(x, lin.weight, lin.bias, FP8WeightCache()))
     assert not torch.equal(after, first)
     cache.clear()

@@ -97,14 +97,15 @@ def test_w8a16_keeps_activations_and_quantizes_weights_once_per_step():
     assert torch.equal(model.layers[0].self_attn.q_proj.weight.grad, q.weight.grad)
     cache = r16.fp8_cache
     made = len(cache)
-    entry = cache._entries[id(model.layers[0].mlp.up_proj.weight)][2]
+    up = model.layers[0].mlp.up_proj.weight
+    entry = cache.dequantized(up, torch.float32)  # the forward's (fp32 model, no autocast)
     with torch.no_grad():
         r16.forward(model, ids)
-    assert len(cache) == made and cache._entries[id(model.layers[0].mlp.up_proj.weight)][2] is entry
+    assert len(cache) == made and cache.dequantized(up, torch.float32) is entry
     with torch.no_grad():
-        model.layers[0].mlp.up_proj.weight.add_(1e-2)  # an optimizer step: a new version
+        up.add_(1e-2)  # an optimizer step: a new version
         r16.forward(model, ids)
-    assert cache._entries[id(model.layers[0].mlp.up_proj.weight)][2] is not entry
+    assert cache.dequantized(up, torch.float32) is not entry
 
 
 def test_engine_and_trainer_components_sync_quantized_weights(tmp_path):
