@@ -168,14 +168,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, device: torch.device) -> dict:
+def precision_cfg(spec: str | None, args) -> PrecisionCfg:
+    """`--precisions` item: a conf/precision recipe with overrides (`fp8,fp8_backward=fp8`); None: --dtype's."""
+    if spec is None:
+        dtype = DType.bf16 if args.dtype == "bf16" else DType.fp32
+        return PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype, fp32_residual=args.fp32_residual)
+    from omegaconf import OmegaConf
+
+    name, *sets = spec.split(",")
+    values = yaml.safe_load((ROOT / "conf" / "precision" / f"{name}.yaml").read_text())
+    values.update({k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in sets)})
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionCfg), values))
+
+
+def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, device: torch.device,
+               recipe: str | None = None) -> dict:
     packed, chunk_tokens = CONFIGS[config]
     seq_len = case.prompt + case.response
     trainer_cfg = TrainerCfg(lr=1e-5, global_batch_size=case.samples, pack_sequences=packed,
                              max_tokens_per_micro_batch=case.max_tokens, recompute=args.recompute,
+                             offload_optimizer=args.offload_optimizer or None,
                              micro_batch_size=max(1, case.max_tokens // seq_len))
-    dtype = DType.bf16 if args.dtype == "bf16" else DType.fp32
-    precision = PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype, fp32_residual=args.fp32_residual)
+    precision = precision_cfg(recipe, args)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -207,7 +221,7 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del trainer
     gc.collect()
-    return dict(case=case.name, config=config, samples=case.samples,
+    return dict(case=case.name, config=config, precision=recipe or args.dtype, samples=case.samples,
                 width=batch.tokens.shape[1], max_tokens=case.max_tokens, tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds, mfu=flops / seconds / (args.peak_tflops * 1e12),
                 peak_gb=peak_gb, first_loss=first["train/loss"])
@@ -216,14 +230,14 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
 def markdown(rows: list[dict], args) -> str:
     lines = [f"train_rl, {args.model}, {args.device}, {args.dtype}; MFU of {args.peak_tflops:g} TFLOP/s",
              "",
-             "| case | config | samples x width | tokens | s / step | tokens/s | MFU | peak GB | vs padded |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| case | config | precision | samples x width | tokens | s / step | tokens/s | MFU | peak GB | vs padded |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speed = {(r["case"], r["config"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         ratio = speed.get((r["case"], "padded"))
         ratio = f"{r['tokens_per_s'] / ratio:.2f}x" if r["config"] != "padded" and ratio else ""
         peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
-        lines.append(f"| {r['case']} | {r['config']} | {r['samples']} x {r['width']} | {r['tokens']} | "
+        lines.append(f"| {r['case']} | {r['config']} | {r['precision']} | {r['samples']} x {r['width']} | {r['tokens']} | "
                      f"{r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.3g} | {peak} | {ratio} |")
     return "\n".join(lines)
 
@@ -239,6 +253,8 @@ def main() -> None:
     p.add_argument("--configs", default=None, help=f"comma-separated, of {', '.join(CONFIGS)} (default: packed)")
     p.add_argument("--separate-old", action="store_true", help="a separate no-grad forward for the old log-probs")
     p.add_argument("--recompute", action="store_true", help="trainer.recompute=true (activation checkpointing)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="trainer.offload_optimizer=true: AdamW's moments in host memory (the 4B shape on 80 GB)")
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated subset")
     p.add_argument("--shrink", type=int, default=None, help="divide token counts by this (default: 8 cpu, 1 cuda)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 1 cpu, 2 cuda)")
@@ -253,6 +269,9 @@ def main() -> None:
     p.add_argument("--eager-ops", action="store_true", help="CUDA: RMSNorm / RoPE / SwiGLU eager, not compiled")
     p.add_argument("--fp32-residual", action="store_true", help="bf16: precision.fp32_residual=true")
     p.add_argument("--eager-ce", action="store_true", help="CUDA: the LM head's softmax eager, not fused")
+    p.add_argument("--precisions", nargs="+", default=None, metavar="RECIPE[,KEY=VALUE]",
+                   help="rows per precision recipe of conf/precision with overrides, e.g. bf16 fp8 "
+                        "fp8,fp8_backward=fp8 (default: --dtype's plain recipe)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
@@ -286,10 +305,10 @@ def main() -> None:
                 continue
             case = shrunk(case, shrink)
             batch = synthetic_batch(case, vocab)
-            for config in configs:
-                rows.append(run_config(ckpt, case, batch, config, args, device))
+            for config, recipe in [(c, r) for c in configs for r in (args.precisions or [None])]:
+                rows.append(run_config(ckpt, case, batch, config, args, device, recipe))
                 r = rows[-1]
-                print(f"{r['case']:8s} {r['config']:6s} {r['seconds']:.3f} s/step  {r['tokens_per_s']:,.0f} tok/s  "
+                print(f"{r['case']:8s} {r['config']:6s} {r['precision']} {r['seconds']:.3f} s/step  {r['tokens_per_s']:,.0f} tok/s  "
                       f"MFU {r['mfu']:.3g}  first loss {r['first_loss']:.6f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))

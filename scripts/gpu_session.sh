@@ -52,8 +52,10 @@
 #      fp8 0.93x)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
+#  22  the FP8 backward (precision.fp8_backward=fp8): its CUDA tests, one 4B linear's forward + backward per
+#      path, the trainer's step per recipe on the 4B shape
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-21)}
+PART=${1:?usage: gpu_session.sh PART (1-22)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -257,8 +259,15 @@ case $PART in
     step lora_4b_decode 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
         --warmup 1 --repeats 2 --recompute --micro-batch 8 --prompts 16 --new-tokens 128
     ;;
+22)
+    step fp8_backward_tests 150 python3 -m pytest -q -s -rf tests/gpu/test_fp8_backward_cuda.py \
+        tests/unit/precision/test_fp8_backward.py tests/gpu/test_fp8_fused_cuda.py -k "not mismatch"
+    step fp8_backward_speed 80 python3 benchmarks/fp8_backward_speed.py
+    step train_4b_fp8_backward 300 python3 benchmarks/train_speed.py --model qwen3_4b --device cuda --cases fixed \
+        --recompute --offload-optimizer --precisions bf16 fp8 fp8,fp8_backward=fp8 --warmup 1 --repeats 2
+    ;;
 *)
-    echo "unknown part $PART (1-21)" >&2
+    echo "unknown part $PART (1-22)" >&2
     exit 2
     ;;
 esac

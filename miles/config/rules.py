@@ -492,6 +492,10 @@ def precision_problems(precision: PrecisionCfg, hw: HardwareCfg) -> list[str]:
     if hw.device == "cpu" and precision.fp8_gemm not in ("auto", "emulated"):
         problems.append(f"precision.fp8_gemm={precision.fp8_gemm.value} is a CUDA kernel; the CPU runs the emulated "
                         "GEMM: set precision.fp8_gemm=auto")
+    if precision.fp8_backward == "fp8" and precision.train_quant != "fp8":
+        problems.append(f"precision.fp8_backward=fp8 applies to recipes that train in FP8, and precision="
+                        f"{precision.name} trains with train_quant={precision.train_quant.value}: drop "
+                        "precision.fp8_backward or use precision=fp8")
     if precision.fp8_scheme == "w8a16":
         if "fp8" not in (precision.train_quant.value, precision.rollout_quant.value):
             problems.append(f"precision.fp8_scheme=w8a16 applies to FP8 recipes, and precision={precision.name} "

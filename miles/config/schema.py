@@ -75,6 +75,13 @@ class FP8Scheme(Choice):
     w8a16 = "w8a16"  # FP8 weights, bf16 activations: half the weight bytes, bf16's train / rollout mismatch
 
 
+class FP8Backward(Choice):
+    """precision.fp8_backward: the dtype of the FP8 linears' backward GEMMs (docs/precision.md)."""
+
+    bf16 = "bf16"  # dgrad and wgrad in the compute dtype, on the dequantized operands
+    fp8 = "fp8"  # DeepSeek-V3's: output gradients and inputs in 1x128 tiles, the weight's 128x128 blocks
+
+
 class TrackingBackend(Choice):
     """tracking.backend: where metrics and the run record go."""
 
@@ -202,6 +209,8 @@ class PrecisionCfg:
     fp8_gemm: FP8Gemm = FP8Gemm.auto
     # FP8 weights with FP8 (w8a8) or bf16 (w8a16) activations, on both sides (fp8 recipes only).
     fp8_scheme: FP8Scheme = FP8Scheme.w8a8
+    # The FP8 linears' backward GEMMs: bf16 (the compute dtype) or fp8 (fp8 training recipes only).
+    fp8_backward: FP8Backward = FP8Backward.bf16
 
 
 @dataclass

@@ -31,6 +31,7 @@ from miles.precision.fp8_gemm import (PreparedFP8Weight, fp8_linear_prepared, pr
 
 _PROBE_TOL = 2e-2  # relative to the output's max, as the forward's probe (bf16 output rounding ~4e-3)
 _PROBES: dict[str, tuple[bool, str]] = {}  # device -> (kernels usable, why)
+_WGRAD_LAYOUTS = ("kn_rows", "kn_cols", "nk")  # wgrad's scale_b candidates, tried in order
 
 
 class TransposedFP8Weight:
@@ -67,7 +68,9 @@ def _wgrad_scaled_mm(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, l
     xq, xs = quantize_act_for_scaled_mm(x.t(), mp)  # [Kp, mp], scales [Kp, mp/128] strides (1, Kp)
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
 
-    scale_b = xs.t() if layout == "b_scales_kn" else xs
+    # B = x^T's codes transposed [mp, Kp] with 1x128 tiles along mp: its scales [mp/128, Kp]; which
+    # strides cuBLASLt reads them with is what the probe finds out (_WGRAD_LAYOUTS)
+    scale_b = {"kn_rows": lambda: xs.t(), "kn_cols": lambda: xs.contiguous().t(), "nk": lambda: xs}[layout]()
     out = scaled_mm(gq, xq.t(), gs, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise1x128,
                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=out_dtype)
     return out[:n, :k]
@@ -114,7 +117,7 @@ def _probe(device: torch.device) -> tuple[bool, str]:
         if not err <= _PROBE_TOL:
             return False, f"dgrad: wrong result, max error {err:.3g} of the output's max"
         tried = []
-        for layout in ("b_scales_kn", "b_scales_nk"):
+        for layout in _WGRAD_LAYOUTS:
             try:
                 err = _rel_err(_wgrad_scaled_mm(g16, x16, torch.float32, layout), ref_w)
             except RuntimeError as e:

@@ -173,10 +173,11 @@ def fp8_train_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 
 def w8a16_train_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                       cache: FP8WeightCache) -> torch.Tensor:
-    """w8a16 with the FP8 backward: F.linear(x, the dequantized weight, bias) in the compute dtype, the
-    bits of `straight_through_dequantized`'s path (autocast's F.linear casts x and bias the same way)."""
-    dtype = _compute_dtype(x)
+                       cache: FP8WeightCache, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """w8a16 with the FP8 backward: F.linear(x, the dequantized weight, bias) in `dtype` (default: the
+    compute dtype), the bits of `straight_through_dequantized`'s path (autocast's F.linear casts x and
+    bias the same way)."""
+    dtype = dtype or _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return _W8A16Linear.apply(x.to(dtype), w, None if bias is None else bias.to(dtype),
                                   cache.dequantized(w, dtype), cache.transposed(w))

@@ -32,7 +32,8 @@ from torch import nn
 from miles.precision import invariance
 from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
 from miles.precision.fp8_gemm import FP8Operand, fp8_linear_with, prepare_fp8_weight
-from miles.precision.fp8_train import FP8WeightCache, fp8_train_linear, straight_through_dequantized
+from miles.precision.fp8_train import (FP8WeightCache, fp8_train_linear, straight_through_dequantized,
+                                      w8a16_train_linear)
 from miles.precision.fp8_w8a16_triton import w8a16_linear, w8a16_linear_auto
 from miles.precision.int4 import int4_linear
 from miles.precision.int4_triton import int4_linear_auto
@@ -123,6 +124,7 @@ class Recipe:
     forward_dtype: torch.dtype | None = None
     fp8_backend: str = "auto"  # precision.fp8_gemm: the FP8 GEMM both sides run
     fp8_scheme: str = W8A8  # precision.fp8_scheme: w8a8 (FP8 activations too) or w8a16 (weights only)
+    fp8_backward: bool = False  # precision.fp8_backward=fp8: the FP8 linears' dgrad / wgrad in FP8
     # The training forward's FP8 operands, made once per optimizer step (see release_training_cache).
     fp8_cache: FP8WeightCache = field(init=False, repr=False, compare=False)
 
@@ -136,7 +138,8 @@ class Recipe:
         forward_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision.rollout_dtype.value] \
             if precision.forward_weights == "rollout" else None
         return cls(precision.train_quant.value, precision.rollout_quant.value, precision.int4_group_size, keep,
-                   forward_dtype, precision.fp8_gemm.value, precision.fp8_scheme.value)
+                   forward_dtype, precision.fp8_gemm.value, precision.fp8_scheme.value,
+                   precision.fp8_backward.value == "fp8")
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.is_floating_point() and tensor.dim() >= 2 and not self.keep(name)
@@ -152,7 +155,7 @@ class Recipe:
         if self.train_quant == NONE and self.forward_dtype is None:
             return model(*args, **kwargs)
         fp8_linears = {}
-        if self.train_quant == FP8 and self.fp8_scheme == W8A8:
+        if self.train_quant == FP8 and (self.fp8_scheme == W8A8 or self.fp8_backward):
             fp8_linears = {name: m for name, m in model.named_modules()
                            if isinstance(m, nn.Linear) and self.quantizes(f"{name}.weight", m.weight)}
         weights = {}
@@ -163,7 +166,9 @@ class Recipe:
             weights.update({name: self._fake_quant(p) for name, p in model.named_parameters()
                             if self.quantizes(name, p) and name.rpartition(".")[0] not in fp8_linears})
         for module in fp8_linears.values():
-            module.forward = functools.partial(_fp8_linear_forward, module, self.fp8_cache)
+            module.forward = (functools.partial(_fp8_linear_forward, module, self.fp8_cache, self.fp8_backward)
+                              if self.fp8_scheme == W8A8 else
+                              functools.partial(_w8a16_linear_forward, module, self.fp8_cache, self.forward_dtype))
         try:
             return torch.func.functional_call(model, weights, args, kwargs, strict=False) if weights \
                 else model(*args, **kwargs)
@@ -288,10 +293,17 @@ class Recipe:
         return {name: m for name, m in model.named_modules() if getattr(m, "holds_payload", False)}
 
 
-def _fp8_linear_forward(module: nn.Linear, cache: FP8WeightCache, x: torch.Tensor) -> torch.Tensor:
+def _fp8_linear_forward(module: nn.Linear, cache: FP8WeightCache, fp8_backward: bool, x: torch.Tensor) -> torch.Tensor:
     # Under autocast the input is quantized in the autocast dtype, as the engine quantizes its bf16
     # activations, rather than in the fp32 values autocast would round again afterwards.
-    return fp8_train_linear(x, module.weight, module.bias, cache)
+    return fp8_train_linear(x, module.weight, module.bias, cache, fp8_backward)
+
+
+def _w8a16_linear_forward(module: nn.Linear, cache: FP8WeightCache, dtype: torch.dtype | None,
+                          x: torch.Tensor) -> torch.Tensor:
+    # w8a16 under the FP8 backward: the plain path's forward bits (_fake_quant's weight, the bias in
+    # the forward dtype as functional_call would cast it), dgrad / wgrad in FP8.
+    return w8a16_train_linear(x, module.weight, module.bias, cache, dtype)
 
 
 def _device(model: nn.Module) -> torch.device:

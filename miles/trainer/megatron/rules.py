@@ -30,6 +30,8 @@ def megatron_problems(cfg: RunCfg) -> list[str]:
     fp8 = cfg.precision.train_quant.value == "fp8"
     unsupported = {f"precision={cfg.precision.name} (w8a8's FP8 GEMMs need Transformer Engine)":
                    fp8 and cfg.precision.fp8_scheme == "w8a8",
+                   "precision.fp8_backward=fp8 (FP8 backward GEMMs: Transformer Engine's in Megatron-core)":
+                   cfg.precision.fp8_backward == "fp8",
                    "precision.forward_weights=rollout": cfg.precision.forward_weights == "rollout",
                    "precision.fp32_residual=true (its residual stream is in the parameters' bf16)":
                    cfg.precision.fp32_residual,
