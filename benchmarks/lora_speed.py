@@ -94,7 +94,8 @@ def trainer_side(ckpt, lora: LoRACfg, batch, args, device) -> tuple[dict, TorchT
     precision = PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype)
     cfg = TrainerCfg(lr=args.lr, global_batch_size=batch.tokens.shape[0], micro_batch_size=args.micro_batch,
                      max_tokens_per_micro_batch=args.micro_batch * batch.tokens.shape[1], lora=lora,
-                     recompute=args.recompute)
+                     recompute=args.recompute,
+                     offload_optimizer=(args.offload_optimizer and not lora.rank) or None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -149,6 +150,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 16 cpu, 256 cuda")
     p.add_argument("--recompute", action="store_true",
                    help="trainer.recompute=true for both trainers (full fine-tuning of the 4B shape needs it on 80 GB)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="full fine-tuning with AdamW's moments in host memory (trainer.offload_optimizer), as "
+                        "the planner sets it for the 4B shape on 80 GB; LoRA keeps its (small) state on the device")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="default 1 cpu, 2 cuda")
     p.add_argument("--repeats", type=int, default=None, help="default 3 cpu, 5 cuda")

@@ -255,9 +255,9 @@ case $PART in
     ;;
 7)
     step lora_4b 540 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
-        --warmup 1 --repeats 3 --recompute --micro-batch 8 --skip-decode
+        --warmup 1 --repeats 3 --recompute --micro-batch 8 --skip-decode --offload-optimizer
     step lora_4b_decode 570 python3 benchmarks/lora_speed.py --model qwen3_4b --device cuda --samples 32 \
-        --warmup 1 --repeats 2 --recompute --micro-batch 8 --prompts 16 --new-tokens 128
+        --warmup 1 --repeats 2 --recompute --micro-batch 8 --prompts 16 --new-tokens 128 --offload-optimizer
     ;;
 22)
     step fp8_backward_tests 150 python3 -m pytest -q -s -rf tests/gpu/test_fp8_backward_cuda.py \
