@@ -86,6 +86,12 @@ def rollout_weight_bytes(groups: ParamGroups, precision: PrecisionCfg) -> float:
     return kept + q * DTYPE_BYTES[precision.rollout_dtype]
 
 
+def dense_copy_bytes(groups: ParamGroups, precision: PrecisionCfg) -> float:
+    """Bytes of a weight-only engine's dense copies (rollout.dense_weight_copies): every quantized
+    Linear's weight in rollout_dtype once more; the routed experts' stacks keep none."""
+    return max(0, groups.quantizable - groups.routed) * DTYPE_BYTES[precision.rollout_dtype]
+
+
 def kv_bytes_per_token(arch: ArchConfig, dtype_bytes: int = KV_BYTES) -> int:
     """Decode-cache bytes one token adds across all layers. GQA: K and V per kv head; MLA: the
     compressed latent + the shared RoPE key (+ the DSA indexer key); linear-attention layers keep a

@@ -34,9 +34,10 @@ from miles.config.schema import (AlgoName, DType, EngineName, HardwareCfg, Quant
                                  TrainerBackend)
 from miles.hardware.footprint import (ACT_BYTES_PER_HIDDEN, DTYPE_BYTES, ParamGroups, kv_bytes_per_token,
                                       param_groups, rollout_weight_bytes, state_bytes_per_sequence,
-                                      train_bytes_per_param)
+                                      dense_copy_bytes, train_bytes_per_param)
 from miles.hardware.vision_footprint import (ImageTokens, image_tokens, rollout_vision_bytes,
                                              train_vision_bytes)
+from miles.precision import dense_copy
 
 GB = 1e9
 ROLLOUT_WORKSPACE_GB = {"cuda": 4.0, "cpu": 0.5}  # decode activations, sampling buffers, CUDA graphs
@@ -254,6 +255,10 @@ def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capaci
     kv_dtype = DTYPE_BYTES[precision.rollout_dtype]
     per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
     usage = {"weights": weights, "workspace": workspace}
+    if cfg.rollout.engine == "native" and dense_copy.wanted(
+            cfg.rollout.dense_weight_copies, hw.device, precision.rollout_quant.value, precision.fp8_scheme.value,
+            cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt):
+        usage["dense copies"] = dense_copy_bytes(groups, precision) / gpus_per_engine
     if arch.vision is not None:
         usage.update(rollout_vision_bytes(cfg, arch, gpus_per_engine))
     free = capacity - sum(usage.values())

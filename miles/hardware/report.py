@@ -47,6 +47,9 @@ def plan_table(cfg: RunCfg, plan: Plan) -> Table:
     table.add_row("rollout", "weights", f"{plan.rollout['weights'] / GB:,.2f}",
                   f"{fmt}; {engines} engine(s) x {plan.gpus_per_engine} {device}(s)")
     table.add_row("rollout", "workspace", f"{plan.rollout['workspace'] / GB:,.2f}", "decode activations, buffers")
+    if "dense copies" in plan.rollout:
+        table.add_row("rollout", "dense copies", f"{plan.rollout['dense copies'] / GB:,.2f}",
+                      f"the quantized weights dequantized to {cfg.precision.rollout_dtype.value}, for calls of > 256 rows")
     for item in ("vision weights", "vision activations"):
         if item in plan.rollout:
             table.add_row("rollout", item, f"{plan.rollout[item] / GB:,.2f}", how[f"rollout {item}"])

@@ -14,7 +14,8 @@ they are not adjacent plain nn.Linear layers of one dtype, or carry hooks (unmer
 Weight-only quantized engines (FP8 w8a16, INT4 W4A16: `QuantLinear` layers): `join_quantized` moves
 each group's payload tensors (codes, scales) into one storage, row after row, and makes the layers'
 buffers views of it, so syncs (copied in place) reach it too; the group then runs one fused
-weight-only kernel. FP8 row blocks must not straddle two projections (each but the last a multiple of
+weight-only kernel (dense copies, miles/precision/dense_copy.py, are joined alike: calls of many rows
+multiply the joined copy). FP8 row blocks must not straddle two projections (each but the last a multiple of
 128 rows); FP8 w8a8, whose GEMM lays its operand out per layer, stays unfused.
 
 Numerics: each output element is the same dot product; a library may block a wider GEMM differently,
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.precision import dense_copy
 from miles.precision.fp8 import BLOCK
 from miles.precision.fp8_w8a16_triton import w8a16_linear_auto
 from miles.precision.int4_triton import int4_linear_auto
@@ -65,7 +67,7 @@ def join_quantized(model: nn.Module) -> int:
     for module, layers in _groups(model):
         if not getattr(module, "fuse_projections", False) or not _joinable(layers):
             continue
-        for name in layers[0].buffer_names():
+        for name in layers[0].held_names():  # the payload, and the dense copies where held
             parts = [getattr(layer, name) for layer in layers]
             joined = torch.cat(parts)
             start = 0
@@ -101,8 +103,10 @@ def _weight_only(layers: list[nn.Module]) -> bool:
 def _joinable(layers: list[nn.Module]) -> bool:
     if not _weight_only(layers) or any(layer.bias is not None for layer in layers):
         return False
-    if any(getattr(layer, name).numel() == 0 for layer in layers for name in layer.buffer_names()):
+    if any(getattr(layer, name).numel() == 0 for layer in layers for name in layer.held_names()):
         return False  # placeholders: nothing loaded yet
+    if len({layer.held_names() for layer in layers}) > 1:
+        return False
     return layers[0].quant != FP8 or all(layer.out_features % BLOCK == 0 for layer in layers[:-1])
 
 
@@ -122,8 +126,13 @@ def _fused_product(layers: list[nn.Module]) -> Callable[[torch.Tensor], torch.Te
     if any(t is None for t in payload):
         return None
     if layers[0].quant == INT4:
-        return lambda x: int4_linear_auto(x, payload[0], payload[1], layers[0].group)
-    return lambda x: w8a16_linear_auto(x, payload[0], payload[1])
+        product = lambda x: int4_linear_auto(x, payload[0], payload[1], layers[0].group)  # noqa: E731
+    else:
+        product = lambda x: w8a16_linear_auto(x, payload[0], payload[1])  # noqa: E731
+    dense = _joined([layer.dense for layer in layers]) if "dense" in layers[0].held_names() else None
+    if dense is None:
+        return product
+    return lambda x: F.linear(x, dense) if dense_copy.applies(x, dense) else product(x)
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from miles.precision import invariance
+from miles.precision import dense_copy, invariance
+from miles.precision.dense_copy import dequantized
 from miles.precision.fake_quant import fake_quant_fp8_weight, fake_quant_int4
 from miles.precision.fp8_gemm import FP8Operand, fp8_linear_with, prepare_fp8_weight
 from miles.precision.fp8_train import (FP8WeightCache, fp8_train_linear, straight_through_dequantized,
@@ -64,14 +66,38 @@ class QuantLinear(nn.Module):
         for name in self.buffer_names():
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.operand: FP8Operand | None = None  # fp8: the payload laid out for the GEMM (refresh)
+        self.dense_dtype: torch.dtype | None = None  # set by hold_dense_copy: the `dense` buffer's dtype
 
     def buffer_names(self) -> tuple[str, ...]:
+        """The payload's tensors (what a sync carries and the checksum covers)."""
         return payload_names(self.quant)
+
+    def held_names(self) -> tuple[str, ...]:
+        """Every buffer the layer holds: the payload, and the dense copy when it keeps one."""
+        return self.buffer_names() + (("dense",) if self.dense_dtype is not None else ())
+
+    def hold_dense_copy(self, dtype: torch.dtype) -> None:
+        """Keep a dequantized copy of a weight-only payload in `dtype` (miles/precision/dense_copy.py),
+        made at each refresh; calls of many rows multiply it with cuBLAS."""
+        if self.quant == FP8 and self.fp8_scheme != W8A16:
+            raise ValueError("a dense copy is for weight-only layers (FP8 w8a16, INT4); w8a8 multiplies FP8 operands")
+        self.dense_dtype = dtype
+        self.register_buffer("dense", torch.empty(0), persistent=False)
+        if self.buffer_names() and getattr(self, self.buffer_names()[0]).numel():
+            self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
         """After the payload changed: lay the FP8 weight out for its GEMM backend, in place where a
-        layout exists already (a captured CUDA graph reads these addresses)."""
+        layout exists already (a captured CUDA graph reads these addresses). A weight-only layer holding
+        a dense copy dequantizes its payload into it, in place too."""
+        if self.dense_dtype is not None:
+            q, scale = (getattr(self, n) for n in self.buffer_names())
+            new = dequantized(q, scale, self.quant, self.group, self.in_features, self.dense_dtype)
+            if self.dense.shape == new.shape:
+                self.dense.copy_(new)
+            else:  # the first load replaces the empty placeholder
+                self.dense = new
         if self.quant != FP8 or self.fp8_scheme == W8A16:  # w8a16 reads the payload as it is
             return
         new = prepare_fp8_weight(self.weight, self.weight_scale_inv, self.fp8_backend)
@@ -91,6 +117,9 @@ class QuantLinear(nn.Module):
             # True on-policy runs the engine under the trainer's autocast: quantize and multiply the
             # activations in the autocast dtype, as the trainer's fp8_train_linear and F.linear do.
             x = x.to(torch.get_autocast_dtype(device))
+        weight_only = self.quant == INT4 or self.fp8_scheme == W8A16
+        if weight_only and self.dense_dtype is not None and not invariance.active() and dense_copy.applies(x, self.dense):
+            return F.linear(x, self.dense, self.bias)  # the one-pass path's bits, its dequantization done once
         if self.quant == FP8 and self.fp8_scheme == W8A16:
             if invariance.active():  # F.linear on the dequantized weight: the invariant matmul, as the trainer's
                 return w8a16_linear(x, self.weight, self.weight_scale_inv, self.bias)

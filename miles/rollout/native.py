@@ -76,7 +76,8 @@ from miles.models.moe import graph_capturable
 from miles.models.quant_experts import quantize_engine_experts
 from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
-from miles.precision.recipe import Recipe
+from miles.precision import dense_copy
+from miles.precision.recipe import QuantLinear, Recipe
 from miles.rollout.adapter_files import check_adapter_ids
 from miles.rollout.lora import engine_adapters, load_synced
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
@@ -141,6 +142,11 @@ class NativeEngine:
             self.recipe.prepare_engine(self.model)
             quantize_engine_experts(self.model, self.recipe)  # MoE stacks held as the payload sends them
             self.recipe.load_engine(self.model, payload, self.dtype)
+            if dense_copy.wanted(cfg.dense_weight_copies, str(self.device), self.recipe.rollout_quant,
+                                 self.recipe.fp8_scheme, cfg.batch_size * cfg.n_samples_per_prompt):
+                for module in self.model.modules():
+                    if isinstance(module, QuantLinear):
+                        module.hold_dense_copy(self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
         self.flat = FlatWeights.adopt(self.model) if payload is None else None
         # One GEMM per q / k / v and gate / up group, over views of the flat buffer or of joined payloads.

@@ -88,13 +88,18 @@ def test_engine_decodes_the_same_tokens_fused(ckpt):
     assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.rollout_logprobs, t.rollout_logprobs)) < 1e-5
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["payload", "dense-copies"])
 @pytest.mark.parametrize("quant,scheme", [("int4", "w8a8"), ("fp8", "w8a16")])
-def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, quant, scheme):
+def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, monkeypatch, quant, scheme, dense):
     """FP8 w8a16 / INT4 engines: each group's payload joined into one storage (the layers' buffers
     views of it), one weight-only product per group (its reference function on the CPU), the same
-    greedy tokens and log-probs within 1e-5; a sync copies into the views."""
+    greedy tokens and log-probs within 1e-5; a sync copies into the views. With dense copies
+    (rollout.dense_weight_copies, every call taking them here) the copies are joined alike."""
     from miles.config.schema import FP8Scheme, PrecisionCfg, Quant
+    from miles.precision import dense_copy
     from miles.precision.recipe import QuantLinear
+
+    monkeypatch.setattr(dense_copy, "MIN_ROWS", 1)
 
     # k / v of 128 rows: FP8's 128-row scale blocks do not straddle two projections (with 64 they would,
     # and q / k / v would stay three GEMMs while gate / up join).
@@ -104,13 +109,17 @@ def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, quant, sc
     precision = PrecisionCfg(name=quant, rollout_quant=Quant(quant), fp8_scheme=FP8Scheme(scheme))
     cfg = RolloutCfg(max_new_tokens=8, max_prompt_len=16, max_running=8)
     plain = NativeEngine(ckpt, cfg, DType.fp32, seed=0, precision=precision)
-    engine = NativeEngine(ckpt, cfg, DType.fp32, seed=0, precision=precision)
+    engine = NativeEngine(ckpt, RolloutCfg(**{**vars(cfg), "dense_weight_copies": dense}), DType.fp32, seed=0,
+                          precision=precision)
     assert fused_projections.enable(engine.model) == 0  # the payloads are separate tensors until joined
     assert fused_projections.join_quantized(engine.model) == 4 and fused_projections.enable(engine.model) == 4
     attn = engine.model.layers[0].self_attn
     assert isinstance(attn.q_proj, QuantLinear)
     first = attn.q_proj.buffer_names()[0]
     assert getattr(attn.k_proj, first).untyped_storage().data_ptr() == getattr(attn.q_proj, first).untyped_storage().data_ptr()
+    assert ("dense" in attn.q_proj.held_names()) == dense
+    if dense:
+        assert attn.k_proj.dense.untyped_storage().data_ptr() == attn.q_proj.dense.untyped_storage().data_ptr()
     prompts = ["1+2=", "33+4=", "50+50="]
     a = plain.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
     b = engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)
@@ -132,6 +141,8 @@ def test_weight_only_quantized_groups_join_and_follow_a_sync(tmp_path, quant, sc
     engine.fuses_projections = True
     engine.release_memory(("weights",))
     engine.resume_memory(("weights",))
+    if dense:
+        assert attn.k_proj.dense.untyped_storage().data_ptr() == attn.q_proj.dense.untyped_storage().data_ptr()
     assert getattr(attn.k_proj, first).untyped_storage().data_ptr() == getattr(attn.q_proj, first).untyped_storage().data_ptr()
     assert [s.response_ids for s in engine.generate(prompts, ["?"] * 3, n=2, temperature=0.0)] == \
         [s.response_ids for s in a]
