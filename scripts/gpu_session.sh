@@ -52,8 +52,9 @@
 #      fp8 0.93x)
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
-#  22  the FP8 backward (precision.fp8_backward=fp8): its CUDA tests, one 4B linear's forward + backward per
-#      path, the trainer's step per recipe on the 4B shape
+#  22  the FP8 backward (precision.fp8_backward=fp8) and the weight-only engines' dense copies: their CUDA
+#      tests, one 4B linear's forward + backward per path; then (STEPS=grpo_4b_fast, a call of its own) the
+#      4B GRPO step, bf16 against fp8 with both; (STEPS=train_4b_fp8_backward) the 4B trainer per recipe
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-22)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -262,7 +263,12 @@ case $PART in
 22)
     step fp8_backward_tests 150 python3 -m pytest -q -s -rf tests/gpu/test_fp8_backward_cuda.py \
         tests/unit/precision/test_fp8_backward.py tests/gpu/test_fp8_fused_cuda.py -k "not mismatch"
+    step dense_copy_tests 120 python3 -m pytest -q -rf tests/gpu/test_dense_copy_cuda.py \
+        tests/unit/precision/test_dense_copy.py
     step fp8_backward_speed 80 python3 benchmarks/fp8_backward_speed.py
+    # a call of its own (STEPS=grpo_4b_fast): bf16 against fp8 with both (dense copies: auto at 512 rows)
+    (cd benchmarks && step grpo_4b_fast 560 python3 grpo_step.py --model qwen3_4b --steps 2 \
+        --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true,precision.fp8_backward=fp8)
     step train_4b_fp8_backward 260 python3 benchmarks/train_speed.py --model qwen3_4b --device cuda --cases fixed \
         --recompute --offload-optimizer --precisions bf16 fp8,fp8_backward=fp8 --warmup 1 --repeats 2
     ;;
