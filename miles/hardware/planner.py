@@ -255,7 +255,7 @@ def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capaci
     kv_dtype = DTYPE_BYTES[precision.rollout_dtype]
     per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
     usage = {"weights": weights, "workspace": workspace}
-    if cfg.rollout.engine == "native" and dense_copy.wanted(
+    if cfg.rollout.engine == "native" and not cfg.true_on_policy and dense_copy.wanted(
             cfg.rollout.dense_weight_copies, hw.device, precision.rollout_quant.value, precision.fp8_scheme.value,
             cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt):
         usage["dense copies"] = dense_copy_bytes(groups, precision) / gpus_per_engine

@@ -142,8 +142,10 @@ class NativeEngine:
             self.recipe.prepare_engine(self.model)
             quantize_engine_experts(self.model, self.recipe)  # MoE stacks held as the payload sends them
             self.recipe.load_engine(self.model, payload, self.dtype)
-            if dense_copy.wanted(cfg.dense_weight_copies, str(self.device), self.recipe.rollout_quant,
-                                 self.recipe.fp8_scheme, cfg.batch_size * cfg.n_samples_per_prompt):
+            # (true on-policy multiplies through the batch-invariant kernels, never a copy)
+            if not self.true_on_policy and dense_copy.wanted(
+                    cfg.dense_weight_copies, str(self.device), self.recipe.rollout_quant, self.recipe.fp8_scheme,
+                    cfg.batch_size * cfg.n_samples_per_prompt):
                 for module in self.model.modules():
                     if isinstance(module, QuantLinear):
                         module.hold_dense_copy(self.dtype)
