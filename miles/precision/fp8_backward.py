@@ -22,6 +22,8 @@ Triton kernel, reading g^T and x^T in place).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +85,10 @@ def kernels_usable(device: torch.device) -> bool:
     key = str(device)
     if key not in _PROBES:
         _PROBES[key] = _probe(device)
+        if not _PROBES[key][0]:  # once per device: the emulated products are slower than bf16's backward
+            warnings.warn(f"precision.fp8_backward=fp8: the scaled_mm kernels failed their probe on {key} "
+                          f"({_PROBES[key][1]}); the backward runs the emulated products, slower than "
+                          "the bf16 backward: set precision.fp8_backward=bf16", stacklevel=2)
     return _PROBES[key][0]
 
 
