@@ -12,9 +12,10 @@ For y = x W^T, W [N, K] quantized in 128x128 blocks (the forward's codes and sca
 x is what the forward multiplied: the bf16 activations (w8a16) or the dequantized 1x128 activations
 (w8a8). The forward is untouched, so the log-probs (and the first step's ppo_kl = 0) are not.
 
-Kernels: on CUDA torch's blockwise `scaled_mm` (cuBLASLt's 1x128 x 128x128 and 1x128 x 1x128
-kernels, fp32 accumulation) where a one-off probe per device finds them right against the emulated
-product; elsewhere, or if the probe fails (`probe_report` says why), the emulated product:
+Kernels: on CUDA, for a bf16 compute dtype, torch's blockwise `scaled_mm` (cuBLASLt's 1x128 x
+128x128 and 1x128 x 1x128 kernels, fp32 accumulation, bf16 out) where a one-off probe per device
+finds them right against the emulated product; elsewhere, or if the probe fails (`probe_report`
+says why, and a warning once), the emulated product:
 dequantize, then a matmul in the compute dtype (the same values, another summation order). The
 activation tiles come from the forward's quantizer (`quantize_act_for_scaled_mm`; on CUDA the fused
 Triton kernel, reading g^T and x^T in place).
@@ -48,7 +49,7 @@ class TransposedFP8Weight:
 
 def dgrad(g: torch.Tensor, w_t: TransposedFP8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """g [M, N] -> grad_x [M, K] = Q(g) @ Q(W) (g in 1x128 tiles along N)."""
-    if w_t.mm is not None:
+    if w_t.mm is not None and out_dtype == torch.bfloat16:
         return fp8_linear_prepared(g, w_t.mm, out_dtype)
     gq, gs = quantize_fp8_act(g)
     return F.linear(dequantize_fp8_act(gq, gs, out_dtype), dequantize_fp8_weight(w_t.q, w_t.scale, out_dtype))
@@ -56,7 +57,7 @@ def dgrad(g: torch.Tensor, w_t: TransposedFP8Weight, out_dtype: torch.dtype) -> 
 
 def wgrad(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """g [M, N], x [M, K] -> grad_W [N, K] = Q(g^T) @ Q(x^T)^T (both in 1x128 tiles along M)."""
-    if kernels_usable(g.device):
+    if out_dtype == torch.bfloat16 and kernels_usable(g.device):
         return _wgrad_scaled_mm(g, x, out_dtype, _PROBES[str(g.device)][1])
     gq, gs = quantize_fp8_act(g.t())
     xq, xs = quantize_fp8_act(x.t())
@@ -119,13 +120,13 @@ def _probe(device: torch.device) -> tuple[bool, str]:
     ref_x = F.linear(_deq_act(g16.cpu()), dequantize_fp8_weight(q_w.t().contiguous(), w_s.t().contiguous()))
     try:
         w_t = prepare_scaled_mm_weight(q_w.t().contiguous().to(device), w_s.t().contiguous().to(device))
-        err = _rel_err(fp8_linear_prepared(g16, w_t, torch.float32), ref_x)
+        err = _rel_err(fp8_linear_prepared(g16, w_t, torch.bfloat16), ref_x)
         if not err <= _PROBE_TOL:
             return False, f"dgrad: wrong result, max error {err:.3g} of the output's max"
         tried = []
         for layout in _WGRAD_LAYOUTS:
             try:
-                err = _rel_err(_wgrad_scaled_mm(g16, x16, torch.float32, layout), ref_w)
+                err = _rel_err(_wgrad_scaled_mm(g16, x16, torch.bfloat16, layout), ref_w)
             except RuntimeError as e:
                 tried.append(f"{layout}: {str(e).splitlines()[0][:120]}")
                 continue
