@@ -1,8 +1,9 @@
-"""The training side of an FP8 nn.Linear: the engine's FP8 GEMM forward, a bf16 backward.
+"""The training side of an FP8 nn.Linear: the engine's FP8 GEMM forward, a bf16 or an FP8 backward.
 
     cache = FP8WeightCache()
     y = fp8_train_linear(x, linear.weight, linear.bias, cache)   # x [..., K] -> [..., N]   (fp8_scheme w8a8)
     w = straight_through_dequantized(linear.weight, cache, torch.bfloat16)  # F.linear(x, w)   (w8a16)
+    y = w8a16_train_linear(x, linear.weight, linear.bias, cache)  # w8a16 with precision.fp8_backward=fp8
 
 Forward: the master weight is quantized (128x128 blocks, `quantize_fp8_weight`) once per optimizer
 step (the cache keys on the parameter's storage and version), the input in 1x128 tiles, and the
@@ -14,14 +15,14 @@ bits for the same input, instead of a bf16 GEMM of dequantized operands that rou
 Backward, in the compute dtype (bf16 under autocast), straight through the quantizers:
 grad_x = grad_y @ dequant(W), grad_W = grad_y^T @ dequant(x) (the dequantized 1x128 activations the
 forward multiplied, saved as fp8 codes + scales: half the bytes of bf16 activations). Master
-weights and the optimizer are unchanged. Per-tensor FP8 backward (DeepSeek-V3's 1x128 / 128x1
-gradient tiles) is not done: the backward GEMMs keep bf16's accuracy.
+weights and the optimizer are unchanged. With `precision.fp8_backward=fp8` both products run in FP8
+instead, DeepSeek-V3's tiling (miles/precision/fp8_backward.py): W^T's codes and scales are one more
+product of the weight's quantization, cached beside the others (1 byte a parameter).
 """
 
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from miles.precision.fp8 import dequantize_fp8_act, dequantize_fp8_weight, quantize_fp8_weight
