@@ -34,7 +34,7 @@ from miles.precision.fp8_gemm import (PreparedFP8Weight, fp8_linear_prepared, pr
 
 _PROBE_TOL = 2e-2  # relative to the output's max, as the forward's probe (bf16 output rounding ~4e-3)
 _PROBES: dict[str, tuple[bool, str]] = {}  # device -> (kernels usable, why)
-_WGRAD_LAYOUTS = ("kn_rows", "kn_cols", "nk")  # wgrad's scale_b candidates, tried in order
+_WGRAD_LAYOUTS = ("nk", "kn_rows", "kn_cols")  # wgrad's scale_b candidates, tried in order
 
 
 class TransposedFP8Weight:
@@ -127,7 +127,7 @@ def _probe(device: torch.device) -> tuple[bool, str]:
         for layout in _WGRAD_LAYOUTS:
             try:
                 err = _rel_err(_wgrad_scaled_mm(g16, x16, torch.bfloat16, layout), ref_w)
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:  # torch checks the scales' shape and strides
                 tried.append(f"{layout}: {str(e).splitlines()[0][:120]}")
                 continue
             if err <= _PROBE_TOL:
