@@ -263,7 +263,7 @@ case $PART in
 22)
     step fp8_backward_tests 150 python3 -m pytest -q -s -rf tests/gpu/test_fp8_backward_cuda.py \
         tests/unit/precision/test_fp8_backward.py tests/gpu/test_fp8_fused_cuda.py -k "not mismatch"
-    step dense_copy_tests 120 python3 -m pytest -q -rf tests/gpu/test_dense_copy_cuda.py \
+    step dense_copy_tests 200 python3 -m pytest -q -rf tests/gpu/test_dense_copy_cuda.py \
         tests/unit/precision/test_dense_copy.py
     step fp8_backward_speed 80 python3 benchmarks/fp8_backward_speed.py
     # a call of its own (STEPS=grpo_4b_fast): bf16 against fp8 with both (dense copies: auto at 512 rows)

@@ -337,9 +337,10 @@ class RolloutCfg:
     compile: bool = True  # CUDA: fuse the decoder's elementwise ops with torch.compile (miles/models/fused.py)
     fuse_projections: bool = False  # CUDA: q / k / v and gate / up as one GEMM each (miles/models/fused_projections.py)
     # Weight-only quantized engines (fp8 w8a16, int4): each layer also holds its weight dequantized, for
-    # calls of > 256 rows (cuBLAS bf16 speed; the same numbers). None: on CUDA when batch_size x
-    # n_samples_per_prompt > 256 (miles/precision/dense_copy.py); the memory plan counts the copies.
-    dense_weight_copies: Optional[bool] = None
+    # calls of > 256 rows (cuBLAS instead of the weight-only kernels; the same numbers). None: on CUDA when
+    # batch_size x n_samples_per_prompt > 256 (miles/precision/dense_copy.py). Off by default until its
+    # speed is measured on a GPU; the memory plan counts the copies.
+    dense_weight_copies: Optional[bool] = False
     compile_cpu: bool = False  # CPU: the engine's whole decoder forward through torch.compile (Inductor's C++ kernels)
     max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens

@@ -13,7 +13,10 @@ the one-pass path's product: the numbers the engine computes do not change, only
 Small calls (decode rows <= 256) keep the weight-only kernels, which read half / a quarter of the bytes.
 
 `auto` (None): on for a CUDA engine of a weight-only quantized rollout (FP8 w8a16, INT4) whose rollout
-batch (batch_size x n_samples_per_prompt) exceeds MIN_ROWS - 1 rows.
+batch (batch_size x n_samples_per_prompt) exceeds MIN_ROWS - 1 rows. Off by default: on an H100 the
+copies' products equal the payload path's (tests/gpu/test_dense_copy_cuda.py), but their speed in a
+GRPO rollout is not measured yet, and a benchmark process holding three 4B engines ran out of memory
+with them (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ def test_the_memory_plan_counts_the_copies(compose):
 
     # Qwen3-4B's quantized Linears a layer: q, k, v, o, gate, up, down; 36 layers, bf16 copies (2 bytes).
     per_layer = (4096 + 1024 + 1024) * 2560 + 2560 * 4096 + 3 * 9728 * 2560
-    assert rollout_items()["dense copies"] == 2 * 36 * per_layer
-    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=false")
-    assert "dense copies" not in rollout_items("precision.fp8_scheme=w8a8")
-    assert "dense copies" not in rollout_items("rollout.batch_size=32")  # 32 x 8 rows: the fused kernels'
+    assert rollout_items("rollout.dense_weight_copies=null")["dense copies"] == 2 * 36 * per_layer
+    assert "dense copies" not in rollout_items()  # off by default
+    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=null", "precision.fp8_scheme=w8a8")
+    # 32 x 8 rows: the fused kernels'
+    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=null", "rollout.batch_size=32")
