@@ -8,8 +8,9 @@ compute-bound: the fused weight-only kernels ran at 0.56-0.63x cuBLAS bf16, and 
 dequantization + cuBLAS pays the dequantization in every call (docs/benchmarks.md). A copy
 dequantized once per sync makes those calls cuBLAS bf16 GEMMs, at the price of the weight's bf16
 bytes beside the payload (the memory plan counts them). The copy is the one-pass dequantization's
-(the same bits as `dequantize_fp8_weight` / `dequantize_int4`), so `F.linear(x, copy)` is bit for bit
-the one-pass path's product: the numbers the engine computes do not change, only their speed.
+(the same bits as `dequantize_fp8_weight` / `dequantize_int4`), so for FP8 `F.linear(x, copy)` is bit
+for bit the product FP8 computes above 256 rows anyway. INT4's fused kernel takes up to 1024 rows:
+from 257 to 1024 rows the copies sum in cuBLAS's order instead (the order of the trainer's QAT forward).
 Small calls (decode rows <= 256) keep the weight-only kernels, which read half / a quarter of the bytes.
 
 `auto` (None): on for a CUDA engine of a weight-only quantized rollout (FP8 w8a16, INT4) whose rollout

@@ -1,6 +1,6 @@
 """The FP8 backward of a training linear (`precision.fp8_backward=fp8`), DeepSeek-V3's tiling.
 
-    w_t = transposed_operand(q_w, w_scale)        # once per optimizer step (FP8WeightCache.transposed)
+    w_t = TransposedFP8Weight(q_w, w_scale)       # once per optimizer step (FP8WeightCache.transposed)
     grad_x = dgrad(g, w_t, out_dtype)              # g [M, N] -> [M, K]
     grad_w = wgrad(g, x, out_dtype)                # g [M, N], x [M, K] -> [N, K]
 
@@ -71,8 +71,8 @@ def _wgrad_scaled_mm(g: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, l
     xq, xs = quantize_act_for_scaled_mm(x.t(), mp)  # [Kp, mp], scales [Kp, mp/128] strides (1, Kp)
     from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
 
-    # B = x^T's codes transposed [mp, Kp] with 1x128 tiles along mp: its scales [mp/128, Kp]; which
-    # strides cuBLASLt reads them with is what the probe finds out (_WGRAD_LAYOUTS)
+    # B = x^T's codes transposed [mp, Kp] with 1x128 tiles along mp. torch 2.11 on an H100 takes their
+    # scales as [Kp, mp/128] ("nk"); the probe tries the other layouts where it does not (_WGRAD_LAYOUTS)
     scale_b = {"kn_rows": lambda: xs.t(), "kn_cols": lambda: xs.contiguous().t(), "nk": lambda: xs}[layout]()
     out = scaled_mm(gq, xq.t(), gs, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise1x128,
                     swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE, output_dtype=out_dtype)
