@@ -4,8 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 7 (LoRA at the 4B shape: the trainer side, then
-# STEPS=lora_4b_decode), 4's grpo_4b (fp8's 4B step with its summary), 10's windows test):
+# does not cost the rest of a call. Parts (most urgent: 22's grpo_4b_fast (the dense copies' speed), 7 (LoRA
+# at the 4B shape: the trainer side, then STEPS=lora_4b_decode), 10's windows test). Run each step's
+# command by hand only after `rm -rf /tmp/tmp*` (a cut 4B run's files filled the disk once). The parts:
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
 #      core attention) with the tests that found them (true on-policy per recipe, tests/megatron on CUDA,
@@ -53,8 +54,10 @@
 #  21  the FP8 / INT4 engines' MoE experts held quantized: the grouped kernels on codes and scales
 #      (tests), the decode of 4 Qwen3-30B-A3B layers per recipe; the one-pass dequantization's GEMMs
 #  22  the FP8 backward (precision.fp8_backward=fp8) and the weight-only engines' dense copies: their CUDA
-#      tests, one 4B linear's forward + backward per path; then (STEPS=grpo_4b_fast, a call of its own) the
-#      4B GRPO step, bf16 against fp8 with both; (STEPS=train_4b_fp8_backward) the 4B trainer per recipe
+#      tests, one 4B linear's forward + backward per path (ran on an H100, 2026-12-07, fourteenth session:
+#      the FP8 backward 0.97-1.91x the bf16 backward's time); then (STEPS=grpo_4b_fast, a call of its own)
+#      the 4B GRPO step, fp8 with dense copies against bf16 (not run yet); (STEPS=train_4b_fp8_backward)
+#      the 4B trainer per recipe
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-22)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
@@ -266,9 +269,10 @@ case $PART in
     step dense_copy_tests 200 python3 -m pytest -q -rf tests/gpu/test_dense_copy_cuda.py \
         tests/unit/precision/test_dense_copy.py
     step fp8_backward_speed 80 python3 benchmarks/fp8_backward_speed.py
-    # a call of its own (STEPS=grpo_4b_fast): bf16 against fp8 with both (dense copies: auto at 512 rows)
+    # a call of its own (STEPS=grpo_4b_fast): fp8 with the dense copies (auto: on at 512 rows), then bf16;
+    # the bf16 4B run alone took ~200 s on an H100 (2026-12-07), so the pair may need the whole call
     (cd benchmarks && step grpo_4b_fast 560 python3 grpo_step.py --model qwen3_4b --steps 2 \
-        --recipes bf16,trainer.recompute=true fp8,trainer.recompute=true,precision.fp8_backward=fp8)
+        --recipes fp8,trainer.recompute=true,rollout.dense_weight_copies=null bf16,trainer.recompute=true)
     step train_4b_fp8_backward 260 python3 benchmarks/train_speed.py --model qwen3_4b --device cuda --cases fixed \
         --recompute --offload-optimizer --precisions bf16 fp8,fp8_backward=fp8 --warmup 1 --repeats 2
     ;;
