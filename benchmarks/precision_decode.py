@@ -9,8 +9,10 @@ Random weights of the model's published shape, 128-token prompts, exactly `--new
 per row (stop ids emptied), 8 samples per prompt, temperature 1; each engine is warmed up once, then
 the recipes' calls are interleaved. `--variants`: how each engine decodes, `triton` (the default: the
 slot-decode attention kernel of miles/models/decode_attention.py), `sdpa` (the masked SDPA it
-replaced), `fused` (triton, plus q / k / v and gate / up as one GEMM each: rollout.fuse_projections);
-with several, every recipe runs with each, side by side. Roofline per recipe: a decode step reads every weight once in the
+replaced), `fused` (triton, plus q / k / v and gate / up as one GEMM each: rollout.fuse_projections),
+`dense` (triton, with rollout.dense_weight_copies for the weight-only recipes: calls of > 256 rows
+multiply bf16 copies); with several, every recipe runs with each, side by side (`--one-at-a-time`:
+each engine alone, for shapes where they do not fit together). Roofline per recipe: a decode step reads every weight once in the
 format the engine holds (quantized Linear layers and MoE expert stacks: fp8 1 byte + scales, int4
 0.5 byte + scales; the rest, embeddings / head / norms, bf16; a MoE step at 64 rows or more reads
 nearly every expert) and each row's KV cache so far:
@@ -40,6 +42,8 @@ from miles.data.tokenizer import DEFAULT_ALPHABET  # noqa: E402
 from miles.hardware.footprint import kv_bytes_per_token  # noqa: E402
 from miles.models import decode_attention  # noqa: E402
 from miles.orchestrate.checkpoints import random_checkpoint  # noqa: E402
+from miles.precision import dense_copy  # noqa: E402
+from miles.precision.recipe import QuantLinear  # noqa: E402
 from miles.rollout.native import NativeEngine  # noqa: E402
 
 MODELS = {
@@ -61,17 +65,26 @@ RECIPES = {  # what the engine holds: (precision.rollout_quant, precision.fp8_sc
     "fp8_w8a16": (Quant.fp8, FP8Scheme.w8a16), "int4": (Quant.int4, FP8Scheme.w8a8)}
 
 
-def held_bytes(engine: NativeEngine) -> int:
-    """Bytes a decode step reads: every tensor the engine holds, once (a tied embedding is one)."""
+def held_bytes(engine: NativeEngine, rows: int) -> int:
+    """Bytes a decode step of `rows` reads: every tensor the engine holds, once (a tied embedding is
+    one); where a layer's dense copy serves the call (rollout.dense_weight_copies), the copy instead
+    of its payload."""
+    tensors = dict(engine.recipe.held_tensors(engine.model))
+    for prefix, module in engine.model.named_modules():
+        dense = getattr(module, "dense", None) if isinstance(module, QuantLinear) else None
+        if dense is not None and dense.numel() and rows >= dense_copy.MIN_ROWS:
+            for name in module.buffer_names():
+                tensors.pop(f"{prefix}.{name}", None)
+            tensors[f"{prefix}.dense"] = dense
     seen, total = set(), 0
-    for t in engine.recipe.held_tensors(engine.model).values():
+    for t in tensors.values():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
 
 
-VARIANTS = ("triton", "sdpa", "fused")
+VARIANTS = ("triton", "sdpa", "fused", "dense")
 
 
 def engine_variants(recipes: list[str], variants: list[str]) -> list[tuple[str, str, str]]:
@@ -92,8 +105,8 @@ def build_engine(ckpt: str, cfg: RolloutCfg, recipe: str, variant: str) -> Nativ
     precision = PrecisionCfg(name=recipe, rollout_quant=quant, fp8_scheme=scheme)
     decode_attention.enabled = variant != "sdpa"
     # The engine quantizes the checkpoint into the recipe's format as it starts.
-    engine = NativeEngine(ckpt, replace(cfg, fuse_projections=variant == "fused"), DType.bf16, device="cuda", seed=0,
-                          precision=precision)
+    engine = NativeEngine(ckpt, replace(cfg, fuse_projections=variant == "fused", dense_weight_copies=variant == "dense"),
+                          DType.bf16, device="cuda", seed=0, precision=precision)
     engine.stop_ids = torch.tensor([], dtype=torch.long, device="cuda")
     decode_attention.enabled = True
     return engine
@@ -119,6 +132,9 @@ def main() -> None:
     parser.add_argument("--eager-dequant", action="store_true",
                         help="that dequantization (both formats) in eager torch, not in one Triton pass "
                              "(miles/precision/dequant_triton.py; before 2026-12-06)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="build, warm and time each engine, then free it before the next (shapes where the "
+                             "engines do not fit the GPU together; the recipes' calls are then not interleaved)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.w8a16_fused_max_rows is not None:
@@ -141,26 +157,29 @@ def main() -> None:
             ckpt = str(random_checkpoint(model, DEFAULT_ALPHABET, seed=0, out=f"{work}/m"))
             for rows in args.rows:
                 texts, cfg = workload(rows, args.prompt_len, args.new_tokens)
-                engines = {name: build_engine(ckpt, cfg, recipe, variant)
-                           for name, recipe, variant in engine_variants(args.recipes, args.variants)}
-                calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES)) for name, e in engines.items()}
-                for fn in calls.values():
-                    fn()  # warm-up: graphs captured, kernels compiled
-                times = {name: [] for name in calls}
-                for _ in range(args.repeats):
-                    for name, fn in calls.items():
-                        times[name].append(timed(fn))
-                context = args.prompt_len + args.new_tokens / 2
-                for name, engine in engines.items():
-                    wbytes = held_bytes(engine)
-                    step_bytes = wbytes + rows * context * kv_token
-                    warm = statistics.median(times[name])
-                    results.append(dict(model=model_name, rows=rows, recipe=name, warm_s=warm,
-                                        tps=rows * args.new_tokens / warm, weight_gb=wbytes / 1e9,
-                                        roofline_tps=rows * bandwidth / step_bytes, bandwidth=bandwidth))
-                    print(results[-1], flush=True)
-                del engines, calls
-                torch.cuda.empty_cache()
+                names = engine_variants(args.recipes, args.variants)
+                groups = [[n] for n in names] if args.one_at_a_time else [names]
+                for group in groups:
+                    engines = {name: build_engine(ckpt, cfg, recipe, variant) for name, recipe, variant in group}
+                    calls = {name: (lambda e=e: e.generate(texts, ["?"] * len(texts), n=SAMPLES))
+                             for name, e in engines.items()}
+                    for fn in calls.values():
+                        fn()  # warm-up: graphs captured, kernels compiled
+                    times = {name: [] for name in calls}
+                    for _ in range(args.repeats):
+                        for name, fn in calls.items():
+                            times[name].append(timed(fn))
+                    context = args.prompt_len + args.new_tokens / 2
+                    for name, engine in engines.items():
+                        wbytes = held_bytes(engine, rows)
+                        step_bytes = wbytes + rows * context * kv_token
+                        warm = statistics.median(times[name])
+                        results.append(dict(model=model_name, rows=rows, recipe=name, warm_s=warm,
+                                            tps=rows * args.new_tokens / warm, weight_gb=wbytes / 1e9,
+                                            roofline_tps=rows * bandwidth / step_bytes, bandwidth=bandwidth))
+                        print(results[-1], flush=True)
+                    del engines, calls
+                    torch.cuda.empty_cache()
     print("\n| model | rows | recipe | weights GB | tok/s | vs bf16 | roofline tok/s | % of roofline |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in results:

@@ -268,6 +268,9 @@ case $PART in
         tests/unit/precision/test_fp8_backward.py tests/gpu/test_fp8_fused_cuda.py -k "not mismatch"
     step dense_copy_tests 200 python3 -m pytest -q -rf tests/gpu/test_dense_copy_cuda.py \
         tests/unit/precision/test_dense_copy.py
+    # the 4B decode at 512 rows with and without the copies, one engine at a time (three together ran out of memory)
+    (cd benchmarks && step decode_512_dense 300 python3 precision_decode.py --model qwen3_4b --rows 512 \
+        --recipes bf16 fp8_w8a16 int4 --variants triton dense --repeats 2 --new-tokens 128 --one-at-a-time)
     step fp8_backward_speed 80 python3 benchmarks/fp8_backward_speed.py
     # a call of its own (STEPS=grpo_4b_fast): fp8 with the dense copies (auto: on at 512 rows), then bf16;
     # the bf16 4B run alone took ~200 s on an H100 (2026-12-07), so the pair may need the whole call
