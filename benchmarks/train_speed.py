@@ -111,9 +111,10 @@ def shrunk(case: Case, by: int) -> Case:
                 max(8, case.max_tokens // by), max(1, case.min_response // by) if case.min_response else 0)
 
 
-def model_cfg(name: str, sets: list[str] = ()) -> ModelCfg:
-    """conf/model/<name>.yaml with `key=value` changes (dotted keys into its sections, YAML values)."""
-    values = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+def conf_cfg(group: str, schema, name: str, sets=()):
+    """conf/<group>/<name>.yaml as its `schema` dataclass, with `key=value` changes (dotted keys into
+    its sections, YAML values)."""
+    values = yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())
     for item in sets:
         key, sep, value = item.partition("=")
         *sections, leaf = key.split(".")
@@ -121,11 +122,16 @@ def model_cfg(name: str, sets: list[str] = ()) -> ModelCfg:
         for section in sections:
             target = target.get(section) if isinstance(target, dict) else None
         if not sep or not isinstance(target, dict) or leaf not in target:
-            raise SystemExit(f"error: --set {item!r}: not a key=value of conf/model/{name}.yaml")
+            raise SystemExit(f"error: {item!r}: not a key=value of conf/{group}/{name}.yaml")
         target[leaf] = yaml.safe_load(value)
     from omegaconf import OmegaConf  # the schema's nested sections (mla, moe, ...) as their dataclasses
 
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), values))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+
+
+def model_cfg(name: str, sets: list[str] = ()) -> ModelCfg:
+    """conf/model/<name>.yaml with `--set key=value` changes."""
+    return conf_cfg("model", ModelCfg, name, sets)
 
 
 def synthetic_batch(case: Case, vocab: int, seed: int = 0) -> TrainBatch:
@@ -173,12 +179,8 @@ def precision_cfg(spec: str | None, args) -> PrecisionCfg:
     if spec is None:
         dtype = DType.bf16 if args.dtype == "bf16" else DType.fp32
         return PrecisionCfg(name=args.dtype, train_dtype=dtype, rollout_dtype=dtype, fp32_residual=args.fp32_residual)
-    from omegaconf import OmegaConf
-
     name, *sets = spec.split(",")
-    values = yaml.safe_load((ROOT / "conf" / "precision" / f"{name}.yaml").read_text())
-    values.update({k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in sets)})
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrecisionCfg), values))
+    return conf_cfg("precision", PrecisionCfg, name, sets)
 
 
 def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, device: torch.device,

@@ -35,8 +35,9 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, quant: str, group: int, k:
                 dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in `dtype`: in one Triton pass on CUDA, else the torch functions (same bits)."""
     fmt = "int4" if quant == "int4" else "fp8"
-    if dequant_triton.ENABLED and q.is_cuda and dequant_triton.one_pass_supported(q, scale, fmt, dtype) is None:
-        return dequant_triton.dequantize_one_pass(q, scale, fmt, dtype, group, k=k)
+    one_pass = dequant_triton.one_pass_weight_or_none(q, scale, fmt, dtype, group, k=k)
+    if one_pass is not None:
+        return one_pass
     if fmt == "int4":
         return dequantize_int4(q, scale, group, k=k, dtype=dtype)
     return dequantize_fp8_weight(q, scale, dtype)

@@ -81,10 +81,18 @@ def dequantize_one_pass(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: t
     return out
 
 
+def one_pass_weight_or_none(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype,
+                            group: int = 128, k: int | None = None) -> torch.Tensor | None:
+    """dequantize_one_pass where ENABLED, on CUDA and for operands it takes; else None (the caller's
+    eager dequantization, the same bits)."""
+    if not (ENABLED and q.is_cuda) or one_pass_supported(q, scale, fmt, dtype) is not None:
+        return None
+    return dequantize_one_pass(q, scale, fmt, dtype, group, k=k)
+
+
 def one_pass_linear_or_none(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: str,
                             bias: torch.Tensor | None, group: int = 128) -> torch.Tensor | None:
     """F.linear(x, the dense weight, bias) through dequantize_one_pass where ENABLED, on CUDA and for
     operands it takes; else None (the caller's eager path, the same bits)."""
-    if not (ENABLED and x.is_cuda) or one_pass_supported(q, scale, fmt, x.dtype) is not None:
-        return None
-    return torch.nn.functional.linear(x, dequantize_one_pass(q, scale, fmt, x.dtype, group, k=x.shape[-1]), bias)
+    w = one_pass_weight_or_none(q, scale, fmt, x.dtype, group, k=x.shape[-1]) if x.is_cuda else None
+    return None if w is None else torch.nn.functional.linear(x, w, bias)

@@ -117,8 +117,8 @@ class QuantLinear(nn.Module):
             # True on-policy runs the engine under the trainer's autocast: quantize and multiply the
             # activations in the autocast dtype, as the trainer's fp8_train_linear and F.linear do.
             x = x.to(torch.get_autocast_dtype(device))
-        weight_only = self.quant == INT4 or self.fp8_scheme == W8A16
-        if weight_only and self.dense_dtype is not None and not invariance.active() and dense_copy.applies(x, self.dense):
+        # (hold_dense_copy takes weight-only layers only)
+        if self.dense_dtype is not None and not invariance.active() and dense_copy.applies(x, self.dense):
             return F.linear(x, self.dense, self.bias)  # the one-pass path's bits, its dequantization done once
         if self.quant == FP8 and self.fp8_scheme == W8A16:
             if invariance.active():  # F.linear on the dequantized weight: the invariant matmul, as the trainer's
