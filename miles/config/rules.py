@@ -188,6 +188,7 @@ def config_problems(cfg: RunCfg) -> list[str]:
     problems += routing_replay_problems(cfg)
     problems += true_on_policy_problems(cfg)
     problems += compile_cpu_problems(cfg)
+    problems += dense_copy_problems(cfg)
     problems += lora_problems(cfg)
     problems += vlm_problems(cfg)
     if cfg.rollout.num_engines < 1:
@@ -417,6 +418,21 @@ def true_on_policy_problems(cfg: RunCfg) -> list[str]:
         if r.slot_decode is False:
             problems.append("true_on_policy=true on a GPU decodes in the slot layout: set rollout.slot_decode=null")
     return problems
+
+
+def dense_copy_problems(cfg: RunCfg) -> list[str]:
+    """rollout.dense_weight_copies=true asks the native engine's weight-only layers for bf16 copies
+    (miles/precision/dense_copy.py); where no layer would hold one, the setting is refused by name."""
+    if cfg.rollout.dense_weight_copies is not True:
+        return []
+    p, off = cfg.precision, "set rollout.dense_weight_copies=false"
+    weight_only = p.rollout_quant.value == "int4" or (p.rollout_quant.value == "fp8" and p.fp8_scheme == "w8a16")
+    refused = [
+        (cfg.rollout.engine != EngineName.native, f"rollout={cfg.rollout.engine} (the copies are the native engine's)"),
+        (not weight_only, f"precision={p.name} with fp8_scheme={p.fp8_scheme.value} (no weight-only layers: "
+                          "fp8 w8a16 and int4 hold copies)"),
+        (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels never read a copy)")]
+    return [f"rollout.dense_weight_copies=true does not combine with {what}: {off}" for bad, what in refused if bad]
 
 
 def compile_cpu_problems(cfg: RunCfg) -> list[str]:

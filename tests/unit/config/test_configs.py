@@ -114,6 +114,8 @@ def test_fp8_defaults_to_bf16_activations_and_the_baseline_keeps_fp8_ones(compos
     assert validate(compose(["precision=fp8", "precision.fp8_scheme=w8a8", "precision.fp8_gemm=emulated"])) == []
     for scheme in ("w8a8", "w8a16"):
         assert validate(compose(["precision=fp8", f"precision.fp8_scheme={scheme}", "precision.fp8_backward=fp8"])) == []
+    for recipe in ("precision=fp8", "precision=int4_qat"):
+        assert validate(compose([recipe, "rollout.dense_weight_copies=true"])) == []
 
 
 def test_validate_reports_every_problem_at_once(compose):
@@ -219,6 +221,9 @@ MEGATRON_GPU = ["trainer=megatron", "hardware=h200", "hardware.gpus_per_node=1",
     (["precision=bf16", "precision.fp8_scheme=w8a16"], "drop precision.fp8_scheme or use precision=fp8"),
     (["precision=fp8", "precision.fp8_scheme=w8a16", "precision.fp8_gemm=emulated"], "set precision.fp8_gemm=auto"),
     (["precision=bf16_train_fp8_rollout", "precision.fp8_backward=fp8"], "drop precision.fp8_backward or use precision=fp8"),
+    (["precision=bf16", "rollout.dense_weight_copies=true"], "no weight-only layers"),
+    (["rollout=vllm", "precision=int4_qat", "rollout.dense_weight_copies=true"], "the copies are the native engine's"),
+    (["precision=fp8", "true_on_policy=true", "rollout.dense_weight_copies=true"], "never read a copy"),
     ([*MEGATRON_GPU, "precision=fp8", "precision.fp8_backward=fp8"], "FP8 backward GEMMs: Transformer Engine's"),
     (["true_on_policy=true", "algo=sft"], "set true_on_policy=false"),
     (["trainer.num_ranks=2"], "use trainer=fsdp"),
