@@ -46,6 +46,8 @@ MFU = F * tokens / seconds / peak, F per token = 6 * N + 12 * layers * (heads * 
   as lower MFU); peak = `--peak-tflops` (default 989: H100 / H200 dense bf16).
   The packed trainer runs the LM head at the response tokens only; F counts it at every token (the
   usual model FLOPs), and the separate old-log-prob forward (--separate-old) is not counted either.
+Memory (CUDA): peak GB = the most allocated during the calls; held GB = allocated between steps (the
+  weights, kept gradient buffers, optimizer state), so peak - held is what one step adds on top.
 """
 
 from __future__ import annotations
@@ -211,6 +213,9 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
             times.append(time.perf_counter() - start)
         first = first or metrics  # every configuration's first step starts from the same weights
     seconds = statistics.median(times)
+    # between steps: what the trainer keeps (weights, gradient buffers, optimizer state); peak - held
+    # is what a step adds on top (activations, transient copies)
+    held_gb = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     if args.profile:
         from gpu_profile import profile_call, report
 
@@ -226,21 +231,21 @@ def run_config(ckpt: str, case: Case, batch: TrainBatch, config: str, args, devi
     return dict(case=case.name, config=config, precision=recipe or args.dtype, samples=case.samples,
                 width=batch.tokens.shape[1], max_tokens=case.max_tokens, tokens=tokens, seconds=seconds,
                 tokens_per_s=tokens / seconds, mfu=flops / seconds / (args.peak_tflops * 1e12),
-                peak_gb=peak_gb, first_loss=first["train/loss"])
+                peak_gb=peak_gb, held_gb=held_gb, first_loss=first["train/loss"])
 
 
 def markdown(rows: list[dict], args) -> str:
     lines = [f"train_rl, {args.model}, {args.device}, {args.dtype}; MFU of {args.peak_tflops:g} TFLOP/s",
              "",
-             "| case | config | precision | samples x width | tokens | s / step | tokens/s | MFU | peak GB | vs padded |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | config | precision | samples x width | tokens | s / step | tokens/s | MFU | peak GB | held GB | vs padded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     speed = {(r["case"], r["config"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         ratio = speed.get((r["case"], "padded"))
         ratio = f"{r['tokens_per_s'] / ratio:.2f}x" if r["config"] != "padded" and ratio else ""
-        peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
+        peak, held = ("-" if r[k] is None else f"{r[k]:.1f}" for k in ("peak_gb", "held_gb"))
         lines.append(f"| {r['case']} | {r['config']} | {r['precision']} | {r['samples']} x {r['width']} | {r['tokens']} | "
-                     f"{r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.3g} | {peak} | {ratio} |")
+                     f"{r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.3g} | {peak} | {held} | {ratio} |")
     return "\n".join(lines)
 
 

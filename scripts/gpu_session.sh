@@ -58,8 +58,10 @@
 #      the FP8 backward 0.97-1.91x the bf16 backward's time); then (STEPS=grpo_4b_fast, a call of its own)
 #      the 4B GRPO step, fp8 with dense copies against bf16 (not run yet); (STEPS=train_4b_fp8_backward)
 #      the 4B trainer per recipe
+#  23  Megatron's and the native trainer's memory at 64 x 384, held between steps and at the peak
+#      (issue 29: Megatron's peak was 0.8 GB above native's there)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-22)}
+PART=${1:?usage: gpu_session.sh PART (1-23)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -279,8 +281,12 @@ case $PART in
     step train_4b_fp8_backward 260 python3 benchmarks/train_speed.py --model qwen3_4b --device cuda --cases fixed \
         --recompute --offload-optimizer --precisions bf16 fp8,fp8_backward=fp8 --warmup 1 --repeats 2
     ;;
+23)
+    step megatron_memory 150 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
+        --configs padded-chunked,megatron --cases fixed --repeats 2 --warmup 1
+    ;;
 *)
-    echo "unknown part $PART (1-22)" >&2
+    echo "unknown part $PART (1-23)" >&2
     exit 2
     ;;
 esac
