@@ -338,9 +338,9 @@ class RolloutCfg:
     fuse_projections: bool = False  # CUDA: q / k / v and gate / up as one GEMM each (miles/models/fused_projections.py)
     # Weight-only quantized engines (fp8 w8a16, int4): each layer also holds its weight dequantized, for
     # calls of > 256 rows (cuBLAS instead of the weight-only kernels; the same numbers). None: on CUDA when
-    # batch_size x n_samples_per_prompt > 256 (miles/precision/dense_copy.py). Off by default until its
-    # speed is measured on a GPU; the memory plan counts the copies.
-    dense_weight_copies: Optional[bool] = False
+    # batch_size x n_samples_per_prompt > 256 and the memory plan fits with them (miles/precision/dense_copy.py,
+    # miles/hardware/planner.py `resolve_memory_choices`); the memory plan counts the copies.
+    dense_weight_copies: Optional[bool] = None
     compile_cpu: bool = False  # CPU: the engine's whole decoder forward through torch.compile (Inductor's C++ kernels)
     max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens
@@ -354,7 +354,7 @@ class RolloutCfg:
     # not `async`: a Python keyword cannot name a dataclass field.
     asynchronous: bool = False
     # GPU, colocated: the engine releases its weights and KV cache while the trainer trains (colocate.py);
-    # None: when the memory plan needs it (miles/hardware/planner.py `resolve_offload`)
+    # None: when the memory plan needs it (miles/hardware/planner.py `resolve_memory_choices`)
     offload: Optional[bool] = None
     max_staleness: int = 1  # asynchronous: a batch's policy is at most this many steps behind the trainer
     # The chosen external engine's options: present only with rollout=vllm / rollout=sglang (their group

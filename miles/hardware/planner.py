@@ -327,7 +327,32 @@ def _engine_candidates(cfg: RunCfg, rollout_gpus: int) -> list[int]:
     return [g for g in (1, 2, 4, 8, 16, 32, 64, 128) if g <= rollout_gpus and rollout_gpus % g == 0]
 
 
-def resolve_offload(cfg: RunCfg) -> RunCfg:
+def resolve_memory_choices(cfg: RunCfg) -> RunCfg:
+    """`cfg` with the null memory keys decided by the plan: `rollout.dense_weight_copies` first
+    (`_resolve_dense_copies`), then `rollout.offload` / `trainer.offload` and
+    `trainer.offload_optimizer` (`_resolve_offload`)."""
+    return _resolve_offload(_resolve_dense_copies(cfg))
+
+
+def _resolve_dense_copies(cfg: RunCfg) -> RunCfg:
+    """A null `rollout.dense_weight_copies` decided: on where the auto rule wants them (a native engine
+    on CUDA of a weight-only recipe, more than 256 rows a rollout batch, not true on-policy:
+    miles/precision/dense_copy.py `wanted`) and the run still fits with them, off otherwise. The
+    copies buy speed with memory; they never make a run that fits without them not fit."""
+    r, p = cfg.rollout, cfg.precision
+    if r.dense_weight_copies is not None:
+        return cfg
+
+    def choice(on: bool) -> RunCfg:
+        return replace(cfg, rollout=replace(r, dense_weight_copies=on))
+
+    wanted = r.engine == EngineName.native and not cfg.true_on_policy and dense_copy.wanted(
+        None, cfg.hardware.device, p.rollout_quant.value, p.fp8_scheme.value, r.batch_size * r.n_samples_per_prompt)
+    with_copies = choice(True)
+    return with_copies if wanted and _plan(_resolve_offload(with_copies), suggest=False).fits else choice(False)
+
+
+def _resolve_offload(cfg: RunCfg) -> RunCfg:
     """`cfg` with `rollout.offload` / `trainer.offload` decided where null: off on the CPU and when the
     sides do not take turns (disaggregated, asynchronous); on colocated GPUs the first of (neither,
     the engine, the trainer, both) whose plan fits, among what the backends can release. A null
@@ -366,8 +391,9 @@ def _can_offload(cfg: RunCfg) -> bool:
 
 
 def make_plan(cfg: RunCfg, suggest: bool = True) -> Plan:
-    """The plan of `cfg` with null offload keys decided (`resolve_offload`); `Plan.offload` says how."""
-    return _plan(resolve_offload(cfg), suggest)
+    """The plan of `cfg` with its null memory keys decided (`resolve_memory_choices`); `Plan.offload`
+    says how the sides take turns."""
+    return _plan(resolve_memory_choices(cfg), suggest)
 
 
 def _plan(cfg: RunCfg, suggest: bool = True) -> Plan:

@@ -15,7 +15,7 @@ from pathlib import Path
 from miles.algo.registry import TOKEN_ADVANTAGES
 from miles.config.hybrid_rules import hybrid_actor
 from miles.config.schema import AlgoName, DType, RunCfg, SpeculativeKind
-from miles.hardware.planner import resolve_offload
+from miles.hardware.planner import resolve_memory_choices
 from miles.data.rewards import build_scorer
 from miles.data.source import PromptSource
 from miles.data.tokenizer import TokenizerInfo
@@ -53,7 +53,7 @@ def _samples_logger(tracker: JournaledTracker, limit: int):
 def run(cfg: RunCfg, run_dir: str | Path, overrides: list[str], resolved_yaml: str) -> float:
     """Returns the final held-out accuracy (the objective sweeps maximize)."""
     run_dir = Path(run_dir)
-    cfg = resolve_offload(cfg)  # null rollout.offload / trainer.offload: as the memory plan decides
+    cfg = resolve_memory_choices(cfg)  # null dense copies / offload keys: as the memory plan decides
     # Before anything is written: writable dirs, and a checkpoint to resume that fits this config.
     store = CheckpointStore.prepare(cfg, run_dir)
     if cfg.deterministic:

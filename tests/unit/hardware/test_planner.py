@@ -5,7 +5,7 @@ import pytest
 from miles.config.errors import PlanRefused
 from miles.hardware import check_plan
 from miles.hardware.footprint import kv_bytes_per_token, param_groups
-from miles.hardware.planner import TrainLayout, make_plan, model_arch, resolve_offload, rollout_usage, train_usage
+from miles.hardware.planner import TrainLayout, make_plan, model_arch, resolve_memory_choices, rollout_usage, train_usage
 from miles.validate import validate
 
 # qwen3_tiny with a 100-token vocabulary: embed 100 x 128 (tied) = 12,800; per layer q 128x128,
@@ -130,7 +130,7 @@ def test_null_offload_is_decided_by_the_plan(compose):
     assert cfg.rollout.offload is None and cfg.trainer.offload is None
     plan = make_plan(cfg)
     assert plan.fits and plan.offload == (True, False)  # the fewest moves: the engine releases, the trainer stays
-    resolved = resolve_offload(cfg)
+    resolved = resolve_memory_choices(cfg)
     assert (resolved.rollout.offload, resolved.trainer.offload) == (True, False)
     # The KV budget is what the trainer's resident state leaves.
     alone = make_plan(compose(H200_4B + ["rollout.offload=true", "trainer.offload=true"]))
@@ -142,7 +142,7 @@ def test_null_offload_is_decided_by_the_plan(compose):
 def test_small_runs_and_the_cpu_keep_both_sides_resident(compose):
     small = make_plan(compose([*H200_4B, "model=qwen3_0_6b"]))
     assert small.fits and small.offload == (False, False)
-    assert resolve_offload(compose([])).rollout.offload is False  # CPU: nothing to release
+    assert resolve_memory_choices(compose([])).rollout.offload is False  # CPU: nothing to release
 
 
 def test_backends_that_cannot_release_are_not_chosen(compose):
@@ -196,7 +196,7 @@ def test_offload_optimizer_moves_the_moments_and_is_chosen_only_where_needed(com
     # master (4 bytes) stays, as the torch trainer keeps it (miles/trainer/host_optimizer.py).
     cfg = compose(H100_4B + ["trainer.recompute=true"])
     total = param_groups(model_arch(cfg), cfg.precision).total
-    resolved = resolve_offload(cfg)
+    resolved = resolve_memory_choices(cfg)
     assert resolved.trainer.offload_optimizer is True
     plan = make_plan(cfg)
     assert plan.fits and plan.layout.offload
@@ -206,8 +206,8 @@ def test_offload_optimizer_moves_the_moments_and_is_chosen_only_where_needed(com
     refused = make_plan(compose(H100_4B))
     assert not refused.fits and refused.suggestions[0].startswith("trainer.recompute=true")
     # Room enough, the CPU, and backends that do not stream their state: not chosen.
-    assert resolve_offload(compose(H100_4B + ["hardware.memory_gb=141"])).trainer.offload_optimizer is False
-    assert resolve_offload(compose([])).trainer.offload_optimizer is False
+    assert resolve_memory_choices(compose(H100_4B + ["hardware.memory_gb=141"])).trainer.offload_optimizer is False
+    assert resolve_memory_choices(compose([])).trainer.offload_optimizer is False
     megatron = compose(H100_4B + ["trainer=megatron", "trainer.recompute=true", "ray.enabled=false"])
     assert not make_plan(megatron).layout.offload
 

@@ -132,8 +132,42 @@ def test_the_memory_plan_counts_the_copies(compose):
 
     # Qwen3-4B's quantized Linears a layer: q, k, v, o, gate, up, down; 36 layers, bf16 copies (2 bytes).
     per_layer = (4096 + 1024 + 1024) * 2560 + 2560 * 4096 + 3 * 9728 * 2560
-    assert rollout_items("rollout.dense_weight_copies=null")["dense copies"] == 2 * 36 * per_layer
-    assert "dense copies" not in rollout_items()  # off by default
-    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=null", "precision.fp8_scheme=w8a8")
+    assert rollout_items()["dense copies"] == 2 * 36 * per_layer  # auto (the default): 64 x 8 rows, it fits
+    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=false")
+    assert "dense copies" not in rollout_items("precision.fp8_scheme=w8a8")
     # 32 x 8 rows: the fused kernels'
-    assert "dense copies" not in rollout_items("rollout.dense_weight_copies=null", "rollout.batch_size=32")
+    assert "dense copies" not in rollout_items("rollout.batch_size=32")
+
+
+# Two 8-GPU H100 nodes of 16 GB, one GPU per engine: a 4B fp8 engine holds 4.4 GB of payload and 4 GB of
+# workspace; with its 7.3 GB of copies it would need 15.7 GB of the 14.4 usable.
+TIGHT = ["hardware=h100", "hardware.memory_gb=16", "hardware.num_nodes=2", "rollout.colocate=false",
+         "rollout.num_gpus=8", "rollout.num_gpus_per_engine=1"]
+
+
+@pytest.mark.parametrize("overrides, on", [
+    (["hardware=h100"], True),                                   # 4B fp8 w8a16 at 64 x 8 rows fits with them
+    (["hardware=h100", "precision=int4_qat"], True),
+    (["hardware=h100", "rollout.batch_size=32"], False),         # 256 rows: the fused kernels take them all
+    (["hardware=h100", "precision.fp8_scheme=w8a8"], False),     # no weight-only layers
+    (["hardware=h100", "true_on_policy=true"], False),           # true on-policy never reads a copy
+    (["hardware=cpu"], False),                                   # CUDA only
+    (TIGHT, False),                                              # they would not fit: the run goes without
+    (["hardware=h100", "rollout.dense_weight_copies=false"], False),
+    (["hardware=cpu", "rollout.dense_weight_copies=true"], True),  # an explicit choice stays
+])
+def test_auto_resolves_to_copies_where_wanted_and_they_fit(compose, overrides, on):
+    from miles.hardware.planner import resolve_memory_choices
+
+    resolved = resolve_memory_choices(compose(["model=qwen3_4b", "precision=fp8", *overrides]))
+    assert resolved.rollout.dense_weight_copies is on
+
+
+def test_copies_are_dropped_before_a_run_stops_fitting(compose):
+    """Where the 4B fp8 run fits only without the copies, auto plans it without them."""
+    from miles.hardware.planner import make_plan
+
+    base = ["model=qwen3_4b", "precision=fp8", *TIGHT]
+    plan, with_copies = make_plan(compose(base)), make_plan(compose(base + ["rollout.dense_weight_copies=true"]))
+    assert plan.fits and "dense copies" not in plan.rollout
+    assert not with_copies.fits and with_copies.rollout["dense copies"] > 7e9
