@@ -56,10 +56,11 @@
 #  22  the FP8 backward (precision.fp8_backward=fp8) and the weight-only engines' dense copies: their CUDA
 #      tests, one 4B linear's forward + backward per path (ran on an H100, 2026-12-07, fourteenth session:
 #      the FP8 backward 0.97-1.91x the bf16 backward's time); then (STEPS=grpo_4b_fast, a call of its own)
-#      the 4B GRPO step, fp8 with dense copies against bf16 (not run yet); (STEPS=train_4b_fp8_backward)
-#      the 4B trainer per recipe
+#      the 4B GRPO step, fp8 with dense copies against bf16 (ran on an H100, 2026-12-07, fifteenth session:
+#      fp8 1.17x, its rollout 0.99x); (STEPS=train_4b_fp8_backward) the 4B trainer per recipe
 #  23  Megatron's and the native trainer's memory at 64 x 384, held between steps and at the peak
-#      (issue 29: Megatron's peak was 0.8 GB above native's there)
+#      (issue 29: Megatron's peak was 0.8 GB above native's there; ran on an H100, 2026-12-07: held 10.1 vs
+#      9.0 GB, peak 23.1 vs 22.3)
 set -u
 PART=${1:?usage: gpu_session.sh PART (1-23)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
