@@ -16,8 +16,8 @@ Small calls (decode rows <= 256) keep the weight-only kernels, which read half /
 `auto` (None, the default): on for a CUDA engine of a weight-only quantized rollout (FP8 w8a16, INT4)
 whose rollout batch (batch_size x n_samples_per_prompt) exceeds MIN_ROWS - 1 rows; a run resolves it
 with its memory plan (miles/hardware/planner.py `resolve_memory_choices`: off where the copies would
-not fit). On an H100 the 4B fp8 GRPO rollout of 512 rows took 4.04 s with them, bf16's 4.08 s, and
-6.57 s without them (docs/benchmarks.md).
+not fit). On an H100 the 4B fp8 GRPO rollout of 512 rows took 4.04 s with them against bf16's 4.08 s
+side by side, and 6.57 s without them in an earlier session (docs/benchmarks.md).
 """
 
 from __future__ import annotations
