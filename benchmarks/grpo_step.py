@@ -7,7 +7,10 @@ Each recipe runs `launch.py hardware=gpu ray.enabled=false model=<model> warm_st
 precision=<recipe> rollout.max_new_tokens=256 steps=<steps> checkpoint.enabled=false` (64 prompts x 8 samples, random
 weights: responses run to the 256-token budget) and reads the per-step `perf/*` metrics from the
 run's journal. Step 1 includes first-use costs (kernel selection, compiles) and is reported apart;
-the table gives the median of the later steps. `--modes sync async` runs each recipe also with
+the table gives the median of the later steps. "train / sync turn s" is the colocation moves' time
+(`perf/train_turn_s`, within train s; `perf/sync_turn_s`, outside sync s: the offloads and resumes
+around it, the engine's graph capture included); "eval s" the evaluation of the last step, outside
+both. `--modes sync async` runs each recipe also with
 `rollout.asynchronous=true` (batch k+1 generated while step k trains; its rollout time is hidden,
 so the step time is what to compare).
 """
@@ -26,7 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_s",
         "rollout/tokens_per_s", "mismatch/logprob_abs_diff", "perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb",
-        "perf/peak_mem_sync_gb"]
+        "perf/peak_mem_sync_gb", "perf/train_turn_s", "perf/sync_turn_s", "perf/eval_time_s"]
+
+
+def median_of_present(steps: list[dict], key: str) -> float:
+    """The median of `key` over the steps that logged it (evaluation steps only for eval time; no
+    peaks and turns in an asynchronous run); nan where none did."""
+    values = [m[key] for m in steps if key in m]
+    return statistics.median(values) if values else math.nan
 
 
 def run(spec: str, model: str, steps: int, work: Path, mode: str = "sync") -> dict[int, dict]:
@@ -61,19 +71,19 @@ def main() -> None:
                 metrics = run(recipe, args.model, args.steps, Path(work), mode)
                 later = [metrics[s] for s in range(2, args.steps + 1)]
                 label = recipe if args.modes == ["sync"] else f"{recipe} {mode}"
-                rows.append((label, {k: statistics.median(m.get(k, math.nan) for m in later) for k in KEYS},  # no peak: async
-                             metrics[1]["perf/step_time_s"]))
+                rows.append((label, {k: median_of_present(later, k) for k in KEYS}, metrics[1]["perf/step_time_s"]))
                 print(f"# {label}: {rows[-1][1]} (step 1: {rows[-1][2]:.1f} s, mismatch "
                       f"{metrics[1]['mismatch/logprob_abs_diff']:.3e})", flush=True)  # kept if a later run fails
     print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s "
-          "| peak GB rollout / train / sync |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| peak GB rollout / train / sync | train / sync turn s | eval s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for recipe, m, first in rows:
         print(f"| {recipe} | {m['perf/step_time_s']:.2f} | {m['perf/rollout_time_s']:.2f} | {m['perf/train_time_s']:.2f} "
               f"| {m['perf/weight_sync_s'] * 1e3:.0f} ms | {m['rollout/tokens_per_s']:,.0f} "
               f"| {m['mismatch/logprob_abs_diff']:.2e} | {first:.1f} "
               f"| {m['perf/peak_mem_rollout_gb']:.1f} / {m['perf/peak_mem_train_gb']:.1f} "
-              f"/ {m['perf/peak_mem_sync_gb']:.1f} |")
+              f"/ {m['perf/peak_mem_sync_gb']:.1f} | {m['perf/train_turn_s']:.2f} / {m['perf/sync_turn_s']:.2f} "
+              f"| {m['perf/eval_time_s']:.2f} |")
 
 
 if __name__ == "__main__":

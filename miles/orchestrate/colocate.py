@@ -20,10 +20,14 @@ methods, miles/rollout/native.py `release_memory` and miles/trainer/torch_traine
 `perf/peak_mem_sync_gb`) in every process that holds a component (once where both share one), and
 sums them. Each window opens when its phase begins: the train window after the engine released (a
 window opened before it starts at the engine's whole allocation: on an H100 the 4B step's train
-"peak" read 68.2 GB, the rollout's allocation), the rollout window after the sync.
+"peak" read 68.2 GB, the rollout's allocation), the rollout window after the sync. The moves take
+time too: `perf/train_turn_s` (the release and onload, within `perf/train_time_s`) and
+`perf/sync_turn_s` (the offloads and resumes around the sync, outside `perf/weight_sync_s`).
 """
 
 from __future__ import annotations
+
+import time
 
 from miles.orchestrate.sync import sync_weights
 from miles.transport.device import memory_stats
@@ -67,27 +71,36 @@ class MemoryPhases:
 
     def train_turn(self) -> dict[str, float]:
         metrics = {"perf/peak_mem_rollout_gb": phase_memory(self.ctx)} if self.measure else {}
+        start = time.perf_counter()
         if self.engine:
             self.ctx.engine.call("release_memory", keep_weights=False)
         if self.trainer:
             self.ctx.trainer.call("onload")
+        if self.engine or self.trainer:  # part of perf/train_time_s
+            metrics["perf/train_turn_s"] = time.perf_counter() - start
         if self.measure:  # the train window opens now, without the memory the engine just gave back
             phase_memory(self.ctx)
         return metrics
 
     def sync(self) -> tuple[float, dict[str, float]]:
         """The weight sync of a step with its phases: (seconds of the sync, the train phase's and the
-        sync's peaks)."""
+        sync's peaks, and `perf/sync_turn_s`: the offloads and resumes around the sync, outside its
+        seconds, the engine's CUDA graphs captured again included)."""
         metrics = {"perf/peak_mem_train_gb": phase_memory(self.ctx)} if self.measure else {}
+        start = time.perf_counter()
         if self.trainer:
             self.ctx.trainer.call("offload", ("grads", "optimizer"))
         if self.engine:
             self.ctx.engine.call("resume_memory", ("weights",))
+        turned = time.perf_counter() - start
         seconds = sync_weights(self.ctx, self.check)
+        start = time.perf_counter()
         if self.trainer:
             self.ctx.trainer.call("offload", ("params",))
         if self.engine:
             self.ctx.engine.call("resume_memory", ("kv_cache",))
+        if self.engine or self.trainer:
+            metrics["perf/sync_turn_s"] = turned + time.perf_counter() - start
         if self.measure:  # the sync's own peak (both sides hold weights); the rollout window opens after it
             metrics["perf/peak_mem_sync_gb"] = phase_memory(self.ctx)
         return seconds, metrics

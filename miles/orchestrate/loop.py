@@ -257,9 +257,11 @@ def rl_loop(ctx: LoopContext, cfg) -> float:
             if ctx.adapters is not None:
                 metrics.update(per_adapter(samples, ctx.adapters.names, "rollout/reward_mean", "rollout/samples"))
             if step % cfg.eval.interval == 0 or step == cfg.steps:
+                evaluated = time.perf_counter()
                 with ahead.engine_idle() if ahead is not None else contextlib.nullcontext():
                     last = evaluate(ctx, step)
                 metrics.update(last)
+                metrics["perf/eval_time_s"] = time.perf_counter() - evaluated
             metrics["perf/step_time_s"] = time.perf_counter() - t0
             ctx.log(metrics, step)
             ctx.after_step(step)

@@ -50,13 +50,15 @@ def run_steps(ckpt, offloaded: bool, steps: int = 2):
         assert trainer.offloaded == ({"params", "optimizer"} if offloaded else set())
         samples = engine.generate(PROMPTS, LABELS, n=4, seeds=[s + 10 * step for s in SEEDS])
         drawn.append([(s.response_ids, s.rollout_logprobs) for s in samples])
-        phases.train_turn()
+        turn = phases.train_turn()
+        assert ("perf/train_turn_s" in turn) is offloaded and turn.get("perf/train_turn_s", 0) >= 0
         assert engine.released == ({"weights", "kv_cache"} if offloaded else set())
         assert not trainer.offloaded
         rewards = torch.tensor([float(len(s.response_ids) % 2) for s in samples])
         adv = get(ADVANTAGES, "a", "grpo")(rewards, torch.tensor([s.group for s in samples]))
         trainer.train_rl(build_train_batch(samples, adv, engine.pad_id))
-        phases.sync()
+        _, moved = phases.sync()
+        assert ("perf/sync_turn_s" in moved) is offloaded and moved.get("perf/sync_turn_s", 0) >= 0
         assert not engine.released
     trainer.onload()
     return drawn, {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -126,8 +128,10 @@ def test_each_phase_window_opens_when_its_phase_begins(monkeypatch):
                           trainer=SimpleNamespace(offload=True))
     phases = MemoryPhases(ctx, cfg)
     phases.start()
-    assert phases.train_turn() == {"perf/peak_mem_rollout_gb": 2.0}  # 1: the window start() opened
+    turn = phases.train_turn()
+    assert turn.pop("perf/train_turn_s") >= 0 and turn == {"perf/peak_mem_rollout_gb": 2.0}  # 1: start()'s window
     seconds, metrics = phases.sync()
+    assert metrics.pop("perf/sync_turn_s") >= 0
     assert seconds == 0.5 and metrics == {"perf/peak_mem_train_gb": 4.0, "perf/peak_mem_sync_gb": 5.0}
     assert log == ["trainer.offload", "window",  # start: the first rollout window
                    "window", "engine.release_memory", "trainer.onload", "window",  # train_turn
