@@ -425,11 +425,12 @@ def dense_copy_problems(cfg: RunCfg) -> list[str]:
     (miles/precision/dense_copy.py); where no layer would hold one, the setting is refused by name."""
     if cfg.rollout.dense_weight_copies is not True:
         return []
+    from miles.precision.dense_copy import weight_only
+
     p, off = cfg.precision, "set rollout.dense_weight_copies=false"
-    weight_only = p.rollout_quant.value == "int4" or (p.rollout_quant.value == "fp8" and p.fp8_scheme == "w8a16")
     refused = [
         (cfg.rollout.engine != EngineName.native, f"rollout={cfg.rollout.engine} (the copies are the native engine's)"),
-        (not weight_only, f"precision={p.name} with fp8_scheme={p.fp8_scheme.value} (no weight-only layers: "
+        (not weight_only(p.rollout_quant.value, p.fp8_scheme.value), f"precision={p.name} with fp8_scheme={p.fp8_scheme.value} (no weight-only layers: "
                           "fp8 w8a16 and int4 hold copies)"),
         (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels never read a copy)")]
     return [f"rollout.dense_weight_copies=true does not combine with {what}: {off}" for bad, what in refused if bad]

@@ -255,9 +255,7 @@ def rollout_usage(cfg: RunCfg, groups: ParamGroups, gpus_per_engine: int, capaci
     kv_dtype = DTYPE_BYTES[precision.rollout_dtype]
     per_seq = (kv_bytes_per_token(arch, kv_dtype) * _seq_len(cfg) + state_bytes_per_sequence(arch)) / gpus_per_engine
     usage = {"weights": weights, "workspace": workspace}
-    if cfg.rollout.engine == "native" and not cfg.true_on_policy and dense_copy.wanted(
-            cfg.rollout.dense_weight_copies, hw.device, precision.rollout_quant.value, precision.fp8_scheme.value,
-            cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt):
+    if _engine_holds_copies(cfg, cfg.rollout.dense_weight_copies):
         usage["dense copies"] = dense_copy_bytes(groups, precision) / gpus_per_engine
     if arch.vision is not None:
         usage.update(rollout_vision_bytes(cfg, arch, gpus_per_engine))
@@ -339,17 +337,24 @@ def _resolve_dense_copies(cfg: RunCfg) -> RunCfg:
     on CUDA of a weight-only recipe, more than 256 rows a rollout batch, not true on-policy:
     miles/precision/dense_copy.py `wanted`) and the run still fits with them, off otherwise. The
     copies buy speed with memory; they never make a run that fits without them not fit."""
-    r, p = cfg.rollout, cfg.precision
+    r = cfg.rollout
     if r.dense_weight_copies is not None:
         return cfg
 
     def choice(on: bool) -> RunCfg:
         return replace(cfg, rollout=replace(r, dense_weight_copies=on))
 
-    wanted = r.engine == EngineName.native and not cfg.true_on_policy and dense_copy.wanted(
-        None, cfg.hardware.device, p.rollout_quant.value, p.fp8_scheme.value, r.batch_size * r.n_samples_per_prompt)
     with_copies = choice(True)
-    return with_copies if wanted and _plan(_resolve_offload(with_copies), suggest=False).fits else choice(False)
+    fits = _engine_holds_copies(cfg, None) and _plan(_resolve_offload(with_copies), suggest=False).fits
+    return with_copies if fits else choice(False)
+
+
+def _engine_holds_copies(cfg: RunCfg, setting: bool | None) -> bool:
+    """Whether the rollout engine holds dense copies under `setting` (as NativeEngine decides: never
+    under true on-policy; miles/precision/dense_copy.py `wanted`)."""
+    r, p = cfg.rollout, cfg.precision
+    return r.engine == EngineName.native and not cfg.true_on_policy and dense_copy.wanted(
+        setting, cfg.hardware.device, p.rollout_quant.value, p.fp8_scheme.value, r.batch_size * r.n_samples_per_prompt)
 
 
 def _resolve_offload(cfg: RunCfg) -> RunCfg:

@@ -48,10 +48,14 @@ def applies(x: torch.Tensor, dense: torch.Tensor) -> bool:
     return dense.numel() > 0 and x.numel() // max(x.shape[-1], 1) >= MIN_ROWS
 
 
+def weight_only(rollout_quant: str, fp8_scheme: str) -> bool:
+    """Whether the rollout format has weight-only layers, the ones that can hold a copy (FP8 w8a16, INT4)."""
+    return rollout_quant == "int4" or (rollout_quant == "fp8" and fp8_scheme == "w8a16")
+
+
 def wanted(setting: bool | None, device: str, rollout_quant: str, fp8_scheme: str, rows: int) -> bool:
     """rollout.dense_weight_copies resolved: an explicit true / false, or auto (None)."""
-    weight_only = rollout_quant == "int4" or (rollout_quant == "fp8" and fp8_scheme == "w8a16")
-    if not weight_only:
+    if not weight_only(rollout_quant, fp8_scheme):
         return False
     if setting is not None:
         return setting
