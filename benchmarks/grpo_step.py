@@ -9,7 +9,8 @@ weights: responses run to the 256-token budget) and reads the per-step `perf/*` 
 run's journal. Step 1 includes first-use costs (kernel selection, compiles) and is reported apart;
 the table gives the median of the later steps. "train / sync turn s" is the colocation moves' time
 (`perf/train_turn_s`, within train s; `perf/sync_turn_s`, outside sync s: the offloads and resumes
-around it, the engine's graph capture included); "eval s" the evaluation of the last step, outside
+around it), the sync turn's parts after it: the trainer's offloads, the engine's weights back, its
+cache back with the decode graphs captured again; "eval s" the evaluation of the last step, outside
 both. `--modes sync async` runs each recipe also with
 `rollout.asynchronous=true` (batch k+1 generated while step k trains; its rollout time is hidden,
 so the step time is what to compare).
@@ -29,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_s",
         "rollout/tokens_per_s", "mismatch/logprob_abs_diff", "perf/peak_mem_rollout_gb", "perf/peak_mem_train_gb",
-        "perf/peak_mem_sync_gb", "perf/train_turn_s", "perf/sync_turn_s", "perf/eval_time_s"]
+        "perf/peak_mem_sync_gb", "perf/train_turn_s", "perf/sync_turn_s", "perf/sync_turn_trainer_s",
+        "perf/sync_turn_weights_s", "perf/sync_turn_cache_s", "perf/eval_time_s"]
 
 
 def median_of_present(steps: list[dict], key: str) -> float:
@@ -75,7 +77,7 @@ def main() -> None:
                 print(f"# {label}: {rows[-1][1]} (step 1: {rows[-1][2]:.1f} s, mismatch "
                       f"{metrics[1]['mismatch/logprob_abs_diff']:.3e})", flush=True)  # kept if a later run fails
     print("| recipe | step s | rollout s | train s | sync s | rollout tok/s | logprob mismatch | step 1 s "
-          "| peak GB rollout / train / sync | train / sync turn s | eval s |")
+          "| peak GB rollout / train / sync | train / sync turn s (trainer, weights, cache) | eval s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for recipe, m, first in rows:
         print(f"| {recipe} | {m['perf/step_time_s']:.2f} | {m['perf/rollout_time_s']:.2f} | {m['perf/train_time_s']:.2f} "
@@ -83,6 +85,8 @@ def main() -> None:
               f"| {m['mismatch/logprob_abs_diff']:.2e} | {first:.1f} "
               f"| {m['perf/peak_mem_rollout_gb']:.1f} / {m['perf/peak_mem_train_gb']:.1f} "
               f"/ {m['perf/peak_mem_sync_gb']:.1f} | {m['perf/train_turn_s']:.2f} / {m['perf/sync_turn_s']:.2f} "
+              f"({m['perf/sync_turn_trainer_s']:.2f}, {m['perf/sync_turn_weights_s']:.2f}, "
+              f"{m['perf/sync_turn_cache_s']:.2f}) "
               f"| {m['perf/eval_time_s']:.2f} |")
 
 

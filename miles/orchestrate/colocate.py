@@ -22,7 +22,8 @@ sums them. Each window opens when its phase begins: the train window after the e
 window opened before it starts at the engine's whole allocation: on an H100 the 4B step's train
 "peak" read 68.2 GB, the rollout's allocation), the rollout window after the sync. The moves take
 time too: `perf/train_turn_s` (the release and onload, within `perf/train_time_s`) and
-`perf/sync_turn_s` (the offloads and resumes around the sync, outside `perf/weight_sync_s`).
+`perf/sync_turn_s` (the offloads and resumes around the sync, outside `perf/weight_sync_s`; split
+into the trainer's offloads, the engine's weights and its cache with the graph capture).
 """
 
 from __future__ import annotations
@@ -84,23 +85,29 @@ class MemoryPhases:
 
     def sync(self) -> tuple[float, dict[str, float]]:
         """The weight sync of a step with its phases: (seconds of the sync, the train phase's and the
-        sync's peaks, and `perf/sync_turn_s`: the offloads and resumes around the sync, outside its
-        seconds, the engine's CUDA graphs captured again included)."""
+        sync's peaks, and the moves around the sync, outside its seconds: `perf/sync_turn_s` in all,
+        of it `perf/sync_turn_trainer_s` (the trainer's offloads), `perf/sync_turn_weights_s` (the
+        engine's weights back) and `perf/sync_turn_cache_s` (its slot cache back and its CUDA graphs
+        captured again))."""
         metrics = {"perf/peak_mem_train_gb": phase_memory(self.ctx)} if self.measure else {}
-        start = time.perf_counter()
+        moves = {"perf/sync_turn_trainer_s": 0.0, "perf/sync_turn_weights_s": 0.0, "perf/sync_turn_cache_s": 0.0}
+
+        def move(key: str, component, *args) -> None:
+            start = time.perf_counter()
+            component.call(*args)
+            moves[key] += time.perf_counter() - start
+
         if self.trainer:
-            self.ctx.trainer.call("offload", ("grads", "optimizer"))
+            move("perf/sync_turn_trainer_s", self.ctx.trainer, "offload", ("grads", "optimizer"))
         if self.engine:
-            self.ctx.engine.call("resume_memory", ("weights",))
-        turned = time.perf_counter() - start
+            move("perf/sync_turn_weights_s", self.ctx.engine, "resume_memory", ("weights",))
         seconds = sync_weights(self.ctx, self.check)
-        start = time.perf_counter()
         if self.trainer:
-            self.ctx.trainer.call("offload", ("params",))
+            move("perf/sync_turn_trainer_s", self.ctx.trainer, "offload", ("params",))
         if self.engine:
-            self.ctx.engine.call("resume_memory", ("kv_cache",))
+            move("perf/sync_turn_cache_s", self.ctx.engine, "resume_memory", ("kv_cache",))
         if self.engine or self.trainer:
-            metrics["perf/sync_turn_s"] = turned + time.perf_counter() - start
+            metrics.update(moves, **{"perf/sync_turn_s": sum(moves.values())})
         if self.measure:  # the sync's own peak (both sides hold weights); the rollout window opens after it
             metrics["perf/peak_mem_sync_gb"] = phase_memory(self.ctx)
         return seconds, metrics
