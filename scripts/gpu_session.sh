@@ -4,8 +4,9 @@
 #   STEPS=megatron bash scripts/gpu_session.sh 1                 # only the named steps of the part
 # Each part installs what the node lacks from wheelhouse/ first (docs/offline-install.md) and keeps
 # going after a failing step (each step's exit status is in its log's last line), so one failure
-# does not cost the rest of a call. Parts (most urgent: 22's grpo_4b_fast (the dense copies' speed), 7 (LoRA
-# at the 4B shape: the trainer side, then STEPS=lora_4b_decode), 10's windows test). Run each step's
+# does not cost the rest of a call. Parts (most urgent: 24 (rollout.memory_saver: its GPU test, then the
+# colocated 0.6B step with and without it), 7 (LoRA at the 4B shape: the trainer side, then
+# STEPS=lora_4b_decode), 10's windows test). Run each step's
 # command by hand only after `rm -rf /tmp/tmp*` (a cut 4B run's files filled the disk once). The parts:
 #   1  the GPU tests of what changed last: the fixes of 2026-12-06 (the chunked LM head's backward
 #      after the batch-invariant mode, the compiled ops' written-out backward, Megatron's RoPE in the
@@ -61,8 +62,11 @@
 #  23  Megatron's and the native trainer's memory at 64 x 384, held between steps and at the peak
 #      (issue 29: Megatron's peak was 0.8 GB above native's there; ran on an H100, 2026-12-07: held 10.1 vs
 #      9.0 GB, peak 23.1 vs 22.3)
+#  24  rollout.memory_saver (pausable weights and slot cache: the decode graphs kept through the trainer's
+#      turn): its GPU test with the colocation tests, then the colocated 0.6B step without and with it
+#      (the capture was 2.3 s of that step on an H100, 2026-12-07)
 set -u
-PART=${1:?usage: gpu_session.sh PART (1-23)}
+PART=${1:?usage: gpu_session.sh PART (1-24)}
 LOGS=$(realpath -m "${OUT:-gpu-logs}")
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts run from benchmarks/ import miles too
@@ -286,8 +290,15 @@ case $PART in
     step megatron_memory 150 python3 benchmarks/train_speed.py --model qwen3_0_6b --device cuda \
         --configs padded-chunked,megatron --cases fixed --repeats 2 --warmup 1
     ;;
+24)
+    step memory_saver_tests 200 python3 -m pytest -q -s -rf tests/gpu/test_memory_saver_cuda.py \
+        tests/gpu/test_colocate_memory.py tests/unit/rollout/test_memory_release.py
+    (cd benchmarks && step grpo_memory_saver 300 python3 grpo_step.py --steps 3 \
+        --recipes bf16,rollout.offload=true,trainer.offload=true \
+        bf16,rollout.offload=true,trainer.offload=true,rollout.memory_saver=true)
+    ;;
 *)
-    echo "unknown part $PART (1-23)" >&2
+    echo "unknown part $PART (1-24)" >&2
     exit 2
     ;;
 esac

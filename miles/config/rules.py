@@ -189,6 +189,7 @@ def config_problems(cfg: RunCfg) -> list[str]:
     problems += true_on_policy_problems(cfg)
     problems += compile_cpu_problems(cfg)
     problems += dense_copy_problems(cfg)
+    problems += memory_saver_problems(cfg)
     problems += lora_problems(cfg)
     problems += vlm_problems(cfg)
     if cfg.rollout.num_engines < 1:
@@ -434,6 +435,21 @@ def dense_copy_problems(cfg: RunCfg) -> list[str]:
                           "fp8 w8a16 and int4 hold copies)"),
         (cfg.true_on_policy, "true_on_policy=true (its batch-invariant kernels never read a copy)")]
     return [f"rollout.dense_weight_copies=true does not combine with {what}: {off}" for bad, what in refused if bad]
+
+
+def memory_saver_problems(cfg: RunCfg) -> list[str]:
+    """rollout.memory_saver pauses the native CUDA engine's plain weights and slot cache at their
+    addresses (miles/rollout/pausable.py); where it would pause nothing, it is refused by name."""
+    r = cfg.rollout
+    if not r.memory_saver:
+        return []
+    off = "set rollout.memory_saver=false"
+    refused = [
+        (cfg.hardware.device == "cpu", "hardware.device=cpu (it pauses CUDA memory)"),
+        (r.engine != EngineName.native, f"rollout={r.engine} (it is the native engine's)"),
+        (cfg.precision.rollout_quant.value != "none",
+         f"precision={cfg.precision.name} (a quantized rollout format is not held in the flat buffer it pauses)")]
+    return [f"rollout.memory_saver=true does not combine with {what}: {off}" for bad, what in refused if bad]
 
 
 def compile_cpu_problems(cfg: RunCfg) -> list[str]:

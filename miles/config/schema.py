@@ -341,6 +341,9 @@ class RolloutCfg:
     # batch_size x n_samples_per_prompt > 256 and the memory plan fits with them (miles/precision/dense_copy.py,
     # miles/hardware/planner.py `resolve_memory_choices`); the memory plan counts the copies.
     dense_weight_copies: Optional[bool] = None
+    # Colocated CUDA engine: plain weights and slot cache through torch_memory_saver, back at the same addresses
+    # after a release, so the decode graphs are not captured again (miles/rollout/pausable.py).
+    memory_saver: bool = False
     compile_cpu: bool = False  # CPU: the engine's whole decoder forward through torch.compile (Inductor's C++ kernels)
     max_turns: int = 1  # multi-turn: model turns per trajectory (tool calls answered in between)
     max_tool_response_tokens: int = 256  # multi-turn: a tool's observation is cut to this many tokens

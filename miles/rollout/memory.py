@@ -80,10 +80,14 @@ def _rebind(model: nn.Module, data: dict[str, torch.Tensor]) -> None:
 
 class EngineWeights:
     """The engine's weights on and off the device (`flat`: the engine's FlatWeights, or None when it
-    holds a quantized rollout format)."""
+    holds a quantized rollout format; `pausable`: the engine's pausable memory, whose "weights" region
+    holds the flat buffer (rollout.memory_saver): then the buffer keeps its address through a release,
+    and so do the views the decode graphs captured)."""
 
-    def __init__(self, model: nn.Module, flat: FlatWeights | None, device: torch.device):
-        self.model, self.flat, self.device = model, flat, device
+    def __init__(self, model: nn.Module, flat: FlatWeights | None, device: torch.device, pausable=None):
+        if pausable is not None and flat is None:
+            raise ValueError("pausable engine weights need the flat buffer (plain weights, not a quantized format)")
+        self.model, self.flat, self.device, self.pausable = model, flat, device, pausable
         self.released = False
         self.stale = False  # zeros since a dropping release: update_weights must fill them first
         self._host = None  # while released with keep: the host copy (flat buffer, or per-tensor dict)
@@ -101,7 +105,11 @@ class EngineWeights:
     def release(self, keep: bool = True) -> None:
         if self.released:
             return
-        if self.flat is not None:
+        if self.pausable is not None:  # the pause loses the contents: keep needs a copy of its own
+            buffer = self.flat.buffer
+            self._host = (host_copy(buffer) if buffer.is_cuda else buffer.clone()) if keep else None
+            self.pausable.pause(WEIGHTS)  # synchronizes first: the host copy is complete
+        elif self.flat is not None:
             buffer = self.flat.buffer
             self._specs = {"": (tuple(buffer.shape), buffer.stride(), buffer.dtype)}
             if keep:
@@ -123,7 +131,11 @@ class EngineWeights:
     def resume(self) -> None:
         if not self.released:
             return
-        if self.flat is not None:
+        if self.pausable is not None:
+            self.pausable.resume(WEIGHTS)
+            if self._host is not None:
+                self.flat.buffer.copy_(self._host, non_blocking=True)
+        elif self.flat is not None:
             if self._host is not None:
                 self.flat.buffer = device_copy(self._host, self.device)
             else:

@@ -80,6 +80,7 @@ from miles.precision import dense_copy
 from miles.precision.recipe import QuantLinear, Recipe
 from miles.rollout.adapter_files import check_adapter_ids
 from miles.rollout.lora import engine_adapters, load_synced
+from miles.rollout import pausable
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
@@ -150,7 +151,12 @@ class NativeEngine:
                     if isinstance(module, QuantLinear):
                         module.hold_dense_copy(self.dtype)
         # Plain weights live in one flat buffer: an in-process sync is one copy plus a device checksum.
-        self.flat = FlatWeights.adopt(self.model) if payload is None else None
+        # rollout.memory_saver: the buffer (and below the slot cache) in pausable memory, so a colocated
+        # release keeps the addresses the decode graphs captured (a quantized format is not in it).
+        self.pausable = pausable.load(cfg.memory_saver, self.device)
+        with self.pausable.region(WEIGHTS) if self.pausable is not None and payload is None else \
+                contextlib.nullcontext():
+            self.flat = FlatWeights.adopt(self.model) if payload is None else None
         # One GEMM per q / k / v and gate / up group, over views of the flat buffer or of joined payloads.
         self.fuses_projections = cfg.fuse_projections and self.device.type == "cuda" and not self.true_on_policy
         if self.fuses_projections:
@@ -190,7 +196,8 @@ class NativeEngine:
         with self._numerics():  # the decode graphs are captured here: with true on-policy's kernels
             self.slots = self._slot_decoder(max_slots) if self._use_slots() else None
         # Colocation (release_memory / resume_memory): what is off the device now.
-        self.weights_memory = EngineWeights(self.model, self.flat, self.device)
+        self.weights_memory = EngineWeights(self.model, self.flat, self.device,
+                                            self.pausable if self.flat is not None else None)
         self.released: set[str] = set()
 
     def _speculative(self, draft_dir: str | None, max_slots: int | None):
@@ -266,7 +273,8 @@ class NativeEngine:
         columns = -(-(cfg.max_prompt_len + cfg.max_new_tokens) // 64) * 64  # aligned rows for the kernels
         routing = None if self.routing_layers is None else (self.routing_layers, self.routing_dtype)
         return SlotDecoder(self.model, slots, columns, self.dtype, self.device, self.pad_id, self._slot_graphs(),
-                           cfg.sync_every, routing=routing, route=self.lora.route if self._routes_adapters else None)
+                           cfg.sync_every, routing=routing, route=self.lora.route if self._routes_adapters else None,
+                           pausable=self.pausable)
 
     def _slot_graphs(self) -> bool:
         """Whether the slot decoder captures its steps in CUDA graphs (on CUDA; `rollout.cuda_graphs`).
@@ -562,17 +570,21 @@ class NativeEngine:
         "weights": the weights leave the device, to a host copy (pinned on CUDA) or, with
         `keep_weights=False`, nowhere (zeros after resume until the next update_weights). Then the
         allocator's cached blocks go back to the driver. A tag already released is skipped. With LoRA
-        the weights are always kept: a sync brings the adapters only, never the frozen base."""
+        the weights are always kept: a sync brings the adapters only, never the frozen base.
+        rollout.memory_saver: the plain weights and the slot cache are paused instead, their addresses
+        kept, and the per-slot state and the graphs stay on the device (miles/rollout/pausable.py)."""
         tags = check_tags(tags, ENGINE_TAGS, "release_memory")
         if KV_CACHE in tags and KV_CACHE not in self.released:
-            if self.slots is not None:
+            if self.slots is not None and self.slots.pausable is not None:
+                self.slots.pause()
+            elif self.slots is not None:
                 self.slots.release()
             if isinstance(self.spec, SlotSpeculativeDecoder):  # rebuilt (and recaptured) by the next call
                 self.spec.release()
             self.released.add(KV_CACHE)
         if WEIGHTS in tags and WEIGHTS not in self.released:
-            if self.slots is not None:
-                self.slots.drop_graphs()  # captured at the weights' addresses
+            if self.slots is not None and self.weights_memory.pausable is None:
+                self.slots.drop_graphs()  # captured at the weights' addresses, which a pause keeps
             if isinstance(self.spec, SlotSpeculativeDecoder):
                 self.spec.release()
             self.weights_memory.release(keep=keep_weights or self.lora is not None)
@@ -580,9 +592,10 @@ class NativeEngine:
         free_device_memory(self.device)
 
     def resume_memory(self, tags=ENGINE_TAGS) -> None:
-        """Bring back what `release_memory` freed: the weights (from the host copy, or zeros), the
-        slot cache; the decode graphs are captured again once both are on the device. A tag not
-        released is skipped."""
+        """Bring back what `release_memory` freed: the weights (from the host copy, or zeros; paused
+        ones at their addresses, their contents from the host copy or the next sync), the slot cache;
+        the decode graphs are captured again once both are on the device, unless a pause kept them.
+        A tag not released is skipped."""
         tags = check_tags(tags, ENGINE_TAGS, "resume_memory")
         if WEIGHTS in tags and WEIGHTS in self.released:
             self.weights_memory.resume()
@@ -590,7 +603,9 @@ class NativeEngine:
                 fused_projections.join_quantized(self.model)
             self.released.discard(WEIGHTS)
         if KV_CACHE in tags and KV_CACHE in self.released:
-            if self.slots is not None:
+            if self.slots is not None and self.slots.paused:
+                self.slots.unpause()
+            elif self.slots is not None:
                 self.slots.allocate(capture=False)
             self.released.discard(KV_CACHE)
         if self.slots is not None and not self.released:

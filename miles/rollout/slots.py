@@ -37,6 +37,7 @@ outputs of the graph, as its logits are; every replay rewrites them and the step
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -44,6 +45,8 @@ from typing import Callable
 import torch
 
 from miles.models.cache import SlotCache
+from miles.rollout.memory import KV_CACHE
+from miles.rollout.pausable import PausableMemory
 from miles.rollout.sampling import sample_next
 from miles.types import stack_routing
 
@@ -168,11 +171,14 @@ class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  pad_id: int, cuda_graphs: bool, sync_every: int = 8, buckets: list[int] | None = None,
                  routing: tuple[list[int], torch.dtype] | None = None,
-                 route: Callable[[torch.Tensor], None] | None = None):
+                 route: Callable[[torch.Tensor], None] | None = None, pausable: PausableMemory | None = None):
         """routing: (MoE layers, id dtype) to record each sample's routed experts (captured steps too).
-        route: several LoRA adapters, the engine's `LoRA.route` (generate's `adapters` then required)."""
+        route: several LoRA adapters, the engine's `LoRA.route` (generate's `adapters` then required).
+        pausable: the engine's pausable memory (rollout.memory_saver): the cache's buffers live in its
+        "kv_cache" region, and `pause` / `unpause` replace `release` / `allocate`."""
         self.model, self.slots, self.max_len, self.device = model, slots, max_len, device
-        self.routing, self.route = routing, route
+        self.routing, self.route, self.pausable = routing, route, pausable
+        self.paused = False
         self.pad_id, self.sync_every = pad_id, sync_every
         self.dtype, self.buckets = dtype, buckets or default_buckets(slots)
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
@@ -196,7 +202,9 @@ class SlotDecoder:
         """The slot cache, the per-slot state and (capture, when graphs are on) the decode graphs.
         `capture=False`: eager steps until `capture()` (the weights are not on the device yet)."""
         slots, device = self.slots, self.device
-        layers = [layer.attn.new_cache(slots, self.max_len, self.dtype, device) for layer in self.model.layers]
+        region = self.pausable.region(KV_CACHE) if self.pausable is not None else contextlib.nullcontext()
+        with region:  # only the layers' buffers: the per-slot state below stays through a pause
+            layers = [layer.attn.new_cache(slots, self.max_len, self.dtype, device) for layer in self.model.layers]
         self.cache = SlotCache(layers, self.max_len, slots)
         self.tokens = torch.full((slots,), self.pad_id, dtype=torch.long, device=device)  # next input per slot
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)
@@ -217,6 +225,22 @@ class SlotDecoder:
         self.cache = self.tokens = self.live = self.stopped = self.steps = self.adapters = self.graphs = None
         self.out_tok = self.out_lp = self.out_routing = None
 
+    def pause(self) -> None:
+        """Give the cache's memory back and keep its addresses (rollout.memory_saver): the per-slot
+        state and the captured graphs stay, so `unpause` needs no capture."""
+        self.pausable.pause(KV_CACHE)
+        self.paused = True
+
+    def unpause(self) -> None:
+        """The cache's memory back at its addresses, zeroed (a pause keeps no contents, and masked
+        columns must not hold NaN bit patterns), every slot empty."""
+        self.pausable.resume(KV_CACHE)
+        for layer in self.cache.layers:
+            for t in layer.tensors():
+                t.zero_()
+        self.cache.length.zero_()
+        self.paused = False
+
     def drop_graphs(self) -> None:
         """Forget the captured graphs (they hold the addresses of the weights and of the cache):
         eager steps until `capture()`."""
@@ -234,8 +258,8 @@ class SlotDecoder:
         return self.cache is not None
 
     def nbytes(self) -> int:
-        """Device bytes of the slot cache (every layer's buffers)."""
-        if self.cache is None:
+        """Device bytes of the slot cache (every layer's buffers; 0 while released or paused)."""
+        if self.cache is None or self.paused:
             return 0
         return self.cache.nbytes()
 
@@ -250,7 +274,7 @@ class SlotDecoder:
         """(response ids, log-probs, ended on a stop token, routed experts or None) per sample, row
         i*n+j answering prompts[i]. `generators`: one per prompt, its group's noise (else `generator`).
         `adapters`: one LoRA adapter id per prompt (with `route`)."""
-        if self.cache is None:
+        if self.cache is None or self.paused:
             raise RuntimeError("the slot cache is released: allocate() it first (NativeEngine.resume_memory)")
         if (adapters is None) != (self.route is None):
             raise ValueError("adapters: one LoRA adapter id per prompt exactly when the decoder routes by them")

@@ -3,15 +3,19 @@ back, and the samples after release + resume (+ a sync where the weights were dr
 without the release; calls in any order are safe, and a call that needs what is released says which
 call brings it back. Device memory figures: tests/gpu/test_colocate_memory.py."""
 
+import contextlib
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+from miles.config.rules import config_problems
 from miles.config.schema import DType, ModelCfg, PrecisionCfg, Quant, RolloutCfg
 from miles.data.tokenizer import DEFAULT_ALPHABET
 from miles.models import from_pretrained
 from miles.orchestrate.checkpoints import random_checkpoint
+from miles.rollout import pausable
 from miles.rollout.native import NativeEngine
 from miles.transport.flat import FlatWeights
 
@@ -151,3 +155,93 @@ def test_bf16_engine_round_trip(ckpt):
     eng.release_memory()
     eng.resume_memory()
     assert samples(eng) == before
+
+
+class StandInSaver:
+    """torch_memory_saver's interface on the CPU (the library needs CUDA): regions record their tags;
+    a pause is recorded, and the test wipes the contents a real pause would lose."""
+
+    def __init__(self):
+        self.calls = []
+
+    @contextlib.contextmanager
+    def region(self, tag):
+        self.calls.append(("region", tag))
+        yield
+
+    def pause(self, tag):
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag):
+        self.calls.append(("resume", tag))
+
+
+@pytest.fixture
+def paused_engine(ckpt, monkeypatch):
+    saver = StandInSaver()
+    monkeypatch.setattr(pausable, "load", lambda enabled, device: pausable.PausableMemory(saver, device)
+                        if enabled else None)
+    return engine(ckpt, cfg={"memory_saver": True}), saver
+
+
+def test_memory_saver_pauses_weights_and_cache_at_their_addresses(paused_engine, monkeypatch):
+    """rollout.memory_saver: the flat buffer and the slot cache are allocated in their regions and
+    paused, not freed: the same tensors (addresses) come back, the graphs are never dropped, and what
+    a pause loses (the contents) is refilled by the sync (weights) or zeroed (cache)."""
+    eng, saver = paused_engine
+    assert saver.calls == [("region", "weights"), ("region", "kv_cache")]
+    before = samples(eng)
+    flat_sync = FlatWeights(eng.flat.layout, eng.flat.buffer.clone())
+    buffer, cache, tokens = eng.flat.buffer, eng.slots.cache, eng.slots.tokens
+    monkeypatch.setattr(eng.slots, "drop_graphs", lambda: pytest.fail("a pause keeps the graphs"))
+    eng.release_memory(keep_weights=False)
+    assert saver.calls[2:] == [("pause", "kv_cache"), ("pause", "weights")]
+    assert eng.held_bytes() == {"weights": 0, "kv_cache": 0}
+    buffer.fill_(float("nan"))  # what the GPU loses at a pause
+    for layer in cache.layers:
+        for t in layer.tensors():
+            t.fill_(float("nan"))
+    eng.resume_memory()
+    assert saver.calls[4:] == [("resume", "weights"), ("resume", "kv_cache")]
+    assert eng.flat.buffer is buffer and eng.slots.cache is cache and eng.slots.tokens is tokens
+    assert all(float(t.abs().sum()) == 0.0 for layer in cache.layers for t in layer.tensors())
+    with pytest.raises(RuntimeError, match=r"without a host copy .*update_weights"):
+        eng.generate(PROMPTS, ["?"] * 3)
+    eng.update_weights(flat_sync, flat_sync.checksum())
+    assert samples(eng) == before
+
+
+def test_memory_saver_with_kept_weights_copies_them_back(paused_engine):
+    """keep_weights=True (LoRA engines, or a caller that wants no sync): a host copy before the pause,
+    copied back into the same buffer at resume."""
+    eng, _ = paused_engine
+    before, buffer = samples(eng), eng.flat.buffer
+    eng.release_memory()
+    buffer.fill_(float("nan"))
+    eng.resume_memory()
+    assert eng.flat.buffer is buffer and samples(eng) == before
+
+
+def test_memory_saver_refuses_where_it_cannot_work(monkeypatch):
+    with pytest.raises(ValueError, match=r"rollout.memory_saver=true pauses CUDA memory.*memory_saver=false"):
+        pausable.load(True, torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"needs torch_memory_saver .*pip install torch_memory_saver"):
+        pausable.load(True, torch.device("cuda"))
+    assert pausable.load(False, torch.device("cuda")) is None
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ([], "hardware.device=cpu"),
+    (["hardware=gpu", "rollout=vllm"], "rollout=vllm"),
+    (["hardware=gpu", "precision=fp8"], "precision=fp8"),
+])
+def test_memory_saver_is_refused_by_name_where_it_pauses_nothing(compose, overrides, refused):
+    problems = [p for p in config_problems(compose(["rollout.memory_saver=true", *overrides]))
+                if p.startswith("rollout.memory_saver=true")]
+    assert len(problems) == 1 and refused in problems[0], problems
+
+
+def test_memory_saver_takes_a_bf16_gpu_run(compose):
+    assert not [p for p in config_problems(compose(["rollout.memory_saver=true", "hardware=gpu", "precision=bf16"]))
+                if "memory_saver" in p]
