@@ -78,9 +78,9 @@ from miles.models.vlm import mrope_positions
 from miles.transport.checksum import TORCH_DTYPES, WeightSyncError, checksum
 from miles.precision import dense_copy
 from miles.precision.recipe import QuantLinear, Recipe
+from miles.rollout import pausable
 from miles.rollout.adapter_files import check_adapter_ids
 from miles.rollout.lora import engine_adapters, load_synced
-from miles.rollout import pausable
 from miles.rollout.memory import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineWeights, check_tags
 from miles.rollout.sampling import sample_next
 from miles.rollout.slots import Sampling, SlotDecoder
