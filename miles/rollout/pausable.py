@@ -9,8 +9,8 @@ pluggable allocator over CUDA virtual memory: no LD_PRELOAD): a pause unmaps the
 keeps the virtual range, a resume maps new memory at the same addresses, so the graphs stay valid.
 
 The contents do not survive a pause: the weights are refilled by the next sync (the engine refuses
-to generate until then, as after any dropping release) and the cache is rewritten by each prompt's
-prefill. What must survive (the per-slot state the graphs read, the graphs' own memory pool) is
+to generate until then, as after any dropping release) and the cache is zeroed at resume (every
+slot empty, and no NaN bit patterns in the columns attention masks). What must survive (the per-slot state the graphs read, the graphs' own memory pool) is
 allocated outside the regions and stays on the device.
 """
 
