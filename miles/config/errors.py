@@ -138,13 +138,15 @@ def user_error_message(ex: BaseException) -> str | None:
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-    from miles.data.prompts import DataError
+    # A DataError exists only once miles.data.prompts is imported; importing it here would load miles.data
+    # and torch with it (~2 s) in a launch.py that only refuses its command line.
+    prompts = sys.modules.get("miles.data.prompts")
 
     if isinstance(ex, ConfigError):
         return "invalid config:\n" + str(ex)
     if isinstance(ex, UserError):
         return str(ex)
-    if isinstance(ex, DataError):
+    if prompts is not None and isinstance(ex, prompts.DataError):
         return str(ex)
     if (message := _output_dir_error(ex)) is not None:
         return message
