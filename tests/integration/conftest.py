@@ -1,6 +1,10 @@
 """Fixtures of the integration tier."""
 
+import os
+import signal
+
 import pytest
+from launch_cli import MLFLOW_SERVER_ENV
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +36,7 @@ def mlflow_server(tmp_path_factory):
         [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
          "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],  # the default 4 took ~17 s of CPU to start here, 1 ~7 s (the tests send one request at a time)
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=MLFLOW_SERVER_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -46,5 +50,5 @@ def mlflow_server(tmp_path_factory):
                 pytest.fail("the MLflow server did not start")
             time.sleep(0.5)
     yield uri
-    proc.terminate()
+    os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
     proc.wait(timeout=30)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_cli import ROOT, run_launch
+from launch_cli import MLFLOW_SERVER_ENV, ROOT, run_launch
 from runs import TINY, LiveRun, journal_metrics
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [str(mlflow_bin), "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
              "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env=MLFLOW_SERVER_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         deadline = time.time() + 120
         while True:
