@@ -98,6 +98,7 @@ _USES_RAY = re.compile(
 RAY_FREE_FILES = {
     "tests/integration/test_algo_presets.py",
     "tests/integration/test_cli_errors.py",
+    "tests/integration/test_debug_modes.py",
     "tests/integration/test_dry_runs.py",
     "tests/integration/test_inprocess_runs.py",
     "tests/integration/test_lora_llama4_experts_run.py",
@@ -115,8 +116,10 @@ RAY_FREE_FILES = {
     "tests/unit/config/test_backend_rules.py",
     "tests/unit/config/test_configs.py",
     "tests/unit/config/test_experiments.py",
+    "tests/unit/config/test_hybrid_rules.py",
     "tests/unit/config/test_lora_merge_config.py",
     "tests/unit/config/test_qlora_config.py",
+    "tests/unit/hardware/test_fsdp_lora_plan.py",
     "tests/unit/hardware/test_planner.py",
     "tests/unit/orchestrate/test_backend_registry.py",
     "tests/unit/orchestrate/test_fault_classify.py",

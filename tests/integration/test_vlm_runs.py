@@ -108,6 +108,7 @@ def test_two_steps_with_videos(tmp_path):
     assert metrics[1]["train/ppo_kl"] == 0.0
 
 
+@pytest.mark.no_ray
 @pytest.mark.parametrize("model, precision", [pytest.param("qwen2_5_vl_tiny", "fp32", marks=pytest.mark.extended),
                                               ("qwen3_vl_moe_tiny", "bf16")])
 def test_true_on_policy_with_images_is_exact(tmp_path, model, precision):
@@ -123,6 +124,7 @@ def test_true_on_policy_with_images_is_exact(tmp_path, model, precision):
     assert all(metrics[s]["train/grad_norm"] > 0 for s in (1, 2))
 
 
+@pytest.mark.no_ray
 def test_ppo_with_images_fits_the_critic(tmp_path):
     """algo=ppo (GAE) through launch.py: the critic's value model forwards the images too
     (tests/unit/rollout/test_vlm_rollout.py checks that its values depend on them): it gets a gradient
@@ -136,6 +138,7 @@ def test_ppo_with_images_fits_the_critic(tmp_path):
     assert metrics[1]["critic/value_mean"] == 0.0 and metrics[2]["critic/value_mean"] != 0.0
 
 
+@pytest.mark.no_ray
 def test_distillation_from_a_vision_language_teacher_reads_the_images(tmp_path):
     """algo=opd with a VLM teacher: the teacher's forward takes each sample's images as the student's
     does, so a teacher with the student's own weights gives a reverse KL of exactly 0.0 (a forward
