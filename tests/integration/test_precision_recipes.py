@@ -13,9 +13,10 @@ from miles.orchestrate.run import run
 from runs import journal_metrics
 
 pytestmark = pytest.mark.slow
-# Every recipe file, and fp8 with its weight-only scheme (a recipe name, then overrides after commas).
+# Every recipe file (fp8: its default scheme, weight-only w8a16), and fp8 with FP8 activations (w8a8) and
+# with FP8 backward GEMMs (a recipe name, then overrides after commas).
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "precision").glob("*.yaml")) \
-    + ["fp8,precision.fp8_scheme=w8a16", "fp8,precision.fp8_backward=fp8"]
+    + ["fp8,precision.fp8_scheme=w8a8", "fp8,precision.fp8_backward=fp8"]
 
 
 def overrides(recipe: str) -> list[str]:

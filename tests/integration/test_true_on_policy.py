@@ -42,10 +42,11 @@ def test_logprobs_equal_bitwise_on_every_step(tmp_path, monkeypatch, compose, mo
 
 @pytest.mark.parametrize(("model", "precision"), [("qwen3_tiny", "fp8"), ("qwen3_moe_tiny", "fp8"),
                                                   ("deepseek_v3_tiny", "fp8"), ("qwen3_tiny", "int4_qat"),
-                                                  ("qwen3_tiny", "fp8,precision.fp8_scheme=w8a16")])
+                                                  ("qwen3_tiny", "fp8,precision.fp8_scheme=w8a8")])
 def test_quantized_recipes_are_exact_too(tmp_path, monkeypatch, compose, model, precision):
-    """FP8 (both schemes) and INT4 QAT: the engine's quantized Linear layers and the trainer's
-    quantized forward run the same invariant GEMM on the same values, so they reach 0.0 as well."""
+    """FP8 (both schemes: precision=fp8 is w8a16, its default) and INT4 QAT: the engine's quantized
+    Linear layers and the trainer's quantized forward run the same invariant GEMM on the same values,
+    so they reach 0.0 as well."""
     monkeypatch.chdir(tmp_path)
     name, *extra = precision.split(",")
     diffs = mismatch_per_step(compose, tmp_path, [f"model={model}", f"precision={name}", *extra,
