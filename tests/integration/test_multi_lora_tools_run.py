@@ -8,56 +8,21 @@ trainer's (fp32). Unit-level: tests/unit/rollout/test_multi_turn_adapters.py."""
 
 import json
 import random
-import shutil
 
 import pytest
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, SandboxCfg, TrainerCfg
-from miles.data.example import Example
-from miles.data.prompt_format import PromptFormat
-from miles.data.tokenizer import TokenizerInfo
-from miles.orchestrate.checkpoints import random_checkpoint
-from miles.orchestrate.loop import sft_batch
-from miles.rollout.tools import build_toolbox
-from miles.trainer.torch_trainer import TorchTrainer
 from ray_runs import WITH_AND_WITHOUT_RAY, run_with
 from runs import journal_metrics
+from tool_caller import tool_caller as shared_tool_caller
 
 pytestmark = pytest.mark.slow
-
-CHAT = ModelCfg(name="t", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, max_position_embeddings=256)
-
-
-def _conversation(a: int, b: int) -> Example:
-    e = f"{a}*{b}"
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
-    return Example(e, str(a * b), messages=({"role": "user", "content": e},
-                                            {"role": "assistant", "content": "", "tool_calls": [call]},
-                                            {"role": "tool", "content": str(a * b)},
-                                            {"role": "assistant", "content": str(a * b)}))
 
 
 @pytest.fixture(scope="module")
 def tool_caller(tmp_path_factory):
-    """A chat checkpoint that calls the calculator and copies its answer (120 SFT steps, fp32)."""
-    base = tmp_path_factory.mktemp("chat")
-    chat_dir = str(random_checkpoint(CHAT, "0123456789+*", 0, base / "random", chat=True))
-    tok = TokenizerInfo.load(chat_dir)
-    fmt = PromptFormat(tok, True, None, build_toolbox(["calculator"], SandboxCfg()).schemas())
-    rng = random.Random(0)
-    examples = [_conversation(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(64)]
-    trainer = TorchTrainer(chat_dir, AlgoCfg(name=AlgoName.sft, policy_loss="nll"),
-                           TrainerCfg(lr=3e-3, global_batch_size=32, micro_batch_size=32),
-                           PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32), threads=2,
-                           seed=0)
-    for step in range(120):
-        trainer.train_sft(sft_batch(examples[(step % 2) * 32:][:32], tok, fmt))
-    out = base / "sft"
-    trainer.save(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{chat_dir}/{name}", out)
-    return out
+    """A chat checkpoint that calls the calculator and copies its answer (120 SFT steps, fp32; trained
+    once per session for every test that runs it: tests/tool_caller.py)."""
+    return shared_tool_caller(tmp_path_factory)
 
 
 @WITH_AND_WITHOUT_RAY

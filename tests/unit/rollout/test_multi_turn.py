@@ -6,18 +6,14 @@ SFT-trained on tool conversations calls the calculator through the real engine, 
 trainer's recomputed log-probs of every generated token equal the engine's, with observation
 tokens out of the loss."""
 
-import random
-import shutil
-
 import pytest
 import torch
 
-from miles.config.schema import AlgoCfg, AlgoName, DType, ModelCfg, PrecisionCfg, RolloutCfg, SandboxCfg, TrainerCfg
+from miles.config.schema import AlgoCfg, AlgoName, DType, PrecisionCfg, RolloutCfg, SandboxCfg, TrainerCfg
 from miles.data.example import Example
 from miles.data.chat_template import ChatTemplate, TemplateError
 from miles.data.prompt_format import PromptFormat
 from miles.data.tokenizer import TokenizerInfo, encode_prompt
-from miles.orchestrate.checkpoints import random_checkpoint
 from miles.orchestrate.handles import LocalHandle
 from miles.orchestrate.loop import sft_batch
 from miles.rollout.multi_turn import MultiTurn, ToolTurns
@@ -25,15 +21,14 @@ from miles.rollout.native import NativeEngine
 from miles.rollout.tools import build_toolbox
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import FinishReason, Sample, build_train_batch
+from tool_caller import conversation, conversations, random_chat_checkpoint, tool_caller
 
-TINY = ModelCfg(name="t", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, max_position_embeddings=256)
 CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
-    return str(random_checkpoint(TINY, "0123456789+*", 0, tmp_path_factory.mktemp("chat"), chat=True))
+    return random_chat_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
 def multi_turn(tok, max_turns=3, max_tool_tokens=32):
@@ -126,35 +121,24 @@ def test_a_template_that_rewrites_history_is_refused(chat_dir):
         ToolTurns(tok, rewriting, 8).tokens(["1"], tok.eos_id)
 
 
-def _conversation(a, b):
-    e = f"{a}*{b}"
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
-    return Example(e, str(a * b), messages=({"role": "user", "content": e},
-                                            {"role": "assistant", "content": "", "tool_calls": [call]},
-                                            {"role": "tool", "content": str(a * b)},
-                                            {"role": "assistant", "content": str(a * b)}))
+_conversation = conversation  # test_multi_turn_adapters.py imports it from here
 
 
 @pytest.mark.slow
-def test_a_trained_model_calls_the_tool_and_the_trainer_agrees_on_every_logprob(chat_dir, tmp_path):
+def test_a_trained_model_calls_the_tool_and_the_trainer_agrees_on_every_logprob(chat_dir, tmp_path_factory):
     tok = TokenizerInfo.load(chat_dir)
     mt = multi_turn(tok)
-    rng = random.Random(0)
-    examples = [_conversation(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(64)]
-    fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
-    trainer = TorchTrainer(chat_dir, AlgoCfg(name=AlgoName.sft, policy_loss="nll"),
-                           TrainerCfg(lr=3e-3, global_batch_size=32, micro_batch_size=32), fp32, threads=2, seed=0)
-    # SFT on conversations: the loss covers the assistant turns only.
+    examples = conversations()
+    # SFT on conversations (tests/tool_caller.py trains on these): the loss covers the assistant turns only.
     batch = sft_batch(examples[:32], tok, mt.fmt)
     user, assistant = tok.tokenizer.token_to_id("<|user|>"), tok.tokenizer.token_to_id("<|tool|>")
     targets = batch.tokens[:, 1:][batch.loss_mask > 0]
     assert user not in targets and assistant not in targets
-    for step in range(120):
-        trainer.train_sft(sft_batch(examples[(step % 2) * 32:][:32], tok, mt.fmt))
-    trainer.save(str(tmp_path / "sft"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{chat_dir}/{name}", tmp_path / "sft")
-    engine = NativeEngine(str(tmp_path / "sft"), RolloutCfg(max_new_tokens=120, max_prompt_len=32), seed=0)
+    sft = tool_caller(tmp_path_factory)  # 120 SFT steps from chat_dir's weights, shared by the session
+    fp32 = PrecisionCfg(name="fp32", train_dtype=DType.fp32, rollout_dtype=DType.fp32)
+    trainer = TorchTrainer(sft, AlgoCfg(name=AlgoName.sft, policy_loss="nll"),
+                           TrainerCfg(lr=3e-3, global_batch_size=32, micro_batch_size=32), fp32, threads=2, seed=0)
+    engine = NativeEngine(sft, RolloutCfg(max_new_tokens=120, max_prompt_len=32), seed=0)
     prompts = [Example(e.prompt, e.label) for e in examples[:8]]  # the user turn only
     greedy, metrics = mt.generate(LocalHandle(engine), prompts, 1, 0.0, 120)
     assert metrics["rollout/tool_call_rate"] == 1.0

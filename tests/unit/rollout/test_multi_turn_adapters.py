@@ -9,19 +9,17 @@ prompt's trajectories is generated with the prompt's adapter, and its samples ca
   engine's (fp32); the same samples routed to the other adapter do not.
 """
 
-import random
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
-from test_multi_turn import CALL, ScriptedEngine, _conversation, multi_turn
+from test_multi_turn import CALL, ScriptedEngine, multi_turn
+from tool_caller import conversations, tool_caller
 
 from miles.config.schema import AlgoCfg, AlgoName, DType, LoRACfg, PrecisionCfg, RolloutCfg, TrainerCfg
 from miles.data.example import Example
 from miles.data.tokenizer import TokenizerInfo
 from miles.orchestrate.handles import LocalHandle
-from miles.orchestrate.loop import sft_batch
 from miles.rollout.native import NativeEngine
 from miles.trainer.torch_trainer import TorchTrainer
 from miles.types import build_train_batch
@@ -70,19 +68,11 @@ def user_turn(tok, ids):
 
 
 @pytest.mark.slow
-def test_two_adapters_multi_turn_logprobs_are_the_trainers(chat_dir, tmp_path):  # noqa: F811
-    tok = TokenizerInfo.load(chat_dir)
+def test_two_adapters_multi_turn_logprobs_are_the_trainers(tmp_path_factory):
+    ckpt = tool_caller(tmp_path_factory)  # as test_multi_turn.py: the model learned to call the calculator
+    tok = TokenizerInfo.load(ckpt)
     mt = multi_turn(tok)
-    rng = random.Random(0)
-    examples = [_conversation(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(64)]
-    sft = TorchTrainer(chat_dir, AlgoCfg(name=AlgoName.sft, policy_loss="nll"),
-                       TrainerCfg(lr=3e-3, global_batch_size=32, micro_batch_size=32), FP32, threads=2, seed=0)
-    for step in range(120):  # as test_multi_turn.py: the model learns to call the calculator
-        sft.train_sft(sft_batch(examples[(step % 2) * 32:][:32], tok, mt.fmt))
-    sft.save(str(tmp_path / "sft"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{chat_dir}/{name}", tmp_path / "sft")
-    ckpt = str(tmp_path / "sft")
+    examples = conversations()
     trainer = TorchTrainer(ckpt, AlgoCfg(name=AlgoName.grpo), TrainerCfg(lr=1e-2, global_batch_size=16,
                                                                           micro_batch_size=4, lora=TWO), FP32, seed=0)
     gen = torch.Generator().manual_seed(1)
