@@ -68,9 +68,7 @@ test-learning: $(STAMP)
 # suite in a Ray actor, the MTP draft's, the resumed draft model's and the one-engine VLM run's Ray
 # cases, the asynchronous run on Ray through shared memory, QLoRA's FP8 bases on 2 FSDP ranks through a
 # run, the two-adapter launch.py run on a fleet of two vLLM engines and that fleet's failover (its
-# engine-level checks run in make test), the Ray runs of the precision recipes whose sync payload
-# another recipe's Ray run sends (FP8: bf16_train_fp8_rollout, fp8 w8a8, fp8 with FP8 backward; INT4:
-# bf16_train_int4_rollout; all of them run in-process in make test). Run them when changing Ray actors, speculative rollout, FSDP QLoRA or vLLM LoRA.
+# engine-level checks run in make test). Run them when changing Ray actors, speculative rollout, FSDP QLoRA or vLLM LoRA.
 test-extended: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -m extended $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and extended" tests/vllm $(PYTEST_ARGS)

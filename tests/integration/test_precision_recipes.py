@@ -1,6 +1,5 @@
 """Every precision recipe runs 2 RL steps end to end, in-process and with Ray on (the default: trainer
-and engine in actors of their own, the sync payload through Ray's object store; in make test one recipe
-per payload, the others with Ray in make test-extended), with the checked
+and engine in actors of their own, the sync payload through Ray's object store), with the checked
 weight sync (the engine's held FP8 / INT4 tensors equal what the trainer's quantizer produced), and
 the first-step invariant of the trainer's own quantized forward (ppo_kl == 0)."""
 
@@ -89,18 +88,7 @@ EXPECTED_DTYPES = {"fp32": {torch.float32}, "bf16": {torch.bfloat16},
                    "int4": {torch.uint8, torch.float32, torch.bfloat16}}  # packed weights, fp32 scales
 
 
-# With Ray on in make test: one recipe per payload the object store carries (fp32, bf16, FP8 codes with
-# fp32 scales, packed INT4 with fp32 scales). The other recipes send one of those payloads: their Ray
-# runs are in the extended tier (make test-extended); what differs in them (the trainer's forward and
-# backward, the rollout scheme) runs in-process above. fp8 (w8a16) keeps the FP8 payload's Ray run
-# (bf16_train_fp8_rollout, fp8 w8a8 and fp8 with FP8 backward GEMMs send the same), int4_qat the INT4
-# one (bf16_train_int4_rollout sends the same).
-RAY_EXTENDED = {"bf16_train_fp8_rollout", "bf16_train_int4_rollout", "fp8,precision.fp8_scheme=w8a8",
-                "fp8,precision.fp8_backward=fp8"}
-
-
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.extended) if r in RAY_EXTENDED else r
-                                    for r in RECIPES])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps_with_ray(tmp_path, monkeypatch, compose, module_ray, recipe):
     """The FP8 payload used to fail to load in the engine actor (torch cannot unpickle float8:
     miles/transport/ray_tensors.py). Both checks on: the checksum, and tensor by tensor. Actors of
